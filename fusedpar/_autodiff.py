@@ -1,0 +1,77 @@
+"""Gradients of the primitives: one custom_vjp whose backward runs the dual primitive.
+
+The gradient of an all-gather-matmul with respect to its non-gathered operand is a
+matmul-reduce-scatter and vice versa, so the backward pass overlaps its collectives the
+same way the forward does, on the same backend. With `keep_gathered` the forward of an
+all-gather returns the gathered operand as a residual and the other gradient is a local
+matmul; without it, that gradient gathers again (a second ring, less memory). A
+reduce-scatter's backward gathers the cotangent once and, with `keep_gathered`, reuses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+from . import _backends, _definition, _primitives as P
+from ._vma import cotangent_like
+
+
+def run(prim, cfg, x, w, return_gathered=False):
+    """Run `prim` on the configured backend, without custom differentiation."""
+    return _backends.get(cfg.backend).run(prim, cfg, x, w, return_gathered)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def apply(prim, cfg, x, w):
+    """Run `prim` with the backward pass described above."""
+    return run(prim, cfg, x, w)
+
+
+def _fwd(prim, cfg, x, w):
+    if prim in P.GATHERS and cfg.keep_gathered:
+        out, gathered = run(prim, cfg, x, w, return_gathered=True)
+    else:
+        out, gathered = run(prim, cfg, x, w), None
+    return out, (x, w, gathered)
+
+
+def _local(cfg, a, b, dtype):
+    return _definition.matmul(a, b, precision=cfg.precision).astype(dtype)
+
+
+def _bwd(prim, cfg, res, dy):
+    x, w, gathered = res
+    # Gradients are computed in the inputs' dtype, accumulating in f32 as the forward does.
+    dy = dy.astype(x.dtype)
+    c = dataclasses.replace(cfg, out_dtype=x.dtype)
+    keep = cfg.keep_gathered
+    if prim == P.AG_ROWS:  # y = AG_rows(x) @ w
+        dx = run(P.RS_ROWS, c, dy, w.T)
+        dw = _local(c, gathered.T, dy, w.dtype) if keep else run(P.AG_CONTRACT, c, dy.T, x).T
+    elif prim == P.AG_COLS:  # y = x @ AG_cols(w)
+        dx = _local(c, dy, gathered.T, x.dtype) if keep else run(P.AG_CONTRACT, c, dy, w.T)
+        dw = run(P.RS_COLS, c, x.T, dy)
+    elif prim == P.AG_CONTRACT:  # y = x @ AG_rows(w)
+        dx = _local(c, dy, gathered.T, x.dtype) if keep else run(P.AG_COLS, c, dy, w.T)
+        dw = run(P.RS_ROWS, c, x.T, dy)
+    elif prim == P.RS_ROWS:  # y = RS_rows(x @ w): dy gathers along rows
+        if keep:
+            dx, dyg = run(P.AG_ROWS, c, dy, w.T, return_gathered=True)
+            dw = _local(c, x.T, dyg, w.dtype)
+        else:
+            dx = run(P.AG_ROWS, c, dy, w.T)
+            dw = run(P.AG_CONTRACT, c, x.T, dy)
+    else:  # RS_COLS, y = RS_cols(x @ w): dy gathers along columns
+        if keep:
+            dw, dyg = run(P.AG_COLS, c, x.T, dy, return_gathered=True)
+            dx = _local(c, dyg, w.T, x.dtype)
+        else:
+            dw = run(P.AG_COLS, c, x.T, dy)
+            dx = run(P.AG_CONTRACT, c, w, dy.T).T
+    return cotangent_like(dx.astype(x.dtype), x), cotangent_like(dw.astype(w.dtype), w)
+
+
+apply.defvjp(_fwd, _bwd)

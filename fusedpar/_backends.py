@@ -1,0 +1,132 @@
+"""Backend registry and the one dispatch decision: which backend runs a call, and why.
+
+A backend is a name, a function that runs a primitive (`_primitives.py`), and a function
+that says why it cannot run a given call (or None). `"reference"` is special: it runs the
+definition (`_definition.py`) itself, with JAX's autodiff. Kernel packages register more
+backends (`"pallas"`) with `register`.
+
+`choose(call, requested)` is the only place a backend is picked: an explicit request
+that cannot run raises `NotImplementedError` with the reason, and `"auto"` returns its
+choice with a reason a person can read (`fusedpar.explain` shows it; it is also logged
+at DEBUG level on the `"fusedpar"` logger).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Optional
+
+from . import _primitives as P
+
+logger = logging.getLogger("fusedpar")
+
+REFERENCE, RING, PALLAS, AUTO = "reference", "ring", "pallas", "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What a dispatch decision looks at: one primitive call, described statically."""
+
+    op: str  # "all_gather_matmul" or "matmul_reduce_scatter"
+    prim: str  # one of _primitives.PRIMITIVES
+    x_shape: tuple  # canonical 2-D local shapes
+    w_shape: tuple
+    dtype: str
+    axis_size: int
+    platform: str  # "cpu", "gpu", "tpu"
+    bidirectional: Optional[bool] = None  # as requested (None: backend's default)
+
+    @property
+    def block_length(self) -> int:
+        return P.block_length(self.prim, self.x_shape, self.w_shape, self.axis_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    name: str
+    run: Optional[Callable]  # run(prim, cfg, x, w, return_gathered) -> out | (out, gathered)
+    unavailable: Callable[[Call], Optional[str]]  # why it cannot run `call`, or None
+    description: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The backend that runs a call, the ring shape it uses, and why."""
+
+    backend: str
+    reason: str
+    bidirectional: bool = False
+    unroll: bool = True
+
+    def __str__(self):
+        ring = "bidirectional" if self.bidirectional else "unidirectional"
+        loop = "unrolled" if self.unroll else "rolled (fori_loop)"
+        extra = "" if self.backend == REFERENCE else f", {ring}, {loop}"
+        return f"{self.backend}{extra}: {self.reason}"
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> None:
+    """Register (or replace) a backend under `backend.name`."""
+    if backend.name == AUTO:
+        raise ValueError("'auto' is not a backend name; it chooses among backends.")
+    _REGISTRY[backend.name] = backend
+
+
+def get(name: str) -> Backend:
+    return _REGISTRY[name]
+
+
+def names() -> tuple[str, ...]:
+    """Registered backend names (what `backend=` accepts, besides "auto")."""
+    return tuple(_REGISTRY)
+
+
+# Largest ring an unrolled schedule is used for by default: beyond it the rolled
+# fori_loop keeps trace/compile time flat (see bench/test_compile_cost.py).
+UNROLL_UP_TO = 8
+
+
+def _ring_shape(call: Call, unroll: Optional[bool]) -> tuple[bool, bool]:
+    """Default ring shape: bidirectional when it can split blocks and has >2 devices."""
+    bidirectional = call.bidirectional
+    if bidirectional is None:
+        bidirectional = call.axis_size > 2 and call.block_length % 2 == 0
+    if unroll is None:
+        unroll = call.axis_size <= UNROLL_UP_TO
+    return bool(bidirectional), bool(unroll)
+
+
+def auto_choice(call: Call) -> tuple[str, str]:
+    """The `"auto"` policy: (backend name, reason). Replaceable by the cost model."""
+    if call.axis_size == 1:
+        return REFERENCE, "ring of 1 device: there is no communication to overlap"
+    if call.platform == "cpu":
+        return REFERENCE, ("on CPU the collectives are memory copies: decomposing the "
+                           "matmul into ring steps only adds overhead")
+    return RING, (f"{call.platform}: a ring of {call.axis_size} overlaps each "
+                  "block's transfer with the previous block's matmul")
+
+
+def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
+    """Pick the backend for `call`: `requested` itself, or the `"auto"` policy's pick."""
+    if requested == AUTO:
+        name, reason = auto_choice(call)
+        reason = "auto: " + reason
+    elif requested in _REGISTRY:
+        name, reason = requested, "requested explicitly"
+    else:
+        raise ValueError(
+            f"{call.op}: unknown backend={requested!r}; valid backends are "
+            f"{', '.join(repr(n) for n in (AUTO,) + names())}.")
+    why_not = _REGISTRY[name].unavailable(call)
+    if why_not is not None:
+        raise NotImplementedError(f"{call.op}: backend {name!r} cannot run this call: {why_not}")
+    bidirectional, unroll = _ring_shape(call, unroll)
+    choice = Choice(name, reason, bidirectional, unroll)
+    logger.debug("fusedpar: %s %s x%s w%s %s over %d devices -> %s", call.op, call.prim,
+                 call.x_shape, call.w_shape, call.dtype, call.axis_size, choice)
+    return choice

@@ -1,0 +1,47 @@
+"""What the two ops compute: their pure-lax expressions.
+
+These functions are the definition every backend must match, the test oracle, and the
+`"reference"` backend itself (differentiated by JAX's own autodiff, so the reference
+path shares no code with the custom VJP rules it is used to check).
+
+Mixed precision follows `jnp.matmul` users' expectations: products accumulate in
+`accumulation_dtype(dtype)` (float32 for bfloat16/float16 inputs) and the result is cast to
+`out_dtype`. The cross-device sum of `matmul_reduce_scatter` runs in `reduce_dtype`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+def accumulation_dtype(dtype) -> np.dtype:
+    """Dtype a matmul of `dtype` inputs accumulates in: at least float32."""
+    return np.dtype(jnp.promote_types(dtype, jnp.float32))
+
+
+def matmul(x, w, *, precision=None):
+    """`jnp.matmul(x, w)` accumulating in `accumulation_dtype`; the result stays in it."""
+    return jnp.matmul(
+        x, w, precision=precision, preferred_element_type=accumulation_dtype(x.dtype)
+    )
+
+
+def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, out_dtype=None, precision=None):
+    """`jnp.matmul(all_gather(x), w)` (gather="lhs") or `jnp.matmul(x, all_gather(w))` ("rhs")."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if gather == "lhs":
+        x = lax.all_gather(x, axis_name, axis=dim, tiled=True)
+    else:
+        w = lax.all_gather(w, axis_name, axis=dim, tiled=True)
+    return matmul(x, w, precision=precision).astype(out_dtype)
+
+
+def matmul_reduce_scatter(x, w, axis_name, *, dim=0, out_dtype=None, reduce_dtype=None,
+                          precision=None):
+    """`psum_scatter(jnp.matmul(x, w), scatter_dimension=dim, tiled=True)`."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    reduce_dtype = accumulation_dtype(x.dtype) if reduce_dtype is None else reduce_dtype
+    y = matmul(x, w, precision=precision).astype(reduce_dtype)
+    return lax.psum_scatter(y, axis_name, scatter_dimension=dim, tiled=True).astype(out_dtype)

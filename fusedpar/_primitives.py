@@ -1,0 +1,125 @@
+"""The five 2-D problems every non-reference backend implements, and the map to them.
+
+Each public op call is reshaped (`canonicalize`) into one primitive on 2-D operands, run
+per device inside `shard_map` over a ring of `N` devices:
+
+| primitive     | local operands                  | result          | the travelling operand   |
+|---------------|---------------------------------|-----------------|--------------------------|
+| `ag_rows`     | x (m, K), w (K, n)              | (N*m, n)        | x, row blocks            |
+| `ag_cols`     | x (M, K), w (K, n_l)            | (M, N*n_l)      | w, column blocks         |
+| `ag_contract` | x (M, N*k_l), w (k_l, n)        | (M, n)          | w, row blocks (summed)   |
+| `rs_rows`     | x (M, K), w (K, n)              | (M/N, n)        | the f32 accumulator      |
+| `rs_cols`     | x (M, K), w (K, n)              | (M, n/N)        | the f32 accumulator      |
+
+`ag_*` can also return the gathered travelling operand (for the backward pass).
+`GATHER_AXIS` says along which axis of the travelling operand, or of the output for
+`rs_*`, the blocks lie; a bidirectional ring splits each block in halves along it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Hashable
+
+import jax.numpy as jnp
+
+AG_ROWS, AG_COLS, AG_CONTRACT, RS_ROWS, RS_COLS = (
+    "ag_rows", "ag_cols", "ag_contract", "rs_rows", "rs_cols")
+PRIMITIVES = (AG_ROWS, AG_COLS, AG_CONTRACT, RS_ROWS, RS_COLS)
+GATHERS = (AG_ROWS, AG_COLS, AG_CONTRACT)
+
+# Which operand travels for an all-gather primitive ("x" or "w"), and the axis of that
+# operand (all-gathers) or of the output (reduce-scatters) that is cut into ring blocks.
+TRAVELLER = {AG_ROWS: "x", AG_COLS: "w", AG_CONTRACT: "w"}
+GATHER_AXIS = {AG_ROWS: 0, AG_COLS: 1, AG_CONTRACT: 0, RS_ROWS: 0, RS_COLS: 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Static description of one primitive call (hashable: it is a custom_vjp nondiff arg).
+
+    - `backend`: the backend name that runs it.
+    - `axis_name`, `axis_size`: the ring's mesh axis.
+    - `bidirectional`, `unroll`: ring shape (unroll=False runs a `fori_loop`).
+    - `out_dtype`: result dtype; `reduce_dtype`: dtype of the travelling reduce-scatter
+      accumulator; `precision`: passed to every matmul.
+    - `keep_gathered`: the forward keeps the gathered operand for the backward (memory)
+      instead of gathering it again (communication).
+    - `options`: backend-specific settings (e.g. kernel tile sizes), a tuple of pairs.
+    """
+
+    backend: str
+    axis_name: Hashable
+    axis_size: int
+    bidirectional: bool
+    unroll: bool
+    out_dtype: Any
+    reduce_dtype: Any
+    precision: Any = None
+    keep_gathered: bool = True
+    options: tuple = ()
+
+    def option(self, name, default=None):
+        return dict(self.options).get(name, default)
+
+
+def out_shape(prim: str, x_shape, w_shape, n: int) -> tuple[int, int]:
+    """Result shape of `prim` on local operands of these shapes over a ring of `n`."""
+    (m, _), (_, cols) = x_shape, w_shape
+    return {
+        AG_ROWS: (n * m, cols),
+        AG_COLS: (m, n * cols),
+        AG_CONTRACT: (m, cols),
+        RS_ROWS: (m // n, cols),
+        RS_COLS: (m, cols // n),
+    }[prim]
+
+
+def block_length(prim: str, x_shape, w_shape, n: int) -> int:
+    """Length, along `GATHER_AXIS`, of one ring block (what a bidirectional ring halves)."""
+    if prim in GATHERS:
+        shape = x_shape if TRAVELLER[prim] == "x" else w_shape
+        return shape[GATHER_AXIS[prim]]
+    return out_shape(prim, x_shape, w_shape, n)[GATHER_AXIS[prim]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Canonical:
+    """A public op call reshaped into one primitive; `restore` maps the result back."""
+
+    prim: str
+    x: Any
+    w: Any
+    restore: Callable
+
+
+def _rows_first(x, dim):
+    """Move `dim` to the front and flatten the rest of the non-contracting dims into it.
+
+    Tiled blocks along `dim` stay contiguous row ranges of the 2-D result, which is what
+    makes `ag_rows`/`rs_rows` equal the op along any dimension. Free when `dim` is 0.
+    """
+    xt = jnp.moveaxis(x, dim, 0)
+    return xt.reshape(-1, x.shape[-1]), xt.shape[:-1]
+
+
+def canonicalize(op: str, gather: str, dim: int, x, w, n: int) -> Canonical:
+    """Reshape a public op call (`dim` already normalised to be non-negative)."""
+    if op == "all_gather_matmul" and gather == "rhs":
+        lead = x.shape[:-1]
+        prim = AG_CONTRACT if dim == 0 else AG_COLS
+        return Canonical(prim, x.reshape(-1, x.shape[-1]), w,
+                         lambda y: y.reshape(*lead, y.shape[-1]))
+    last = x.ndim - 1
+    if op == "matmul_reduce_scatter" and dim == last:
+        lead = x.shape[:-1]
+        return Canonical(RS_COLS, x.reshape(-1, x.shape[-1]), w,
+                         lambda y: y.reshape(*lead, y.shape[-1]))
+    prim = AG_ROWS if op == "all_gather_matmul" else RS_ROWS
+    x2, lead = _rows_first(x, dim)
+    block = lead[0] * n if prim == AG_ROWS else lead[0] // n
+
+    def restore(y):
+        return jnp.moveaxis(y.reshape(block, *lead[1:], y.shape[-1]), 0, dim)
+
+    return Canonical(prim, x2, w, restore)

@@ -1,0 +1,158 @@
+"""The `"ring"` backend: ppermute ring schedules written in lax.
+
+Two loops do all the work. `ring_gather` moves a block round the ring and hands each
+piece a device holds to a step function; `ring_reduce_scatter` moves accumulators round
+the ring and lets each device add its partial product for the block the accumulator is
+for. Which block is where comes from `Ring` (`_schedule.py`); the five primitives
+(`_primitives.py`) are step functions on top of these loops.
+
+Each step's `ppermute` depends only on the block in hand, not on the step's matmul, so
+XLA's latency-hiding scheduler can run the transfer of the next block while the current
+one is multiplied. `unroll=False` rolls the steps into a `fori_loop` so trace and compile
+time stay flat as the ring grows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _definition, _primitives as P
+from ._vma import as_varying, varying_axes
+from ._schedule import Ring
+
+
+def _loop(cfg, start, stop, body, state):
+    """`state = body(i, state)` for i in [start, stop): unrolled, or rolled in fori_loop."""
+    if cfg.unroll or stop - start <= 1:
+        for i in range(start, stop):
+            state = body(i, state)
+        return state
+    return lax.fori_loop(start, stop, body, state)
+
+
+def segment(a, index, length, axis):
+    """The `length` elements of segment `index` (in units of `length`) along `axis`."""
+    return lax.dynamic_slice_in_dim(a, index * length, length, axis)
+
+
+def put(buf, piece, index, axis):
+    """`buf` with `piece` written at segment `index` (units of the piece) along `axis`."""
+    return lax.dynamic_update_slice_in_dim(
+        buf, piece.astype(buf.dtype), index * piece.shape[axis], axis)
+
+
+def _send(cfg, ring, pieces):
+    return tuple(lax.ppermute(p, cfg.axis_name, ring.permutation(r))
+                 for r, p in zip(ring.directions, pieces))
+
+
+def _split(ring, a, axis, what):
+    half = ring.split_size(a.shape[axis], what)
+    return tuple(segment(a, h, half, axis) for h in range(ring.num_directions))
+
+
+def ring_gather(cfg, travelling, axis, step_fn, carry):
+    """All-gather `travelling` along `axis` round the ring, folding each piece into `carry`.
+
+    `step_fn(carry, piece, seg)` is called once per step and direction with the piece of
+    the gathered operand this device holds and its segment index (`Ring.gather_segment`).
+    """
+    ring = Ring(cfg.axis_size, cfg.bidirectional)
+    me = lax.axis_index(cfg.axis_name)
+
+    def compute(i, carry, pieces):
+        for r, piece in zip(ring.directions, pieces):
+            carry = step_fn(carry, piece, ring.gather_segment(me, i, r))
+        return carry
+
+    def step(i, state):
+        carry, pieces = state
+        # Send first: the transfer needs only the block in hand, not this step's matmul.
+        incoming = _send(cfg, ring, pieces)
+        return compute(i, carry, pieces), incoming
+
+    axes = {cfg.axis_name} | varying_axes(travelling)
+    carry = jax.tree.map(lambda a: as_varying(a, axes), carry)
+    state = (carry, _split(ring, travelling, axis, "the travelling block"))
+    carry, pieces = _loop(cfg, 0, ring.num_transfers, step, state)
+    return compute(ring.num_steps - 1, carry, pieces)
+
+
+def ring_reduce_scatter(cfg, partial_fn, out_len, axis):
+    """Reduce-scatter `sum over devices of partial_fn(...)` along `axis`, round the ring.
+
+    `partial_fn(seg, length)` returns this device's contribution to output segment `seg`
+    (`length` rows or columns along `axis`). Accumulators of `cfg.reduce_dtype` travel;
+    each device adds its partial for the segment the one in hand is bound for.
+    """
+    ring = Ring(cfg.axis_size, cfg.bidirectional)
+    me = lax.axis_index(cfg.axis_name)
+    length = ring.split_size(out_len, "each output block")
+
+    def add(i, accs):
+        return tuple(
+            acc + partial_fn(ring.scatter_segment(me, i, r), length).astype(acc.dtype)
+            for r, acc in zip(ring.directions, accs))
+
+    def step(i, accs):
+        return add(i, _send(cfg, ring, accs))
+
+    accs = tuple(partial_fn(ring.scatter_segment(me, 0, r), length).astype(cfg.reduce_dtype)
+                 for r in ring.directions)
+    accs = _loop(cfg, 1, ring.num_steps, step, accs)
+    return jnp.concatenate(accs, axis=axis).astype(cfg.out_dtype)
+
+
+# -- the five primitives as step functions ------------------------------------------------
+
+
+def _dot(cfg, a, b):
+    return _definition.matmul(a, b, precision=cfg.precision)
+
+
+def _gathered_buffer(cfg, travelling, axis):
+    shape = list(travelling.shape)
+    shape[axis] *= cfg.axis_size
+    return jnp.zeros(shape, travelling.dtype)
+
+
+def run(prim, cfg, x, w, return_gathered=False):
+    """Run primitive `prim` with the lax ring; see `_primitives.py` for shapes."""
+    if prim in P.GATHERS:
+        return _gather(prim, cfg, x, w, return_gathered)
+    rows = prim == P.RS_ROWS
+    out_len = P.out_shape(prim, x.shape, w.shape, cfg.axis_size)[P.GATHER_AXIS[prim]]
+
+    def partial(seg, length):
+        if rows:
+            return _dot(cfg, segment(x, seg, length, 0), w)
+        return _dot(cfg, x, segment(w, seg, length, 1))
+
+    return ring_reduce_scatter(cfg, partial, out_len, P.GATHER_AXIS[prim])
+
+
+def _gather(prim, cfg, x, w, return_gathered):
+    axis = P.GATHER_AXIS[prim]
+    travelling = x if P.TRAVELLER[prim] == "x" else w
+    out = jnp.zeros(P.out_shape(prim, x.shape, w.shape, cfg.axis_size), cfg.out_dtype)
+    if prim == P.AG_CONTRACT:
+        out = out.astype(_definition.accumulation_dtype(x.dtype))  # summed over steps
+
+    def step_fn(carry, piece, seg):
+        out, gathered = carry
+        if prim == P.AG_ROWS:
+            out = put(out, _dot(cfg, piece, w), seg, 0)
+        elif prim == P.AG_COLS:
+            out = put(out, _dot(cfg, x, piece), seg, 1)
+        else:  # AG_CONTRACT: the piece is rows of w; multiply the matching columns of x
+            out = out + _dot(cfg, segment(x, seg, piece.shape[0], 1), piece)
+        if return_gathered:
+            gathered = put(gathered, piece, seg, axis)
+        return out, gathered
+
+    gathered = _gathered_buffer(cfg, travelling, axis) if return_gathered else None
+    out, gathered = ring_gather(cfg, travelling, axis, step_fn, (out, gathered))
+    out = out.astype(cfg.out_dtype)
+    return (out, gathered) if return_gathered else out

@@ -1,0 +1,59 @@
+"""Argument checks shared by the ops: each error names the argument, shapes and what is valid."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def operands(op, x, w):
+    """Check x (..., k) and w (k, n) are floating arrays of one dtype; return them."""
+    for name, a in (("x", x), ("w", w)):
+        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+            raise TypeError(f"{op}: {name} must be an array, got {type(a).__name__}.")
+    if w.ndim != 2:
+        raise ValueError(f"{op}: w must be 2-D (k, n), got w.shape={tuple(w.shape)}.")
+    if x.ndim < 1:
+        raise ValueError(f"{op}: x must have at least 1 dimension (..., k), got a scalar.")
+    if x.dtype != w.dtype:
+        raise TypeError(f"{op}: x and w must have the same dtype, got x {x.dtype} and "
+                        f"w {w.dtype}; cast one of them (e.g. w.astype(x.dtype)).")
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        raise TypeError(f"{op}: x and w must be floating point, got {x.dtype}.")
+
+
+def axis_size(op, axis_name) -> int:
+    """Size of mesh axis `axis_name`, which must be bound by an enclosing shard_map."""
+    try:
+        return lax.axis_size(axis_name)
+    except NameError:
+        mesh = jax.sharding.get_abstract_mesh()
+        bound = tuple(getattr(mesh, "manual_axes", ()) or ())
+        where = (f"the enclosing shard_map binds {bound}" if bound
+                 else "no shard_map is active")
+        raise ValueError(
+            f"{op}: axis_name={axis_name!r} is not a bound mesh axis ({where}). Call {op} "
+            "inside jax.shard_map over a mesh that has this axis, or use the fusedpar "
+            "layers, which wrap themselves in shard_map.") from None
+
+
+def dim(op, dim, ndim, what, valid):
+    """Normalise a possibly negative `dim` of a rank-`ndim` array; `valid` lists allowed."""
+    if not isinstance(dim, int):
+        raise TypeError(f"{op}: dim must be an int, got {dim!r}.")
+    d = dim + ndim if dim < 0 else dim
+    if d not in valid:
+        allowed = ", ".join(str(v) for v in valid) or "none"
+        raise ValueError(f"{op}: dim={dim} is not valid for {what}; valid dims: {allowed}.")
+    return d
+
+
+def contraction(op, x_k, w_k, note=""):
+    if x_k != w_k:
+        raise ValueError(f"{op}: contracting dimensions differ: x has {x_k}, w has {w_k}{note}.")
+
+
+def divisible(op, length, by, what, fix):
+    if length % by:
+        raise ValueError(f"{op}: {what} is {length}, not divisible by {by}; {fix}.")

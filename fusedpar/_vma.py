@@ -1,0 +1,38 @@
+"""Varying-manual-axes bookkeeping for code inside `shard_map(check_vma=True)`.
+
+Inside shard_map JAX types each value as varying or invariant over each manual axis.
+Two places need to care: fresh arrays carried through `fori_loop` (zeros are invariant,
+the loop body's output is varying), and custom_vjp cotangents of invariant inputs (a
+replicated weight used on every device gets the sum of every device's cotangent, which
+is what JAX's autodiff gives by transposing its implicit `pvary`). With
+check_vma=False nothing is typed and these helpers do nothing.
+"""
+
+from __future__ import annotations
+
+from jax import lax
+
+
+def varying_axes(x) -> frozenset:
+    """Mesh axes along which `x` varies (empty outside shard_map or with check_vma=False)."""
+    aval = x.aval if hasattr(x, "aval") else x
+    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10 spelling
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))  # earlier spelling
+
+
+def _names(axes):
+    return tuple(sorted(axes, key=str))
+
+
+def as_varying(init, axes):
+    """`init` typed as varying over `axes` too (for fori_loop carries)."""
+    missing = _names(set(axes) - varying_axes(init))
+    return lax.pcast(init, missing, to="varying") if missing else init
+
+
+def cotangent_like(ct, primal):
+    """Sum `ct` over the axes it varies on but `primal` does not (implicit-broadcast transpose)."""
+    extra = _names(varying_axes(ct) - varying_axes(primal))
+    return lax.psum(ct, extra) if extra else ct

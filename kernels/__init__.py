@@ -1,0 +1,1 @@
+"""Pallas kernels for fusedpar (installed as ``fusedpar.kernels``)."""

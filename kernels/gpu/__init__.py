@@ -1,0 +1,1 @@
+"""Pallas GPU kernels for the per-step compute of the ring."""

@@ -1,0 +1,1 @@
+"""Fused Pallas TPU ring kernels."""

@@ -1,0 +1,33 @@
+"""8 simulated CPU devices for every test, set up before JAX starts.
+
+NPROC: TPU interpret mode runs each simulated device on a thread of the CPU client's
+pool; with fewer threads than devices + 1 a collective kernel deadlocks (PLATFORM.md).
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ["NPROC"] = str(max(int(os.environ.get("NPROC", "0") or 0), 9))
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    assert len(jax.devices()) >= 8, "tests need 8 simulated devices; JAX started too early"
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpret_state():
+    """After a Pallas TPU kernel raises in interpret mode its state must be reset."""
+    yield
+    try:
+        from jax.experimental.pallas import tpu as pltpu
+
+        pltpu.reset_tpu_interpret_mode_state()
+    except Exception:
+        pass

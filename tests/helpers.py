@@ -1,0 +1,43 @@
+"""Shared test helpers: meshes, inputs, and tolerance-checked comparisons."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType
+
+# Largest error allowed, relative to the largest magnitude in the expected result. f32:
+# a few ulps of accumulation-order differences over the contraction; bf16/f16: a couple of
+# output roundings (eps 2^-8 / 2^-11) plus the bf16 cast of the cotangent in backward.
+RTOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
+
+
+def tolerance(dtype) -> float:
+    return RTOL[jnp.dtype(dtype).type]
+
+
+def assert_close(got, want, dtype, what=""):
+    """max|got - want| <= tolerance(dtype) * max|want|, per leaf of a pytree."""
+    got_l, want_l = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got_l) == len(want_l), what
+    for i, (g, w) in enumerate(zip(got_l, want_l)):
+        g = np.asarray(jnp.asarray(g, jnp.float32))
+        w = np.asarray(jnp.asarray(w, jnp.float32))
+        assert g.shape == w.shape, f"{what} leaf {i}: shape {g.shape} != {w.shape}"
+        assert np.all(np.isfinite(g)), f"{what} leaf {i}: non-finite values"
+        scale = max(float(np.max(np.abs(w))), 1e-30)
+        err = float(np.max(np.abs(g - w))) if g.size else 0.0
+        assert err <= tolerance(dtype) * scale, (
+            f"{what} leaf {i}: max error {err:.3g} > {tolerance(dtype):.1g} x scale {scale:.3g}")
+
+
+def mesh(shape, names):
+    """A mesh of the first prod(shape) devices with Auto axes."""
+    n = int(np.prod(shape))
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape),
+                         devices=jax.devices()[:n])
+
+
+def normal(key, shape, dtype):
+    return jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(dtype)
