@@ -8,3 +8,4 @@ _backends.register(_backends.Backend(
 _backends.register(_backends.Backend(
     _backends.RING, run=_ring.run, unavailable=lambda call: None,
     description="ppermute ring schedules in lax, uni- or bidirectional, unrolled or rolled"))
+from . import _pallas as _pallas

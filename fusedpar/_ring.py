@@ -44,6 +44,10 @@ def put(buf, piece, index, axis):
 
 
 def _send(cfg, ring, pieces):
+    # options["no_transfers"]: a bench-only mode that keeps every block where it is, so
+    # the per-step compute can be timed alone on one device (results are then wrong).
+    if cfg.option("no_transfers", False):
+        return pieces
     return tuple(lax.ppermute(p, cfg.axis_name, ring.permutation(r))
                  for r, p in zip(ring.directions, pieces))
 
@@ -80,28 +84,26 @@ def ring_gather(cfg, travelling, axis, step_fn, carry):
     return compute(ring.num_steps - 1, carry, pieces)
 
 
-def ring_reduce_scatter(cfg, partial_fn, out_len, axis):
-    """Reduce-scatter `sum over devices of partial_fn(...)` along `axis`, round the ring.
+def ring_reduce_scatter(cfg, accumulate, out_len, axis):
+    """Reduce-scatter along `axis` round the ring: accumulators travel, devices add in.
 
-    `partial_fn(seg, length)` returns this device's contribution to output segment `seg`
-    (`length` rows or columns along `axis`). Accumulators of `cfg.reduce_dtype` travel;
-    each device adds its partial for the segment the one in hand is bound for.
+    `accumulate(acc, seg, length)` returns `acc` plus this device's contribution to output
+    segment `seg` (`length` rows or columns along `axis`), in `cfg.reduce_dtype`; at the
+    first step `acc` is None and it returns the contribution alone. Each device adds into
+    the accumulator it holds, for the segment that accumulator is bound for.
     """
     ring = Ring(cfg.axis_size, cfg.bidirectional)
     me = lax.axis_index(cfg.axis_name)
     length = ring.split_size(out_len, "each output block")
 
     def add(i, accs):
-        return tuple(
-            acc + partial_fn(ring.scatter_segment(me, i, r), length).astype(acc.dtype)
-            for r, acc in zip(ring.directions, accs))
+        return tuple(accumulate(acc, ring.scatter_segment(me, i, r), length)
+                     for r, acc in zip(ring.directions, accs))
 
     def step(i, accs):
         return add(i, _send(cfg, ring, accs))
 
-    accs = tuple(partial_fn(ring.scatter_segment(me, 0, r), length).astype(cfg.reduce_dtype)
-                 for r in ring.directions)
-    accs = _loop(cfg, 1, ring.num_steps, step, accs)
+    accs = _loop(cfg, 1, ring.num_steps, step, add(0, (None,) * ring.num_directions))
     return jnp.concatenate(accs, axis=axis).astype(cfg.out_dtype)
 
 
@@ -125,12 +127,15 @@ def run(prim, cfg, x, w, return_gathered=False):
     rows = prim == P.RS_ROWS
     out_len = P.out_shape(prim, x.shape, w.shape, cfg.axis_size)[P.GATHER_AXIS[prim]]
 
-    def partial(seg, length):
+    def accumulate(acc, seg, length):
         if rows:
-            return _dot(cfg, segment(x, seg, length, 0), w)
-        return _dot(cfg, x, segment(w, seg, length, 1))
+            part = _dot(cfg, segment(x, seg, length, 0), w)
+        else:
+            part = _dot(cfg, x, segment(w, seg, length, 1))
+        part = part.astype(cfg.reduce_dtype)
+        return part if acc is None else acc + part
 
-    return ring_reduce_scatter(cfg, partial, out_len, P.GATHER_AXIS[prim])
+    return ring_reduce_scatter(cfg, accumulate, out_len, P.GATHER_AXIS[prim])
 
 
 def _gather(prim, cfg, x, w, return_gathered):
