@@ -101,14 +101,40 @@ def _ring_shape(call: Call, unroll: Optional[bool]) -> tuple[bool, bool]:
 
 
 def auto_choice(call: Call) -> tuple[str, str]:
-    """The `"auto"` policy: (backend name, reason). Replaceable by the cost model."""
+    """The `"auto"` policy: (backend name, reason), from the cost model (`cost_model.py`).
+
+    A decomposed ring must beat the reference's estimate by `AUTO_MARGIN` (the model is
+    rough; a near tie is not worth the extra code path). CPU always stays on the reference:
+    its simulated devices share the cores, and Pallas there is an interpreter.
+    """
+    from . import cost_model
+
     if call.axis_size == 1:
         return REFERENCE, "ring of 1 device: there is no communication to overlap"
     if call.platform == "cpu":
         return REFERENCE, ("on CPU the collectives are memory copies: decomposing the "
                            "matmul into ring steps only adds overhead")
-    return RING, (f"{call.platform}: a ring of {call.axis_size} overlaps each "
-                  "block's transfer with the previous block's matmul")
+    hw = cost_model.get_hardware(None, call.platform)
+    est = cost_model.estimate_call(call, hw)
+    candidates = [RING]
+    if PALLAS in _REGISTRY:
+        try:
+            if _REGISTRY[PALLAS].unavailable(call) is None:
+                candidates.append(PALLAS)
+        except Exception:  # kernels that fail to import cannot be chosen
+            pass
+    best = min(candidates, key=lambda name: est[name].seconds)
+    summary = f"{hw.name}: {cost_model.describe({n: est[n] for n in [REFERENCE] + candidates})}"
+    ref, fast = est[REFERENCE].seconds, est[best].seconds
+    if fast < AUTO_MARGIN * ref:
+        return best, (f"{best} is estimated {ref / fast:.2f}x faster than reference "
+                      f"over a ring of {call.axis_size}; {summary}")
+    return REFERENCE, (f"decomposing does not pay at this size (best: {best}, "
+                       f"{ref / fast:.2f}x); {summary}")
+
+
+# A ring backend is chosen only when estimated at most this fraction of the reference.
+AUTO_MARGIN = 0.9
 
 
 def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:

@@ -11,6 +11,7 @@ Mixed precision follows `jnp.matmul` users' expectations: products accumulate in
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -23,18 +24,22 @@ def accumulation_dtype(dtype) -> np.dtype:
 
 def matmul(x, w, *, precision=None):
     """`jnp.matmul(x, w)` accumulating in `accumulation_dtype`; the result stays in it."""
-    return jnp.matmul(
-        x, w, precision=precision, preferred_element_type=accumulation_dtype(x.dtype)
-    )
+    acc = accumulation_dtype(x.dtype)
+    if x.dtype != acc and jax.default_backend() == "cpu":
+        # XLA's CPU runtime fails on some bf16 x bf16 -> f32 dots once several share a
+        # program ("Unsupported element type for DotThunk::Execute"). Widening to f32 is
+        # exact, so multiplying the widened operands gives the same result.
+        x, w = x.astype(acc), w.astype(acc)
+    return jnp.matmul(x, w, precision=precision, preferred_element_type=acc)
 
 
 def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, out_dtype=None, precision=None):
     """`jnp.matmul(all_gather(x), w)` (gather="lhs") or `jnp.matmul(x, all_gather(w))` ("rhs")."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if gather == "lhs":
-        x = lax.all_gather(x, axis_name, axis=dim, tiled=True)
+        x = lax.all_gather(x, axis_name, axis=dim % x.ndim, tiled=True)
     else:
-        w = lax.all_gather(w, axis_name, axis=dim, tiled=True)
+        w = lax.all_gather(w, axis_name, axis=dim % w.ndim, tiled=True)
     return matmul(x, w, precision=precision).astype(out_dtype)
 
 
@@ -44,4 +49,5 @@ def matmul_reduce_scatter(x, w, axis_name, *, dim=0, out_dtype=None, reduce_dtyp
     out_dtype = x.dtype if out_dtype is None else out_dtype
     reduce_dtype = accumulation_dtype(x.dtype) if reduce_dtype is None else reduce_dtype
     y = matmul(x, w, precision=precision).astype(reduce_dtype)
-    return lax.psum_scatter(y, axis_name, scatter_dimension=dim, tiled=True).astype(out_dtype)
+    return lax.psum_scatter(y, axis_name, scatter_dimension=dim % y.ndim,
+                            tiled=True).astype(out_dtype)

@@ -1,1 +1,66 @@
-"""Fused Pallas TPU ring kernels."""
+"""Fused Pallas TPU ring kernels (the `"pallas_tpu"` backend, and `"pallas"` on TPU/CPU).
+
+Each primitive (`fusedpar/_primitives.py`) is one kernel in which the ring runs: remote
+DMAs between neighbours overlap the matmul of the block in hand. On TPU they compile
+with Mosaic; on CPU they run in TPU interpret mode, which simulates every device, DMA and
+semaphore (a correctness simulator: slow). See `all_gather_matmul.py`,
+`matmul_reduce_scatter.py` (kernels), `_common.py` (the ring protocol) and `_tiling.py`
+(tile sizes).
+
+**check_vma.** These are collective kernels: the enclosing `jax.shard_map` must be called
+with `check_vma=False`.
+
+**Options** (`options={...}` of the public ops): `block_m`, `block_n`, `block_k` (tile
+targets, default 512), `interpret` (bool: force or forbid interpret mode; lowering for TPU
+from a CPU host needs False), `interpret_params` (a `pltpu.InterpretParams`).
+"""
+
+from __future__ import annotations
+
+from fusedpar import _primitives as P
+
+_DTYPES = ("float32", "bfloat16")
+
+
+def unavailable(call):
+    """Why the TPU kernels cannot run `call` (a `fusedpar._backends.Call`), or None."""
+    from . import _tiling, all_gather_matmul, matmul_reduce_scatter
+
+    if call.platform not in ("tpu", "cpu"):
+        return (f"the fused TPU kernels run on TPU (or interpreted on CPU), not on "
+                f"platform {call.platform!r}")
+    if call.dtype not in _DTYPES:
+        return f"dtype {call.dtype} is not supported (supported: {', '.join(_DTYPES)})"
+    module = all_gather_matmul if call.prim in P.GATHERS else matmul_reduce_scatter
+    # The dispatcher picks the ring shape after this check; a default bidirectional ring
+    # needs even blocks, which it only picks when they are (see _backends._ring_shape).
+    bidirectional = bool(call.bidirectional) and call.block_length % 2 == 0
+    try:
+        _, _, dims = module.shapes(call.prim, call.axis_size, bidirectional,
+                                   call.x_shape, call.w_shape)
+    except ValueError as e:
+        return str(e)
+
+    class _Options:  # tile checks with the default targets; options are checked at run
+        @staticmethod
+        def option(name, default=None):
+            return default
+
+    _, why = _tiling.tiles(_Options, *dims)
+    return why
+
+
+def run(prim, cfg, x, w, return_gathered=False):
+    """Run primitive `prim` as a fused TPU kernel; see `fusedpar/_primitives.py` for shapes."""
+    from . import _common, all_gather_matmul, matmul_reduce_scatter
+
+    if cfg.option("_broken") not in _common.BROKEN:
+        raise ValueError(f"unknown _broken option {cfg.option('_broken')!r}")
+    try:
+        if prim in P.GATHERS:
+            return all_gather_matmul.all_gather_matmul(prim, cfg, x, w, return_gathered)
+        return matmul_reduce_scatter.matmul_reduce_scatter(prim, cfg, x, w)
+    except Exception as e:  # add the fix to JAX's message about vma typing
+        if "vma" in str(e) and "check_vma" not in str(e):
+            raise type(e)(f"{e}\n\n{_common.CHECK_VMA_HINT}") from e
+        raise

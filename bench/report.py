@@ -1,0 +1,266 @@
+"""Turn pytest-benchmark JSON into bench/RESULTS.md and a plot.
+
+    pytest bench/ --benchmark-only --benchmark-json=bench/results-cpu.json
+    python bench/report.py bench/results-cpu.json            # -> bench/RESULTS.md, bench/results.png
+
+Times are medians over the rounds (robust to other load on the machine). Ratios are to
+`reference` in the same group: above 1.00x is slower than all_gather+dot / dot+psum_scatter,
+below is faster. The plot needs matplotlib (the `bench` extra); without it only the
+Markdown is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+BACKEND_ORDER = ["reference", "ring", "ring-bidi", "pallas", "pallas_gpu", "pallas_tpu"]
+OP_TITLES = {
+    "agm_lhs": "all_gather_matmul, gather='lhs' (sequence-parallel activations; ag_rows)",
+    "agm_rhs": "all_gather_matmul, gather='rhs', dim=1 (FSDP weight gather; ag_cols)",
+    "mrs": "matmul_reduce_scatter, dim=0 (row-parallel output; rs_rows)",
+}
+
+
+def _ms(seconds):
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _backends_in(rows):
+    seen = {r["backend"] for r in rows}
+    return [b for b in BACKEND_ORDER if b in seen] + sorted(seen - set(BACKEND_ORDER))
+
+
+def load(path):
+    with open(path) as f:
+        data = json.load(f)
+    ops, compile_rows = [], []
+    for b in data["benchmarks"]:
+        info = dict(b.get("extra_info") or {})
+        row = dict(info, seconds=b["stats"]["median"], rounds=b["stats"]["rounds"],
+                   group=b["group"], name=b["name"])
+        (compile_rows if "kind" in info else ops).append(row)
+    return data, ops, compile_rows
+
+
+def machine(data, ops):
+    info = data["machine_info"]
+    cpu = info.get("cpu", {})
+    sample = next(iter(ops), {})
+    platform = sample.get("platform", "cpu")
+    if platform == "cpu":
+        devices = sample.get("num_devices", 8)
+        return (f"CPU, {cpu.get('count', '?')} cores, {devices} simulated devices "
+                f"({cpu.get('brand_raw', info.get('processor', '?'))}, {info.get('machine')})")
+    return f"{sample.get('num_devices', '?')} x {sample.get('device_kind', platform)}"
+
+
+def ratio_tables(ops):
+    lines = []
+    by_op = collections.defaultdict(list)
+    for r in ops:
+        by_op[(r["op"], r["mode"], bool(r.get("simulated_group")))].append(r)
+    for (op, mode, _), rows in sorted(by_op.items()):
+        backends = _backends_in(rows)
+        lines += [f"### {OP_TITLES.get(op, op)} — {mode}", ""]
+        lines.append("| shape M x K x N_out | ring | " + " | ".join(backends) + " |")
+        lines.append("|---|---:|" + "---:|" * len(backends))
+        cells = collections.defaultdict(dict)
+        for r in rows:
+            cells[(tuple(r["shape"]), r["ring"])][r["backend"]] = r["seconds"]
+        for (shape, n), times in sorted(cells.items()):
+            ref = times.get("reference")
+            out = []
+            for b in backends:
+                t = times.get(b)
+                if t is None:
+                    out.append("—")
+                elif b == "reference" or ref is None:
+                    out.append(_ms(t))
+                else:
+                    out.append(f"{_ms(t)} (**{t / ref:.2f}x**)")
+            lines.append(f"| {'x'.join(map(str, shape))} | {n} | " + " | ".join(out) + " |")
+        lines.append("")
+    return lines
+
+
+def compile_tables(rows):
+    if not rows:
+        return []
+    lines = ["## Compile cost", "",
+             "Trace+lower on an `AbstractMesh` (no devices needed) for rings up to 64, and "
+             "lower+compile on the simulated devices up to 8; fixed per-device shapes "
+             "(x 16x64, w 64x64, float32), backend='ring', unidirectional. `lines`: StableHLO "
+             "lines (operations) of the lowered program.", ""]
+    for kind in ("trace+lower", "lower+compile"):
+        for op in sorted({r["op"] for r in rows if r["kind"] == kind}):
+            sel = [r for r in rows if r["kind"] == kind and r["op"] == op]
+            rings = sorted({r["ring"] for r in sel})
+            lines += [f"### {kind}: {op}", "",
+                      "| ring | unrolled time | unrolled size | rolled time | rolled size |",
+                      "|---:|---:|---:|---:|---:|"]
+            for n in rings:
+                cell = []
+                for unroll in (True, False):
+                    r = next((r for r in sel if r["ring"] == n and r["unroll"] == unroll), None)
+                    if r is None:
+                        cell += ["—", "—"]
+                        continue
+                    size = (f"{r['hlo_lines']} lines" if "hlo_lines" in r
+                            else f"{r.get('hlo_bytes', 0) / 1024:.0f} KiB HLO")
+                    cell += [_ms(r["seconds"]), size]
+                lines.append(f"| {n} | " + " | ".join(cell) + " |")
+            lines.append("")
+    return lines
+
+
+def headline(ops):
+    """Geometric-mean ratio to reference per backend, op and mode (the summary table)."""
+    import math
+
+    acc = collections.defaultdict(list)
+    refs = {(r["group"]): r["seconds"] for r in ops if r["backend"] == "reference"}
+    for r in ops:
+        if r["backend"] != "reference" and r["group"] in refs:
+            acc[(r["op"], r["mode"], r["backend"])].append(r["seconds"] / refs[r["group"]])
+    if not acc:
+        return []
+    lines = ["## Summary: time relative to reference (geometric mean over shapes and rings)",
+             "", "| op | mode | backend | ratio | min | max | cases |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for (op, mode, b), rs in sorted(acc.items()):
+        g = math.exp(sum(math.log(x) for x in rs) / len(rs))
+        lines.append(f"| {op} | {mode} | {b} | **{g:.2f}x** | {min(rs):.2f}x | {max(rs):.2f}x "
+                     f"| {len(rs)} |")
+    return lines + [""]
+
+
+def _ring_ticks(ax, rows):
+    rings = sorted({r["ring"] for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(rings, [str(n) for n in rings])
+    ax.minorticks_off()
+
+
+def plot(ops, compile_rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'fusedpar[bench]'): no plot written",
+              file=sys.stderr)
+        return False
+    panels = sorted({(r["op"], r["mode"]) for r in ops if not r.get("simulated")
+                     and r["backend"] != "pallas_tpu"})
+    extra = 1 if compile_rows else 0
+    cols = 2
+    rows_n = (len(panels) + extra + cols - 1) // cols
+    fig, axes = plt.subplots(rows_n, cols, figsize=(6 * cols, 3.6 * rows_n), squeeze=False)
+    styles = ["-", "--", ":", "-."]
+    colors = {b: f"C{i}" for i, b in enumerate(BACKEND_ORDER)}
+    for ax, (op, mode) in zip(axes.flat, panels):
+        sel = [r for r in ops if r["op"] == op and r["mode"] == mode
+               and r["backend"] != "pallas_tpu"]
+        shapes = sorted({tuple(r["shape"]) for r in sel})
+        for b in _backends_in(sel):
+            for i, shape in enumerate(shapes):
+                pts = sorted((r["ring"], r["seconds"] * 1e3) for r in sel
+                             if r["backend"] == b and tuple(r["shape"]) == shape)
+                if pts:
+                    ax.plot(*zip(*pts), styles[i % 4], marker="o", color=colors.get(b),
+                            label=f"{b} {'x'.join(map(str, shape))}")
+        ax.set_title(f"{op} {mode}", fontsize=10)
+        ax.set_xlabel("ring size (devices)")
+        ax.set_ylabel("time (ms, median)")
+        ax.set_yscale("log")
+        _ring_ticks(ax, sel)
+        ax.legend(fontsize=7)
+    if compile_rows:
+        ax = axes.flat[len(panels)]
+        for op in sorted({r["op"] for r in compile_rows}):
+            for unroll, style in ((True, "-"), (False, "--")):
+                pts = sorted((r["ring"], r["seconds"] * 1e3) for r in compile_rows
+                             if r["kind"] == "trace+lower" and r["op"] == op
+                             and r["unroll"] == unroll)
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o",
+                            label=f"{op} {'unrolled' if unroll else 'rolled'}")
+        ax.set_title("trace+lower time vs ring size", fontsize=10)
+        ax.set_xlabel("ring size (devices)")
+        ax.set_ylabel("time (ms)")
+        _ring_ticks(ax, compile_rows)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels) + extra:]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return True
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("json", nargs="+", help="pytest-benchmark --benchmark-json file(s)")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
+    parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), "results.png"))
+    parser.add_argument("--note", default="", help="a paragraph to add (e.g. machine load)")
+    args = parser.parse_args(argv)
+    data, ops, compile_rows = None, [], []
+    for path in args.json:
+        d, o, c = load(path)
+        data = data or d
+        ops += o
+        compile_rows += c
+    ops_main = [r for r in ops if not r.get("simulated") and "simulated" not in r["group"]]
+    ops_sim = [r for r in ops if "simulated" in r["group"]]
+    for r in ops_sim:
+        r["simulated_group"] = True
+    import jax
+
+    jax_version = next((r.get("jax_version") for r in ops + compile_rows
+                        if r.get("jax_version")), jax.__version__)
+    on_cpu = next(iter(ops), {}).get("platform", "cpu") == "cpu"
+    lines = ["# fusedpar benchmark results", "",
+             f"- Machine: **{machine(data, ops)}**",
+             f"- JAX {jax_version}, Python {data['machine_info']['python_version']}, "
+             f"pytest-benchmark {data['version']}",
+             f"- Date: {data['datetime'][:19].replace('T', ' ')} UTC",
+             f"- Commit: {(data.get('commit_info') or {}).get('id', 'unknown')[:12]}"
+             f"{' (dirty)' if (data.get('commit_info') or {}).get('dirty') else ''}",
+             f"- Produced by: `pytest bench/ --benchmark-only --benchmark-json=...` then "
+             f"`python bench/report.py ...`; times are medians.", ""]
+    if on_cpu:
+        lines += ["> **CPU numbers show overheads, never speed-ups.** The simulated devices "
+                  "share the same cores, and a \"transfer\" is a memory copy made by those "
+                  "cores, so there is nothing for a ring to overlap: a ratio above 1.00x is "
+                  "the cost of decomposing the matmul into ring steps. Speed-ups need real "
+                  "interconnects (GPU/TPU); see the cost model in the README for what to "
+                  "expect there.", ""]
+    if args.note:
+        lines += [args.note, ""]
+    if os.path.exists(args.plot) or ops:
+        lines += [f"![time vs ring size]({os.path.basename(args.plot)})", ""]
+    lines += headline(ops_main)
+    lines += ["## Ops: time per call, and ratio to reference in the same row", "",
+              "`ring`: unidirectional lax ring; `ring-bidi`: bidirectional (halves per step). "
+              "Forward: the op alone; fwd+bwd: `jax.grad` of the sum of the output with "
+              "respect to both operands.", ""]
+    lines += ratio_tables(ops_main)
+    if ops_sim:
+        lines += ["## Pallas TPU kernels in interpret mode (a simulation, not a speed)", "",
+                  "TPU interpret mode simulates every device, DMA and semaphore on the CPU; "
+                  "these numbers track the simulator's cost only.", ""]
+        lines += ratio_tables(ops_sim)
+    lines += compile_tables(compile_rows)
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines).rstrip() + "\n")
+    wrote_plot = plot(ops_main, compile_rows, args.plot) if ops_main or compile_rows else False
+    print(f"wrote {args.out}" + (f" and {args.plot}" if wrote_plot else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Where a layer is called from: inside shard_map, on global arrays under a mesh, or no mesh.
+
+- `LOCAL`: an enclosing `shard_map` binds the layer's axes; arrays are per-device shards.
+- `GLOBAL`: `jax.set_mesh(mesh)` is active and the axes are not manual; the layer wraps
+  itself in `shard_map` over its own axes (the others stay as they were).
+- `DENSE`: no mesh; plain single-device math.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+from jax.sharding import AxisType
+
+LOCAL, GLOBAL, DENSE = "local", "global", "dense"
+
+
+def detect(where: str, axes: tuple):
+    """`(kind, abstract_mesh)` for a layer named `where` that uses mesh `axes`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not axes:
+        return DENSE, None
+    manual = set(getattr(mesh, "manual_axes", ()) or ())
+    bound = [a for a in axes if a in manual]
+    if bound:
+        if len(bound) < len(axes):
+            raise ValueError(
+                f"{where}: uses mesh axes {axes} but the enclosing shard_map binds only "
+                f"{tuple(sorted(manual))}; bind all of them, or none (then call the layer "
+                "on global arrays under jax.set_mesh).")
+        return LOCAL, mesh
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"{where}: mesh axis {missing[0]!r} is not in the current mesh, "
+                         f"whose axes are {tuple(mesh.axis_names)}.")
+    return GLOBAL, mesh
+
+
+def is_explicit(mesh, axes) -> bool:
+    """Whether any of `axes` is an Explicit axis of `mesh` (inputs must be resharded)."""
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    return any(types[a] == AxisType.Explicit for a in axes)
+
+
+def place(x, spec, explicit: bool):
+    """`x` laid out as `spec` on the current mesh."""
+    if explicit:
+        return jax.sharding.reshard(x, spec)
+    return lax.with_sharding_constraint(x, spec)
+
+
+def gather_invariant(x, axis_name, axis):
+    """`all_gather(x, tiled=True)` typed invariant over `axis_name`.
+
+    An output identical on every device can then leave `shard_map` replicated
+    (out_specs without the axis, with check_vma=True); its transpose slices the
+    cotangent instead of reduce-scattering it.
+    """
+    try:
+        from jax._src.lax.parallel import all_gather_invariant
+    except ImportError:  # public fallback: sum one-hot placements (twice the traffic)
+        n = lax.axis_size(axis_name)
+        i = lax.axis_index(axis_name)
+        shape = list(x.shape)
+        shape[axis] *= n
+        big = lax.dynamic_update_slice_in_dim(
+            jax.numpy.zeros(shape, x.dtype), x, i * x.shape[axis], axis)
+        return lax.psum(big, axis_name)
+    return all_gather_invariant(x, axis_name, axis=axis, tiled=True)

@@ -1,0 +1,79 @@
+"""Rewriting the `eqx.nn.Linear` leaves of a model into fusedpar layers by a plan."""
+
+from __future__ import annotations
+
+import fnmatch
+
+import equinox as eqx
+import jax
+
+from . import _specs
+from ._layer import ParallelLinear, layer_class
+
+_NAMES = {"column": _specs.Column, "row": _specs.Row, "fsdp": _specs.FSDP}
+
+
+def _style(pattern, s):
+    if isinstance(s, str):
+        if s not in _NAMES:
+            raise ValueError(f"parallelize: plan[{pattern!r}] = {s!r} is not a style; use "
+                             f"{', '.join(map(repr, _NAMES))} or fusedpar.Column/Row/FSDP.")
+        return _NAMES[s]()
+    if not isinstance(s, (_specs.Column, _specs.Row, _specs.FSDP)):
+        raise TypeError(f"parallelize: plan[{pattern!r}] must be a style or a tuple of "
+                        f"styles, got {s!r}.")
+    return s
+
+
+def parallelize(model, plan: dict, *, backend: str = "auto"):
+    """`model` with its `eqx.nn.Linear` leaves replaced by fusedpar layers per `plan`.
+
+    **Arguments:**
+
+    - `model`: any pytree (e.g. a nested `eqx.Module`).
+    - `plan`: `{pattern: style or tuple of styles}`. A pattern is an `fnmatch` glob on a
+      layer's dotted path (`"blocks.0.mlp.up"`; list indices are path components, so
+      `"blocks.*.mlp.up"` matches every block). A style is `fusedpar.Column(...)`,
+      `fusedpar.Row(...)`, `fusedpar.FSDP(...)` or the strings `"column"`, `"row"`,
+      `"fsdp"` (default arguments). Every pattern a path matches contributes its
+      styles and they compose in any order (`"*": "fsdp"` with `"*.up": "column"` gives
+      a `ColumnLinear` with FSDP); two different tensor-parallel styles on one layer are
+      an error naming the path.
+    - `backend`: the backend of the new layers.
+
+    **Returns:** the model with the same weights. Each pattern must match at least one
+    `eqx.nn.Linear`.
+    """
+    plan = {p: tuple(_style(p, s) for s in (v if isinstance(v, tuple) else (v,)))
+            for p, v in plan.items()}
+    used = set()
+
+    def is_linear(x):
+        return isinstance(x, eqx.nn.Linear) and not isinstance(x, ParallelLinear)
+
+    def one(path, x):
+        if not is_linear(x):
+            return x
+        where = _specs._path_str(path)
+        styles = []
+        for pattern, s in plan.items():
+            if fnmatch.fnmatchcase(where, pattern):
+                used.add(pattern)
+                styles.extend(s)
+        if not styles:
+            return x
+        if "scalar" in (x.in_features, x.out_features):
+            raise ValueError(f"parallelize: {where} has in/out_features='scalar', which "
+                             "cannot be sharded.")
+        rule = _specs.compose(*styles, where=where)
+        return layer_class(rule).from_linear(x, rule, backend)
+
+    out = jax.tree_util.tree_map_with_path(one, model, is_leaf=is_linear)
+    unused = [p for p in plan if p not in used]
+    if unused:
+        paths = [_specs._path_str(p) for p, x in
+                 jax.tree_util.tree_flatten_with_path(model, is_leaf=is_linear)[0]
+                 if is_linear(x)]
+        raise ValueError(f"parallelize: plan pattern(s) {unused} matched no eqx.nn.Linear; "
+                         f"the model's linear layers are {paths}.")
+    return out

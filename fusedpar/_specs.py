@@ -1,0 +1,410 @@
+"""Sharding rules, and every PartitionSpec the layers use, derived in one place.
+
+A layer's sharding is a `Rule`: at most one tensor-parallel style (`Column` or `Row`) and
+at most one `FSDP` style, composed by `compose` in any order. From the rule come
+
+- the parameter specs (`Rule.param_specs`): which weight/bias dimension lies on which
+  mesh axis. Several axes on one dimension form a tuple in the canonical order
+  tensor-parallel first, FSDP second (`ROLES`), whatever order the styles were stacked
+  in. That order is what the layers rely on: gathering a weight over the FSDP axis
+  alone yields the tensor-parallel shard (the FSDP blocks are the minor ones);
+- the activation specs (`Rule.activation_specs`): the layout of the layer's input and
+  output, i.e. the `shard_map` in/out specs the layer wraps itself in;
+- the local (per-device) weight shape, and validation against a mesh: the axis exists,
+  the dimension divides, an axis shards an array once. Errors name the parameter path,
+  dimension, size and axes. Relaxed validation drops the tensor-parallel or FSDP style
+  whose axes do not divide, and reports what it dropped.
+
+Whole-model functions (`param_specs`, `validate`, `shard_map_specs`) walk a model and
+apply these per layer; non-parallel arrays are replicated (`PartitionSpec()`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Union
+
+import equinox as eqx
+import jax
+from jax.sharding import PartitionSpec as P
+
+ROLES = ("tp", "fsdp")  # canonical order of axes sharing one dimension: major first
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """Tensor parallel on the output features: weight `(out, in)` dim 0 over `axis`.
+
+    Input replicated (or, with `sequence_parallel`, sharded on its sequence dimension,
+    dim -2); output sharded on its features (replicated with `gather_output`).
+    """
+
+    axis: str = "tp"
+    sequence_parallel: bool = False
+    gather_output: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """Tensor parallel on the input features: weight `(out, in)` dim 1 over `axis`.
+
+    Input sharded on its features (a `Column` output); output replicated (or, with
+    `sequence_parallel`, sharded on its sequence dimension, dim -2).
+    """
+
+    axis: str = "tp"
+    sequence_parallel: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDP:
+    """Fully sharded data parallel: the weight's dimension `dim` over `axis`.
+
+    `dim=None` picks the weight dimension a tensor-parallel style leaves free (dim 1 with
+    `Column`, dim 0 with `Row` or alone); `dim` equal to the tensor-parallel dimension
+    shards it over both axes, `(tp, fsdp)`. The bias stays replicated over `axis` (it
+    is small; its gradient is summed over the data shards by autodiff). The input's
+    batch dimension (dim 0) is sharded over `axis`.
+    """
+
+    axis: str = "fsdp"
+    dim: Optional[int] = None
+
+
+Style = Union[Column, Row, FSDP]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """One mesh axis on one dimension of one parameter, put there by a style's `role`."""
+
+    param: str
+    dim: int
+    axis: str
+    role: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Drop:
+    """What relaxed validation dropped: `axes` no longer shard `path`'s dim `dim`."""
+
+    path: str
+    dim: int
+    size: int
+    axes: tuple
+
+    def __str__(self):
+        return (f"{self.path}: dim {self.dim} (size {self.size}) no longer sharded over "
+                f"{self.axes}")
+
+
+def _style_name(s) -> str:
+    return type(s).__name__
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A layer's composed sharding: `tp` (a `Column`/`Row` or None), `fsdp` (or None)."""
+
+    tp: Optional[Union[Column, Row]] = None
+    fsdp: Optional[FSDP] = None
+
+    @property
+    def axes(self) -> tuple:
+        """The mesh axes this rule uses, tensor-parallel first."""
+        return tuple(s.axis for s in (self.tp, self.fsdp) if s is not None)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return bool(self.tp is not None and self.tp.sequence_parallel)
+
+    @property
+    def tp_dim(self) -> Optional[int]:
+        """The weight dimension the tensor-parallel style shards."""
+        return None if self.tp is None else (0 if isinstance(self.tp, Column) else 1)
+
+    @property
+    def fsdp_dim(self) -> Optional[int]:
+        """The weight dimension the FSDP style shards (resolving `dim=None`)."""
+        if self.fsdp is None:
+            return None
+        if self.fsdp.dim is not None:
+            return self.fsdp.dim
+        return 1 if self.tp_dim == 0 else 0
+
+    def without_fsdp(self) -> "Rule":
+        return Rule(self.tp, None)
+
+    def placements(self, use_bias: bool) -> tuple:
+        out = []
+        if self.tp is not None:
+            out.append(Placement("weight", self.tp_dim, self.tp.axis, "tp"))
+            if isinstance(self.tp, Column) and use_bias:
+                out.append(Placement("bias", 0, self.tp.axis, "tp"))
+        if self.fsdp is not None:
+            out.append(Placement("weight", self.fsdp_dim, self.fsdp.axis, "fsdp"))
+        return tuple(out)
+
+    def param_specs(self, where: str, use_bias: bool) -> dict:
+        """`{"weight": P, "bias": P or None}`; `where` names the layer in errors."""
+        pl = self.placements(use_bias)
+        return {"weight": merge(f"{where}.weight", 2, pl),
+                "bias": merge(f"{where}.bias", 1, pl) if use_bias else None}
+
+    def local_weight_shape(self, shape, sizes: dict) -> tuple:
+        """Per-device weight shape on a mesh with `sizes` (axis -> size)."""
+        spec = self.param_specs("weight", False)["weight"]
+        return tuple(n // _product(_axes_of(e), sizes) for n, e in zip(shape, spec))
+
+    def activation_specs(self, ndim: int, data: bool = False) -> tuple[P, P]:
+        """(input spec, output spec) of a `(..., features)` activation of rank `ndim`.
+
+        `data`: the batch dimension (dim 0) is sharded over the FSDP axis.
+        """
+        x = [None] * ndim
+        y = [None] * ndim
+        if data:
+            x[0] = y[0] = self.fsdp.axis
+        tp = self.tp
+        if isinstance(tp, Column):
+            if tp.sequence_parallel:
+                x[ndim - 2] = tp.axis
+            if not tp.gather_output:
+                y[ndim - 1] = tp.axis
+        elif isinstance(tp, Row):
+            x[ndim - 1] = tp.axis
+            if tp.sequence_parallel:
+                y[ndim - 2] = tp.axis
+        return P(*x), P(*y)
+
+    def relax(self, where: str, weight_shape, sizes: dict) -> tuple["Rule", list]:
+        """This rule minus the styles whose axes do not divide their weight dimension."""
+        rule, drops = self, []
+        if rule.tp is not None and weight_shape[rule.tp_dim] % sizes[rule.tp.axis]:
+            drops.append(Drop(f"{where}.weight", rule.tp_dim, weight_shape[rule.tp_dim],
+                              (rule.tp.axis,)))
+            rule = Rule(None, rule.fsdp if rule.fsdp is None or rule.fsdp.dim is not None
+                        else FSDP(rule.fsdp.axis, rule.fsdp_dim))
+        if rule.fsdp is not None:
+            d = rule.fsdp_dim
+            n = sizes[rule.fsdp.axis] * (sizes[rule.tp.axis] if rule.tp_dim == d else 1)
+            if weight_shape[d] % n:
+                drops.append(Drop(f"{where}.weight", d, weight_shape[d], (rule.fsdp.axis,)))
+                rule = Rule(rule.tp, None)
+        return rule, drops
+
+
+def compose(*styles, where: str = "layer") -> Rule:
+    """Compose styles (and rules) into one `Rule`; the order of `styles` is irrelevant.
+
+    At most one tensor-parallel style (`Column`/`Row`) and one `FSDP` style; None is
+    ignored. Placing one mesh axis twice is caught when specs are derived.
+    """
+    tp = fsdp = None
+    flat = []
+    for s in styles:
+        flat.extend([s.tp, s.fsdp] if isinstance(s, Rule) else [s])
+    for s in flat:
+        if s is None:
+            continue
+        if isinstance(s, (Column, Row)):
+            if tp is not None and tp != s:
+                raise ValueError(f"{where}: two tensor-parallel styles, {tp} and {s}; a "
+                                 "layer can be column- or row-parallel, not both.")
+            tp = s
+        elif isinstance(s, FSDP):
+            if fsdp is not None and fsdp != s:
+                raise ValueError(f"{where}: two FSDP styles, {fsdp} and {s}; a layer "
+                                 "takes one.")
+            fsdp = s
+        else:
+            raise TypeError(f"{where}: expected Column, Row or FSDP styles, got {s!r}.")
+    if fsdp is not None and fsdp.dim not in (None, 0, 1):
+        raise ValueError(f"{where}: FSDP dim must be None, 0 or 1 (a weight dimension), "
+                         f"got {fsdp.dim!r}.")
+    rule = Rule(tp, fsdp)
+    rule.param_specs(where, True)  # raises if an axis is used twice
+    return rule
+
+
+def merge(path: str, ndim: int, placements) -> P:
+    """The PartitionSpec of a rank-`ndim` parameter from the placements naming it.
+
+    Axes on one dimension are ordered by `ROLES`, so stacking order never matters.
+    """
+    dims: list[list[Placement]] = [[] for _ in range(ndim)]
+    seen: dict[str, Placement] = {}
+    param = path.rsplit(".", 1)[-1]
+    for p in placements:
+        if p.param != param:
+            continue
+        if p.axis in seen:
+            q = seen[p.axis]
+            raise ValueError(
+                f"{path}: mesh axis {p.axis!r} is used twice (dim {q.dim} by {q.role}, dim "
+                f"{p.dim} by {p.role}); an axis can shard an array only once — give the "
+                "tensor-parallel and FSDP styles different axes.")
+        seen[p.axis] = p
+        dims[p.dim].append(p)
+    entries = []
+    for ps in dims:
+        axes = tuple(p.axis for p in sorted(ps, key=lambda p: ROLES.index(p.role)))
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*entries)
+
+
+def _axes_of(entry) -> tuple:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _product(axes, sizes) -> int:
+    return math.prod(sizes[a] for a in axes)
+
+
+def mesh_sizes(mesh) -> dict:
+    """`{axis name: size}` of a `Mesh` or `AbstractMesh`."""
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def check_spec(path: str, shape, spec: P, sizes: dict, what="parameter"):
+    """Raise unless every axis of `spec` is in the mesh and divides its dimension."""
+    for d, entry in enumerate(spec):
+        axes = _axes_of(entry)
+        missing = [a for a in axes if a not in sizes]
+        if missing:
+            raise ValueError(
+                f"{path}: mesh axis {missing[0]!r} (sharding dim {d}) is not in the mesh, "
+                f"whose axes are {tuple(sizes)}.")
+        n = _product(axes, sizes)
+        if axes and shape[d] % n:
+            sz = ", ".join(f"{a}={sizes[a]}" for a in axes)
+            raise ValueError(
+                f"{path}: {what} dim {d} has size {shape[d]}, not divisible by {n}, the "
+                f"product of mesh axes {axes} ({sz}); change the size, the mesh, or use "
+                "relaxed=True to replicate this dimension.")
+
+
+# --- whole models -----------------------------------------------------------------
+
+def is_layer(x) -> bool:
+    """A fusedpar layer: a module with a sharding `Rule`."""
+    return isinstance(x, eqx.Module) and isinstance(getattr(x, "rule", None), Rule)
+
+
+def _path_str(path) -> str:
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.GetAttrKey):
+            parts.append(k.name)
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        else:
+            parts.append(str(getattr(k, "key", getattr(k, "name", k))))
+    return ".".join(parts) or "model"
+
+
+def layer_param_specs(layer, where: str, rule: Optional[Rule] = None) -> Any:
+    """`layer` with each array replaced by its PartitionSpec (under `rule`, default its own)."""
+    rule = layer.rule if rule is None else rule
+    specs = rule.param_specs(where, layer.bias is not None)
+
+    def spec(path, leaf):
+        name = path[-1].name if path and hasattr(path[-1], "name") else None
+        if name in specs and specs[name] is not None:
+            return specs[name]
+        return P() if eqx.is_array(leaf) else None
+
+    return jax.tree_util.tree_map_with_path(spec, layer)
+
+
+def param_specs(model) -> Any:
+    """A PartitionSpec for every array of `model` (a pytree of any depth).
+
+    Arrays of fusedpar layers get their rule's specs; every other array is replicated,
+    `PartitionSpec()`; non-array leaves become None. The result matches
+    `eqx.filter(model, eqx.is_array)`, so it serves as `shard_map` in_specs for it.
+    Raises if a layer uses one mesh axis twice on an array (naming its path).
+    """
+
+    def one(path, x):
+        if is_layer(x):
+            return layer_param_specs(x, _path_str(path))
+        return P() if eqx.is_array(x) else None
+
+    return jax.tree_util.tree_map_with_path(one, model, is_leaf=is_layer)
+
+
+def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
+    """Check `model`'s specs against `mesh`; return `(model, dropped)`.
+
+    Every axis a layer uses must be in the mesh, and every sharded dimension must divide
+    by the product of its axes' sizes; otherwise a `ValueError` names the parameter path,
+    dimension, size and axes. With `relaxed=True` a layer whose dimension does not divide
+    loses that style instead (its dimension is replicated; a layer left with no style
+    becomes an `eqx.nn.Linear` with the same weights), and `dropped` lists each `Drop`.
+    """
+    sizes = mesh_sizes(mesh)
+    dropped: list = []
+
+    def one(path, x):
+        if not is_layer(x):
+            return x
+        where = _path_str(path)
+        for a in x.rule.axes:
+            if a not in sizes:
+                raise ValueError(f"{where}: mesh axis {a!r} is not in the mesh, whose axes "
+                                 f"are {tuple(sizes)}.")
+        if relaxed:
+            rule, drops = x.rule.relax(where, x.weight.shape, sizes)
+            if drops:
+                dropped.extend(drops)
+                x = x.with_rule(rule)
+                if not is_layer(x):
+                    return x
+        specs = x.rule.param_specs(where, x.bias is not None)
+        check_spec(f"{where}.weight", x.weight.shape, specs["weight"], sizes)
+        if x.bias is not None:
+            check_spec(f"{where}.bias", x.bias.shape, specs["bias"], sizes)
+        return x
+
+    model = jax.tree_util.tree_map_with_path(one, model, is_leaf=is_layer)
+    return model, dropped
+
+
+def _layers(model) -> list:
+    leaves = jax.tree_util.tree_leaves(model, is_leaf=is_layer)
+    return [x for x in leaves if is_layer(x)]
+
+
+def shard_map_specs(model, x_ndim: int) -> tuple:
+    """`(in_specs, out_specs)` to run `model(x)` inside `jax.shard_map`.
+
+    `in_specs = (param_specs(model), x_spec)` for the arguments
+    `(eqx.filter(model, eqx.is_array), x)`; `x_spec` is the input layout of the model's
+    first fusedpar layer and `out_specs` the output layout of its last one (in pytree
+    order, i.e. attribute order — the order a sequential model applies them in).
+    `x_ndim` is the rank of `x`; an FSDP layer shards its batch dimension (dim 0) when
+    `x` has one (`has_data_dim`).
+    """
+    layers = _layers(model)
+    if not layers:
+        raise ValueError("shard_map_specs: the model has no fusedpar layers; every array is "
+                         "replicated, use in_specs=P() and out_specs=P().")
+    first, last = layers[0].rule, layers[-1].rule
+    x_spec = first.activation_specs(x_ndim, has_data_dim(first, x_ndim))[0]
+    y_spec = last.activation_specs(x_ndim, has_data_dim(last, x_ndim))[1]
+    return (param_specs(model), x_spec), y_spec
+
+
+def has_data_dim(rule: Rule, ndim: int) -> bool:
+    """Whether an input of rank `ndim` has a batch dimension for the FSDP axis.
+
+    Dim 0, when it is neither the feature dimension nor the sequence dimension (dim -2)
+    of a sequence-parallel layer.
+    """
+    return rule.fsdp is not None and ndim >= 2 + rule.sequence_parallel

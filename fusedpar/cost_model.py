@@ -1,0 +1,432 @@
+"""A small analytic model of how long each backend takes for one op, used by `"auto"`.
+
+The model follows one device through a ring of `N` devices (`_schedule.Ring`):
+
+- **reference**: the whole collective, then the whole matmul (nothing overlaps). The
+  collective moves `N - 1` blocks over the faster of the device's ring links (collective
+  libraries use both directions where the topology has separate links).
+- **ring** / **pallas**: `N` compute steps, each multiplying one block, and `N - 1`
+  transfers, each running while a step computes. A step lasts `max(compute, transfer)`
+  when the two overlap fully; `Hardware.overlap` < 1 adds back the part that does not
+  hide. One step is always exposed: an all-gather's last step computes with nothing left
+  to send, a reduce-scatter's first step computes before there is anything to send, so
+
+      time = compute_step + (N - 1) * overlapped(compute_step, transfer_step)
+             + N * step_overhead
+
+  A bidirectional ring sends half a block each way per step, so on hardware with one link
+  per neighbour (TPU ICI torus) the per-step transfer time halves; where both directions
+  share the device's egress (NVLink through NVSwitch) it does not.
+
+Compute time is a roofline: `max(flops / (peak * efficiency), bytes / hbm_bandwidth)` plus
+a per-kernel launch overhead, so thin per-step matmuls of small shapes become memory- and
+overhead-bound and decomposing stops paying. The reduce-scatter accumulator travels in
+`reduce_dtype` (float32 by default), doubling its bytes for bfloat16 inputs.
+
+Presets (`PRESETS`) come from public spec sheets; `calibrate` fits a preset to measured
+numbers (for example the single-GPU bench: a matmul's time and a transfer's time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Optional, Union
+
+import numpy as np
+
+from . import _primitives as P
+
+# -- hardware --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """What the model needs to know about one device and its ring links.
+
+    - `name`: a label.
+    - `flops`: peak matmul FLOP/s per device by input dtype name (`"bfloat16"`, ...);
+      dtypes not listed use `flops["float32"]`.
+    - `efficiency`: fraction of peak a large matmul reaches.
+    - `hbm_bandwidth`: device memory bytes/s (the roofline's memory side).
+    - `link_bandwidth`: bytes/s one way to one ring neighbour.
+    - `egress_bandwidth`: bytes/s a device can send in total, over all its links.
+    - `step_latency`: seconds of fixed cost per ring step of the lax ring (a ppermute
+      launch and synchronisation, plus the step's small ops).
+    - `kernel_step_latency`: the same for the "pallas" backend (on TPU a DMA start and a
+      semaphore wait inside the fused kernel).
+    - `hop_latency`: seconds per ring hop inside the reference's collective (the
+      collective library's own per-step cost).
+    - `launch_overhead`: seconds of fixed cost per matmul kernel / collective launch.
+    - `overlap`: fraction of the shorter of (compute, transfer) that hides behind the
+      longer one: 1 on accelerators with DMA engines, 0 where "transfers" are copies made
+      by the same cores that compute (the simulated CPU devices).
+    """
+
+    name: str
+    flops: Mapping[str, float]
+    efficiency: float
+    hbm_bandwidth: float
+    link_bandwidth: float
+    egress_bandwidth: float
+    step_latency: float
+    kernel_step_latency: float
+    hop_latency: float
+    launch_overhead: float
+    overlap: float = 1.0
+
+    def matmul_flops(self, dtype) -> float:
+        name = np.dtype(dtype).name
+        return self.flops.get(name, self.flops["float32"]) * self.efficiency
+
+    def send_bandwidth(self, directions: int) -> float:
+        """Bytes/s per direction when sending to `directions` neighbours at once."""
+        return min(self.link_bandwidth, self.egress_bandwidth / directions)
+
+
+_T, _G = 1e12, 1e9
+_GPU_FLOPS = {"bfloat16": 989 * _T, "float16": 989 * _T, "float32": 495 * _T,
+              "float64": 67 * _T}
+
+PRESETS: dict[str, Hardware] = {
+    # NVIDIA H100 SXM5: 989 TFLOP/s dense bf16/fp16, 495 TF32 (JAX's default precision for
+    # float32 matmuls on GPU), 3.35 TB/s HBM3; NVLink 4: 900 GB/s both ways = 450 GB/s out,
+    # shared by all peers through NVSwitch. The GPU "pallas" backend still drives its ring
+    # with ppermute, so its per-step cost is close to the lax ring's.
+    "h100_sxm": Hardware(
+        "H100 SXM", _GPU_FLOPS, efficiency=0.7, hbm_bandwidth=3.35 * _T,
+        link_bandwidth=450 * _G, egress_bandwidth=450 * _G, step_latency=10e-6,
+        kernel_step_latency=8e-6, hop_latency=3e-6, launch_overhead=5e-6, overlap=0.9),
+    # NVIDIA H200 SXM: H100 compute, 4.8 TB/s HBM3e, the same NVLink 4.
+    "h200": Hardware(
+        "H200 SXM", _GPU_FLOPS, efficiency=0.7, hbm_bandwidth=4.8 * _T,
+        link_bandwidth=450 * _G, egress_bandwidth=450 * _G, step_latency=10e-6,
+        kernel_step_latency=8e-6, hop_latency=3e-6, launch_overhead=5e-6, overlap=0.9),
+    # TPU v5e: 197 TFLOP/s bf16, 819 GB/s HBM2, ICI 400 GB/s both ways per chip over 4
+    # links (2-D torus) = 50 GB/s one way per link. float32 matmuls run as bf16 passes at
+    # the default precision. The fused kernel's step is a DMA start and a semaphore wait.
+    "tpu_v5e": Hardware(
+        "TPU v5e", {"bfloat16": 197 * _T, "float32": 197 * _T}, efficiency=0.8,
+        hbm_bandwidth=819 * _G, link_bandwidth=50 * _G, egress_bandwidth=200 * _G,
+        step_latency=5e-6, kernel_step_latency=1.5e-6, hop_latency=1e-6,
+        launch_overhead=2e-6, overlap=1.0),
+    # TPU v5p: 459 TFLOP/s bf16, 2765 GB/s HBM2e, ICI 1200 GB/s both ways per chip over 6
+    # links (3-D torus) = 100 GB/s one way per link.
+    "tpu_v5p": Hardware(
+        "TPU v5p", {"bfloat16": 459 * _T, "float32": 459 * _T}, efficiency=0.8,
+        hbm_bandwidth=2765 * _G, link_bandwidth=100 * _G, egress_bandwidth=600 * _G,
+        step_latency=5e-6, kernel_step_latency=1.5e-6, hop_latency=1e-6,
+        launch_overhead=2e-6, overlap=1.0),
+    # One of 8 simulated devices on a 2-core CPU (rough, from bench/RESULTS.md): the
+    # devices share the cores and a "transfer" is a copy made by those cores, so nothing
+    # overlaps. Pallas there is an interpreter; auto never picks it.
+    "cpu": Hardware(
+        "CPU (simulated device)", {"float32": 2 * _G}, efficiency=1.0, hbm_bandwidth=2 * _G,
+        link_bandwidth=1 * _G, egress_bandwidth=1 * _G, step_latency=200e-6,
+        kernel_step_latency=200e-6, hop_latency=50e-6, launch_overhead=50e-6, overlap=0.0),
+}
+_ALIASES = {"h100": "h100_sxm", "h200_sxm": "h200", "v5e": "tpu_v5e", "v5p": "tpu_v5p"}
+
+_default: Optional[Hardware] = None
+
+
+def get_hardware(spec: Union[str, Hardware, None] = None, platform: Optional[str] = None) -> Hardware:
+    """A `Hardware`: `spec` itself, a preset by name, or the one for `platform`.
+
+    With `spec=None`: the hardware set by `set_hardware`, else a preset guessed from the
+    local device kind when it is of `platform`, else H100 SXM for "gpu", TPU v5e for
+    "tpu" and the simulated-device preset for "cpu".
+    """
+    if isinstance(spec, Hardware):
+        return spec
+    if spec is not None:
+        key = _ALIASES.get(spec.lower(), spec.lower())
+        if key not in PRESETS:
+            raise ValueError(f"cost_model: unknown hardware {spec!r}; presets are "
+                             f"{', '.join(sorted(PRESETS))} (or pass a Hardware).")
+        return PRESETS[key]
+    if _default is not None:
+        return _default
+    platform = _family(platform or _local_platform())
+    guess = _guess_from_device_kind(platform)
+    if guess is not None:
+        return guess
+    return PRESETS[{"gpu": "h100_sxm", "tpu": "tpu_v5e"}.get(platform, "cpu")]
+
+
+def set_hardware(spec: Union[str, Hardware, None]) -> None:
+    """Make `spec` the hardware `"auto"` assumes (None: guess from the devices again)."""
+    global _default
+    _default = None if spec is None else get_hardware(spec)
+
+
+def _family(platform: str) -> str:
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
+def _local_platform() -> str:
+    import jax
+
+    return jax.default_backend()
+
+
+def _guess_from_device_kind(platform: str) -> Optional[Hardware]:
+    try:
+        import jax
+
+        if _family(jax.default_backend()) != platform:
+            return None
+        kind = jax.devices()[0].device_kind.lower()
+    except Exception:  # no backend initialised for that platform
+        return None
+    for needle, key in (("h200", "h200"), ("h100", "h100_sxm"), ("v5 lite", "tpu_v5e"),
+                        ("v5e", "tpu_v5e"), ("v5p", "tpu_v5p"), ("tpu v5", "tpu_v5p")):
+        if needle in kind:
+            return PRESETS[key]
+    return None
+
+
+def calibrate(base: Union[str, Hardware], *, matmul: Optional[tuple] = None,
+              transfer: Optional[tuple] = None, step_latency: Optional[float] = None,
+              overlap: Optional[float] = None, name: Optional[str] = None) -> Hardware:
+    """`base` with numbers fitted to measurements.
+
+    - `matmul=(m, k, n, dtype, seconds)`: a measured `(m, k) @ (k, n)` matmul; sets the
+      achieved FLOP/s for `dtype` (with `efficiency` 1, so the number is used as is).
+    - `transfer=(bytes, seconds)`: one ppermute of `bytes` to a neighbour; sets the link
+      bandwidth (and raises the egress bandwidth to at least it).
+    - `step_latency`, `overlap`: replace those fields.
+    """
+    hw = get_hardware(base)
+    changes = {"name": name or f"{hw.name} (calibrated)"}
+    if matmul is not None:
+        m, k, n, dtype, seconds = matmul
+        achieved = 2.0 * m * k * n / seconds
+        flops = {key: value * hw.efficiency for key, value in hw.flops.items()}
+        flops[np.dtype(dtype).name] = achieved
+        changes.update(flops=flops, efficiency=1.0)
+    if transfer is not None:
+        nbytes, seconds = transfer
+        bw = nbytes / seconds
+        changes.update(link_bandwidth=bw, egress_bandwidth=max(bw, hw.egress_bandwidth))
+    if step_latency is not None:
+        changes["step_latency"] = step_latency
+    if overlap is not None:
+        changes["overlap"] = overlap
+    return dataclasses.replace(hw, **changes)
+
+
+# -- the model -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Breakdown:
+    """One backend's estimate for one primitive call, and where the time goes.
+
+    Times in seconds, bytes per device. `compute_step`/`transfer_step` are one ring step's
+    matmul and one direction's transfer (for "reference": the whole matmul and the whole
+    collective); `steps` the compute steps; `bytes_step` the bytes sent per direction per
+    step; `bytes_sent` the bytes a device sends in the whole op.
+    """
+
+    backend: str
+    seconds: float
+    compute_step: float
+    transfer_step: float
+    steps: int
+    bytes_step: int
+    bytes_sent: int
+
+    @property
+    def bound(self) -> str:
+        """"compute" or "communication": which side of a step is longer."""
+        return "communication" if self.transfer_step > self.compute_step else "compute"
+
+
+def _itemsize(dtype) -> int:
+    return np.dtype(dtype).itemsize
+
+
+def _acc_dtype(dtype):
+    return np.promote_types(np.dtype(dtype), np.float32)
+
+
+def _matmul_time(hw: Hardware, m, k, n, dtype, out_bytes_per_elem, extra_bytes=0) -> float:
+    """Roofline time of one (m, k) @ (k, n) kernel, plus its launch overhead."""
+    flops = 2.0 * m * k * n
+    nbytes = (m * k + k * n) * _itemsize(dtype) + m * n * out_bytes_per_elem + extra_bytes
+    return max(flops / hw.matmul_flops(dtype), nbytes / hw.hbm_bandwidth) + hw.launch_overhead
+
+
+def _problem(prim, x_shape, w_shape, n, dtype, reduce_dtype):
+    """Per-step matmul (m, k, n, out bytes/elem, extra bytes) and the travelling block's bytes."""
+    (mx, kx), (kw, nw) = x_shape, w_shape
+    b = _itemsize(dtype)
+    acc = _itemsize(_acc_dtype(dtype))
+    rb = _itemsize(reduce_dtype)
+    if prim == P.AG_ROWS:  # x's row block travels; each step writes a row block of out
+        return (mx, kx, nw, b, 0), mx * kx * b
+    if prim == P.AG_COLS:  # w's column block travels; each step writes a column block
+        return (mx, kx, nw, b, 0), kw * nw * b
+    if prim == P.AG_CONTRACT:  # w's row block travels; each step adds into an f32 (M, n)
+        return (mx, kx // n, nw, acc, mx * nw * acc), kw * nw * b
+    if prim == P.RS_ROWS:  # an (M/N, n) accumulator travels; each step adds into it
+        return (mx // n, kx, nw, rb, (mx // n) * nw * rb), (mx // n) * nw * rb
+    if prim == P.RS_COLS:
+        return (mx, kx, nw // n, rb, mx * (nw // n) * rb), mx * (nw // n) * rb
+    raise ValueError(f"cost_model: unknown primitive {prim!r}; valid: {', '.join(P.PRIMITIVES)}.")
+
+
+def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
+              hardware: Union[str, Hardware, None] = None, *,
+              bidirectional: bool = False, reduce_dtype=None,
+              backends=("reference", "ring", "pallas")) -> dict[str, Breakdown]:
+    """The model for one primitive (`_primitives.py`) on canonical 2-D local shapes."""
+    hw = get_hardware(hardware)
+    n = int(ring_size)
+    if n < 1:
+        raise ValueError(f"cost_model: ring_size must be >= 1, got {ring_size!r}.")
+    reduce_dtype = np.dtype(_acc_dtype(dtype) if reduce_dtype is None else reduce_dtype)
+    (m, k, cols, out_b, extra), block_bytes = _problem(prim, x_shape, w_shape, n, dtype,
+                                                       reduce_dtype)
+    sent = (n - 1) * block_bytes
+    result = {}
+    if "reference" in backends:
+        # One matmul over the whole problem, and one collective before (all-gathers) or
+        # after it (reduce-scatters) that uses every link the device has to ring neighbours.
+        whole = _matmul_time(hw, *_full(prim, x_shape, w_shape, n), dtype, out_b)
+        collective = 0.0
+        if n > 1:
+            collective = (hw.launch_overhead + (n - 1) * hw.hop_latency
+                          + sent / max(hw.send_bandwidth(1), 2 * hw.send_bandwidth(2)))
+        result["reference"] = Breakdown("reference", whole + collective, whole, collective,
+                                        1, sent, sent)
+    dirs = 2 if bidirectional and n > 1 else 1
+    per_dir = block_bytes // dirs
+    transfer = per_dir / hw.send_bandwidth(dirs) if n > 1 else 0.0
+    for name, latency in (("ring", hw.step_latency), ("pallas", hw.kernel_step_latency)):
+        if name not in backends:
+            continue
+        # Each direction runs its own half-size matmul per step: more launches, same flops.
+        c = _step_time(hw, prim, m, k, cols, dtype, out_b, extra, dirs)
+        # The first step has no accumulator to read yet (nothing has arrived).
+        first = _step_time(hw, prim, m, k, cols, dtype, out_b, 0, dirs)
+        t = transfer + (latency if n > 1 else 0.0)
+        overlapped = max(c, t) + (1.0 - hw.overlap) * min(c, t)
+        total = first + (n - 1) * overlapped
+        result[name] = Breakdown(name, total, c, t, n, per_dir if n > 1 else 0, sent)
+    return result
+
+
+def _step_time(hw, prim, m, k, cols, dtype, out_b, extra, dirs):
+    """One ring step's compute: one matmul, or one half-size matmul per direction."""
+    if dirs == 1:
+        return _matmul_time(hw, m, k, cols, dtype, out_b, extra)
+    # Each direction's piece is half the block; an ag_contract step still adds into the
+    # whole (M, n) accumulator per direction.
+    half_extra = extra if prim == P.AG_CONTRACT else extra // 2
+    return 2 * _matmul_time(hw, *_half(prim, m, k, cols), dtype, out_b, half_extra)
+
+
+def _full(prim, x_shape, w_shape, n):
+    """The reference's single matmul (m, k, n) over the gathered operand / whole product."""
+    (mx, kx), (_, nw) = x_shape, w_shape
+    if prim == P.AG_ROWS:
+        return n * mx, kx, nw
+    if prim == P.AG_COLS:
+        return mx, kx, n * nw
+    return mx, kx, nw
+
+
+def _half(prim, m, k, cols):
+    """The per-direction matmul of a bidirectional step: the block split along its axis."""
+    if prim in (P.AG_ROWS, P.RS_ROWS):
+        return m // 2 or 1, k, cols
+    if prim == P.AG_CONTRACT:
+        return m, k // 2 or 1, cols
+    return m, k, cols // 2 or 1
+
+
+def estimate_call(call, hardware=None, reduce_dtype=None) -> dict[str, Breakdown]:
+    """The model for a dispatch `Call` (`_backends.Call`), with the ring shape auto uses."""
+    from . import _backends
+
+    bidirectional, _ = _backends._ring_shape(call, None)
+    return breakdown(call.prim, call.x_shape, call.w_shape, call.axis_size, call.dtype,
+                     get_hardware(hardware, call.platform or None),
+                     bidirectional=bidirectional, reduce_dtype=reduce_dtype)
+
+
+def _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, platform):
+    """Validate an op's local shapes and canonicalise them, as the ops do."""
+    import jax
+
+    from . import _ops
+
+    x = jax.ShapeDtypeStruct(tuple(x_shape), np.dtype(dtype))
+    w = jax.ShapeDtypeStruct(tuple(w_shape), np.dtype(dtype))
+    _, call = _ops._check(op, x, w, int(ring_size), gather, dim, bidirectional)
+    return dataclasses.replace(call, platform=platform)
+
+
+def estimate(op: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
+             hardware: Union[str, Hardware] = "h100_sxm", *, gather="lhs", dim=0,
+             bidirectional: Optional[bool] = None, reduce_dtype=None,
+             details: bool = False) -> dict:
+    """Estimated seconds of one call of `op` per backend: `{"reference": s, "ring": s, ...}`.
+
+    **Arguments:**
+
+    - `op`: `"all_gather_matmul"` or `"matmul_reduce_scatter"`.
+    - `x_shape`, `w_shape`: per-device (local) shapes, as passed to the op inside
+      `shard_map`; `gather`, `dim`: as for the op.
+    - `ring_size`: the size of the mesh axis the op runs over.
+    - `dtype`: the inputs' dtype. `reduce_dtype`: the reduce-scatter accumulator's dtype
+      (default float32 for 16-bit inputs, as the op's default).
+    - `hardware`: a preset name (`PRESETS`: "h100_sxm", "h200", "tpu_v5e", "tpu_v5p",
+      "cpu") or a `Hardware` (e.g. from `calibrate`).
+    - `bidirectional`: the ring shape (default: what the op would use).
+    - `details`: return `Breakdown`s (per-step compute/transfer, bytes) instead of seconds.
+
+    Covers "reference", "ring" and "pallas" (the fused kernels' smaller per-step cost);
+    whether a backend can run the call at all is not the model's business.
+    """
+    hw = get_hardware(hardware)
+    call = _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, "")
+    from . import _backends
+
+    bi, _ = _backends._ring_shape(call, None)
+    result = breakdown(call.prim, call.x_shape, call.w_shape, call.axis_size, call.dtype,
+                       hw, bidirectional=bi, reduce_dtype=reduce_dtype)
+    return result if details else {name: b.seconds for name, b in result.items()}
+
+
+def bytes_sent(op: str, x_shape, w_shape, ring_size: int, dtype="float32", *, gather="lhs",
+               dim=0, reduce_dtype=None) -> int:
+    """Bytes one device sends in one call of `op` (any backend, either ring direction)."""
+    return estimate(op, x_shape, w_shape, ring_size, dtype, "cpu", gather=gather, dim=dim,
+                    reduce_dtype=reduce_dtype, details=True)["ring"].bytes_sent
+
+
+def describe(result: Mapping[str, Breakdown]) -> str:
+    """A one-line summary of a `breakdown` for people: time per backend, and why."""
+    parts = []
+    for name, b in result.items():
+        if name == "reference":
+            parts.append(f"reference {_fmt(b.seconds)}")
+        else:
+            parts.append(f"{name} {_fmt(b.seconds)} ({b.steps} steps of "
+                         f"{_fmt(b.compute_step)} compute / {_fmt(b.transfer_step)} transfer, "
+                         f"{b.bound}-bound)")
+    return "estimated " + ", ".join(parts)
+
+
+def _fmt(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} us"
+
+
+__all__ = ["Hardware", "PRESETS", "Breakdown", "get_hardware", "set_hardware", "calibrate",
+           "estimate", "breakdown", "estimate_call", "bytes_sent", "describe"]

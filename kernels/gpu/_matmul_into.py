@@ -1,0 +1,101 @@
+"""All-gather step kernel: multiply the block in hand, write the product into its slice.
+
+`out` is the gathered result being filled in, aliased in place (`input_output_aliases`):
+each step writes only its own rows (`ag_rows`) or columns (`ag_cols`) and the rest of
+the buffer is left as it is, so no step copies the output. A bidirectional ring hands
+both halves of a step to one launch (one grid over the tiles of both).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from . import _matmul, _tiles
+
+
+def _kernel(segs_ref, *refs, axis, num_pieces, tiles_m, tiles_n, k, tiles, precision):
+    *piece_refs, other_ref, _, out_ref = refs  # the 4th-last is `out` going in (aliased)
+    bm, bn = tiles.block_m, tiles.block_n
+    pid = pl.program_id(0)
+    per_piece = tiles_m * tiles_n
+    i, j = _matmul.tile_of(pid % per_piece, tiles_m, tiles_n, tiles.group_m)
+
+    def piece(p):
+        # Offset of this piece's product in `out`, along `axis`, from its segment index.
+        start = segs_ref[p] * (tiles_m * bm if axis == 0 else tiles_n * bn)
+        if axis == 0:  # piece (mp, k) @ other (k, n) -> rows of out
+            a_ref, b_ref, rows, cols = piece_refs[p], other_ref, start + i * bm, j * bn
+        else:  # other (m, k) @ piece (k, np) -> columns of out
+            a_ref, b_ref, rows, cols = other_ref, piece_refs[p], i * bm, start + j * bn
+        acc = jnp.zeros((bm, bn), jnp.float32)
+        acc = _matmul.tile_product(acc, a_ref, i * bm, 0, b_ref, 0, j * bn, k=k,
+                                   block_k=tiles.block_k, precision=precision)
+        out_ref[pl.ds(pl.multiple_of(rows, bm), bm),
+                pl.ds(pl.multiple_of(cols, bn), bn)] = acc.astype(out_ref.dtype)
+
+    if num_pieces == 1:
+        piece(0)
+    else:  # the first half of the launch computes piece 0, the second piece 1
+        lax.cond(pid < per_piece, lambda: piece(0), lambda: piece(1))
+
+
+def matmul_into(out, pieces, other, segs, *, axis, precision=None, options=(),
+                interpret=False):
+    """`out` with each product written at its segment along `axis`, in place.
+
+    **Arguments:**
+
+    - `out`: the `(R, C)` buffer being filled (donated: the result aliases it).
+    - `pieces`: one or two blocks of the travelling operand, all the same shape.
+      `axis=0`: row blocks `(mp, k)` of the left operand; `axis=1`: column blocks
+      `(k, np)` of the right operand.
+    - `other`: the resident operand, `(k, C)` for `axis=0`, `(R, k)` for `axis=1`.
+    - `segs`: int32 `(len(pieces),)` segment indices (units of a product along `axis`).
+    - `precision`: as for `jnp.dot`; `options`: tile overrides (`_tiles.OPTIONS`);
+      `interpret`: run in Pallas interpret mode (CPU).
+
+    **Returns:** `out` with rows `[s*mp, (s+1)*mp)` (axis 0) or columns `[s*np, (s+1)*np)`
+    (axis 1) replaced by `piece @ other` / `other @ piece`, computed in float32 and cast
+    to `out.dtype`.
+    """
+    pieces = tuple(pieces)
+    piece = pieces[0]
+    if axis == 0:
+        (mp, k), n = piece.shape, other.shape[1]
+        m = mp
+    else:
+        m, (k, n) = other.shape[0], piece.shape
+    tiles = _tiles.choose(m, n, k, piece.dtype, options)
+    tiles_m, tiles_n = m // tiles.block_m, n // tiles.block_n
+    kernel = functools.partial(
+        _kernel, axis=axis, num_pieces=len(pieces), tiles_m=tiles_m, tiles_n=tiles_n, k=k,
+        tiles=tiles, precision=_matmul.dot_precision(precision, piece.dtype))
+    out_index = 1 + len(pieces) + 1  # segs, pieces..., other, out
+    segs = jnp.asarray(segs, jnp.int32)
+    out_shape = _matmul.out_struct(out.shape, out.dtype, segs, *pieces, other, out)
+    call = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(len(pieces) * tiles_m * tiles_n,),
+        input_output_aliases={out_index: 0},
+        compiler_params=_matmul.compiler_params(tiles),
+        interpret=interpret,
+        name=f"fusedpar_matmul_into_{'rows' if axis == 0 else 'cols'}",
+    )
+    return _matmul.launch(call, out_shape, interpret, segs, *pieces, other, out)
+
+
+def matmul_into_reference(out, pieces, other, segs, *, axis, precision=None):
+    """What `matmul_into` computes, in lax (the test oracle)."""
+    for p, s in zip(pieces, segs):
+        prod = (jnp.matmul(p, other, precision=precision, preferred_element_type=jnp.float32)
+                if axis == 0 else
+                jnp.matmul(other, p, precision=precision, preferred_element_type=jnp.float32))
+        out = lax.dynamic_update_slice_in_dim(out, prod.astype(out.dtype),
+                                              s * prod.shape[axis], axis)
+    return out

@@ -1,0 +1,163 @@
+"""What every TPU ring kernel shares: interpret-mode settings and the ring protocol.
+
+The protocol (one `Link` per kernel, both directions of a bidirectional ring):
+
+- *Barrier.* On entry every device signals both neighbours on the barrier semaphore and
+  waits for both signals, so no DMA or signal reaches a device that has not entered the
+  kernel (its buffers may still belong to the previous op).
+- *Slots.* Each direction has two receive slots. Transfer `t` lands in slot `t % 2` of
+  the receiving neighbour and signals that slot's own DMA semaphore (one semaphore per
+  slot: two DMAs in flight on one semaphore let a wait complete on the wrong one).
+- *Credits.* Transfer `t + 2` reuses the slot transfer `t` used. The receiver signals one
+  credit (a REGULAR semaphore per direction) to its sender once it is done with that slot
+  (computed with it and, for all-gathers, forwarded it); the sender waits for a credit
+  before every transfer `t >= 2`. Credits are only signalled when a later transfer will
+  wait for them, so every semaphore is back to zero at exit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from fusedpar._schedule import Ring
+
+# Private option values that break the protocol on purpose (tests/test_tpu_protocol.py
+# proves the race/NaN checks catch them). They share all other code with the real kernel.
+BROKEN_READ_BEFORE_WAIT = "read_before_wait"
+BROKEN_NO_CREDIT = "no_credit"
+BROKEN = (None, BROKEN_READ_BEFORE_WAIT, BROKEN_NO_CREDIT)
+
+CHECK_VMA_HINT = (
+    "The fused TPU kernels are collective Pallas kernels: the enclosing jax.shard_map "
+    "must be called with check_vma=False (JAX cannot type the kernel's output as "
+    "varying over the mesh axis).")
+
+
+def interpret_params(cfg):
+    """The `interpret=` argument of pallas_call for `cfg`.
+
+    Options: `interpret` (True/False; default: True on CPU, False on TPU) and
+    `interpret_params` (a `pltpu.InterpretParams`, implies interpret mode). Lowering for
+    TPU from a CPU host needs `interpret=False`.
+    """
+    params = cfg.option("interpret_params")
+    interpret = cfg.option("interpret")
+    if interpret is None:
+        interpret = params is not None or jax.default_backend() == "cpu"
+    if not interpret:
+        return False
+    return params if params is not None else pltpu.InterpretParams()
+
+
+def register_cpu_chip():
+    """Let `pltpu.emit_pipeline` run (interpret mode) or lower (for TPU) on a CPU host.
+
+    emit_pipeline asks `get_tpu_info()` for the default device's chip, which fails for
+    "cpu". We register a TPU v5p's description for the device kind "cpu" (a private JAX
+    registry; it only affects CPU hosts and never replaces an existing entry).
+    """
+    from jax._src.pallas.mosaic import tpu_info
+
+    if jax.default_backend() == "cpu" and "cpu" not in tpu_info.registry:
+        tpu_info.registry["cpu"] = lambda: pltpu.get_tpu_info_for_chip(
+            pltpu.ChipVersion.TPU_V5P, 1)
+
+
+def semaphores(ring):
+    """Scratch semaphores of a `Link`: (send DMA, recv DMA, local DMA, credit)."""
+    nd = ring.num_directions
+    return [pltpu.SemaphoreType.DMA((nd, 2)), pltpu.SemaphoreType.DMA((nd, 2)),
+            pltpu.SemaphoreType.DMA((nd,)), pltpu.SemaphoreType.REGULAR((nd,))]
+
+
+@dataclasses.dataclass
+class Link:
+    """A device's view of the ring inside a kernel: neighbours, slots and semaphores.
+
+    `slots` is a ref of shape `(num_directions, 2, *piece)`; `send`/`recv` are DMA
+    semaphores `(num_directions, 2)`; `local` is one DMA semaphore per direction for
+    local copies; `credit` one REGULAR semaphore per direction.
+    """
+
+    ring: Ring
+    axis_name: object
+    slots: object
+    send: object
+    recv: object
+    local: object
+    credit: object
+    broken: object = None
+
+    def __post_init__(self):
+        self.me = lax.axis_index(self.axis_name)
+
+    def _device(self, index):
+        return {self.axis_name: index}
+
+    def barrier(self):
+        """Wait until both neighbours have entered the kernel."""
+        sem = pltpu.get_barrier_semaphore()
+        for r in (1, -1):
+            pl.semaphore_signal(sem, 1, device_id=self._device(self.ring.send_to(self.me, r)))
+        pl.semaphore_wait(sem, 2)
+
+    def _copy(self, h, t, src):
+        r = self.ring.directions[h]
+        return pltpu.make_async_remote_copy(
+            src, self.slots.at[h, t % 2], self.send.at[h, t % 2], self.recv.at[h, t % 2],
+            device_id=self._device(self.ring.send_to(self.me, r)))
+
+    def start_send(self, h, t, src):
+        """Start transfer `t` of direction `h`: `src` into the neighbour's slot `t % 2`."""
+        if t >= 2 and self.broken != BROKEN_NO_CREDIT:
+            pl.semaphore_wait(self.credit.at[h], 1)  # the neighbour freed that slot
+        self._copy(h, t, src).start()
+
+    def wait_send(self, h, t, src):
+        self._copy(h, t, src).wait_send()
+
+    def wait_recv(self, h, t):
+        """Wait until transfer `t` of direction `h` has landed in this device's slot."""
+        self._copy(h, t, self.slots.at[h, t % 2]).wait_recv()
+
+    def received(self, h, t):
+        """The slot holding transfer `t` of direction `h`."""
+        return self.slots.at[h, t % 2]
+
+    def release(self, h, t):
+        """Done with the slot of transfer `t`: give the sender a credit if it reuses it."""
+        if t + 2 <= self.ring.num_transfers - 1 and self.broken != BROKEN_NO_CREDIT:
+            r = self.ring.directions[h]
+            pl.semaphore_signal(self.credit.at[h], 1,
+                                device_id=self._device(self.ring.recv_from(self.me, r)))
+
+    def local_copy(self, h, src, dst):
+        return pltpu.make_async_copy(src, dst, self.local.at[h])
+
+
+def half(ref, h, length, axis):
+    """Half `h` (of `length` elements along `axis`) of a ref."""
+    return segment(ref, h, length, axis)
+
+
+def segment(ref, index, length, axis):
+    """Segment `index` (in units of `length`) of a ref along `axis` (0 or 1)."""
+    window = pl.ds(pl.multiple_of(index * length, length) if not isinstance(index, int)
+                   else index * length, length)
+    return ref.at[window] if axis == 0 else ref.at[:, window]
+
+
+def call(kernel, ring, cfg, out_shapes, in_specs, *args):
+    """`pallas_call` of a ring kernel with HBM outputs and the `Link` semaphores."""
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    params = pltpu.CompilerParams(collective_id=0) if ring.size > 1 else None
+    f = pl.pallas_call(
+        kernel, out_shape=out_shapes, in_specs=in_specs, out_specs=[hbm] * len(out_shapes),
+        scratch_shapes=semaphores(ring), compiler_params=params,
+        interpret=interpret_params(cfg))
+    return f(*args)

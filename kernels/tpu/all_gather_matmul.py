@@ -1,0 +1,135 @@
+"""Fused all-gather + matmul as one Pallas TPU kernel (primitives ag_rows, ag_cols, ag_contract).
+
+One operand travels round the ring inside the kernel (`pltpu.make_async_remote_copy`);
+at each step a device starts sending the block in hand to its neighbour, then multiplies
+that block while the DMA is in flight (and the neighbour's block arrives in its slot).
+Which block a device holds at each step comes from `Ring.gather_segment`; the protocol
+(barrier, two slots per direction, one DMA semaphore per slot, credits) is `_common.Link`.
+
+| primitive     | travels (HBM)        | each step                                 |
+|---------------|----------------------|-------------------------------------------|
+| `ag_rows`     | x row blocks (m, K)  | out[seg rows] = piece @ w                 |
+| `ag_cols`     | w col blocks (K, n)  | out[:, seg cols] = x @ piece              |
+| `ag_contract` | w row blocks (k, n)  | out += x[:, seg cols] @ piece (f32 in HBM) |
+
+All three run natively (no transposes): column segments are strided HBM windows, which
+DMAs and `emit_pipeline` handle. `return_gathered` also copies every piece into the
+gathered operand with a local DMA that runs beside the matmul.
+
+Collective kernel: call it inside `jax.shard_map(..., check_vma=False)`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from fusedpar import _primitives as P
+from fusedpar._schedule import Ring
+
+from . import _common, _tiling
+
+
+def shapes(prim, n, bidirectional, x_shape, w_shape):
+    """(piece shape, travelling axis, matmul dims (rows, contraction, cols)) of one step."""
+    ring = Ring(n, bidirectional)
+    axis = P.GATHER_AXIS[prim]
+    (m, k), (_, cols) = x_shape, w_shape
+    if prim == P.AG_ROWS:
+        rows = ring.split_size(m, "the travelling block")
+        return (rows, k), axis, (rows, k, cols)
+    if prim == P.AG_COLS:
+        c = ring.split_size(cols, "the travelling block")
+        return (k, c), axis, (m, k, c)
+    kk = ring.split_size(w_shape[0], "the travelling block")
+    return (kk, cols), axis, (m, kk, cols)
+
+
+def _kernel(x, w, out, *rest, prim, ring, axis_name, tile, return_gathered, precision,
+            broken):
+    rest = list(rest)
+    gathered = rest.pop(0) if return_gathered else None
+    slots = rest.pop(0)
+    acc = rest.pop(0) if prim == P.AG_CONTRACT and ring.num_segments > 1 else None
+    send, recv, local, credit = rest
+    travelling = x if P.TRAVELLER[prim] == "x" else w
+    axis = P.GATHER_AXIS[prim]
+    length = slots.shape[2 + axis]
+    link = _common.Link(ring, axis_name, slots, send, recv, local, credit, broken)
+    me, nd, n = link.me, ring.num_directions, ring.size
+    late = broken == _common.BROKEN_READ_BEFORE_WAIT
+
+    def compute(piece, seg, count):
+        if prim == P.AG_ROWS:
+            _tiling.matmul(piece, w, _common.segment(out, seg, length, 0), tile,
+                           precision=precision)
+        elif prim == P.AG_COLS:
+            _tiling.matmul(x, piece, _common.segment(out, seg, length, 1), tile,
+                           precision=precision)
+        else:  # the f32 sum over segments lives in `acc`; the last one writes `out`
+            last = count == ring.num_segments - 1
+            _tiling.matmul(_common.segment(x, seg, length, 1), piece,
+                           out if last else acc, tile,
+                           prev=None if count == 0 else acc, precision=precision)
+
+    if n > 1:
+        link.barrier()
+    for s in range(n):
+        pieces = [_common.half(travelling, h, length, axis) if s == 0 else link.received(h, s - 1)
+                  for h in range(nd)]
+        if s >= 1 and not late:
+            for h in range(nd):
+                link.wait_recv(h, s - 1)
+        if s < n - 1:  # forward the block in hand before multiplying it
+            for h in range(nd):
+                link.start_send(h, s, pieces[h])
+        copies = []
+        for h, r in enumerate(ring.directions):
+            seg = ring.gather_segment(me, s, r)
+            if return_gathered:
+                copies.append(link.local_copy(h, pieces[h],
+                                              _common.segment(gathered, seg, length, axis)))
+                copies[-1].start()
+            compute(pieces[h], seg, s * nd + h)
+        if s >= 1 and late:
+            for h in range(nd):
+                link.wait_recv(h, s - 1)
+        for c in copies:
+            c.wait()
+        if s < n - 1:
+            for h in range(nd):
+                link.wait_send(h, s, pieces[h])
+        if s >= 1:  # the slot has been multiplied and forwarded
+            for h in range(nd):
+                link.release(h, s - 1)
+
+
+def all_gather_matmul(prim, cfg, x, w, return_gathered=False):
+    """Run `prim` (ag_rows, ag_cols or ag_contract) as one fused kernel; see module doc."""
+    ring = Ring(cfg.axis_size, cfg.bidirectional)
+    piece, axis, dims = shapes(prim, ring.size, ring.bidirectional, x.shape, w.shape)
+    tile, why = _tiling.tiles(cfg, *dims)
+    if why is not None:
+        raise NotImplementedError(f"{prim}: {why}")
+    travelling = x if P.TRAVELLER[prim] == "x" else w
+    out_shape = P.out_shape(prim, x.shape, w.shape, ring.size)
+    shapes_ = [jax.ShapeDtypeStruct(out_shape, cfg.out_dtype)]
+    if return_gathered:
+        g = list(travelling.shape)
+        g[axis] *= ring.size
+        shapes_.append(jax.ShapeDtypeStruct(tuple(g), travelling.dtype))
+    shapes_.append(jax.ShapeDtypeStruct((ring.num_directions, 2, *piece), travelling.dtype))
+    if prim == P.AG_CONTRACT and ring.num_segments > 1:
+        shapes_.append(jax.ShapeDtypeStruct(out_shape, jnp.float32))
+    _common.register_cpu_chip()
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    kernel = functools.partial(
+        _kernel, prim=prim, ring=ring, axis_name=cfg.axis_name, tile=tile,
+        return_gathered=return_gathered, precision=cfg.precision,
+        broken=cfg.option("_broken"))
+    results = _common.call(kernel, ring, cfg, shapes_, [hbm, hbm], x, w)
+    return (results[0], results[1]) if return_gathered else results[0]

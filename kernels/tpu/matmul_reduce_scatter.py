@@ -1,0 +1,112 @@
+"""Fused matmul + reduce-scatter as one Pallas TPU kernel (primitives rs_rows, rs_cols).
+
+Accumulators travel round the ring inside the kernel (`pltpu.make_async_remote_copy`).
+At step `s` a device multiplies its partial product for output segment
+`Ring.scatter_segment(me, s, r)` into a staging buffer *while the accumulator from its
+neighbour is in flight*, then waits for it, adds, and sends the sum on. After the last
+step each device holds the fully reduced segment it owns. The protocol (barrier, two
+receive slots per direction, one DMA semaphore per slot, credits) is `_common.Link`.
+
+| primitive | partial product for segment `seg`     | result        |
+|-----------|---------------------------------------|---------------|
+| `rs_rows` | x[seg rows] @ w          (L, n)       | (M / N, n)    |
+| `rs_cols` | x @ w[:, seg cols]       (M, L)       | (M, n / N)    |
+
+Accumulators (staging buffer, two send buffers and two receive slots per direction, all
+in HBM) are in `cfg.reduce_dtype`; products accumulate in f32 and each add runs in f32.
+Both primitives run natively (column segments are strided HBM windows).
+
+Collective kernel: call it inside `jax.shard_map(..., check_vma=False)`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.experimental import pallas as pl
+
+from fusedpar import _primitives as P
+from fusedpar._schedule import Ring
+
+from . import _common, _tiling
+
+
+def shapes(prim, n, bidirectional, x_shape, w_shape):
+    """(segment shape, output axis, matmul dims (rows, contraction, cols)) of one step."""
+    ring = Ring(n, bidirectional)
+    (m, k), (_, cols) = x_shape, w_shape
+    if prim == P.RS_ROWS:
+        length = ring.split_size(m // n, "each output block")
+        return (length, cols), 0, (length, k, cols)
+    length = ring.split_size(cols // n, "each output block")
+    return (m, length), 1, (m, k, length)
+
+
+def _kernel(x, w, out, slots, sendbuf, stage, send, recv, local, credit, *, prim, ring,
+            axis_name, tile, precision, broken):
+    axis = P.GATHER_AXIS[prim]
+    length = slots.shape[2 + axis]
+    link = _common.Link(ring, axis_name, slots, send, recv, local, credit, broken)
+    me, nd, n = link.me, ring.num_directions, ring.size
+    late = broken == _common.BROKEN_READ_BEFORE_WAIT
+    add_tile = (tile[0], tile[2])
+
+    def partial(step, h, dst):
+        seg = ring.scatter_segment(me, step, ring.directions[h])
+        if prim == P.RS_ROWS:
+            _tiling.matmul(_common.segment(x, seg, length, 0), w, dst, tile,
+                           precision=precision)
+        else:
+            _tiling.matmul(x, _common.segment(w, seg, length, 1), dst, tile,
+                           precision=precision)
+
+    def mine(h):  # this device's output: segment me * nd + h, i.e. half h of `out`
+        return _common.half(out, h, length, axis)
+
+    if n == 1:
+        for h in range(nd):
+            partial(0, h, mine(h))
+        return
+    link.barrier()
+    for h in range(nd):
+        partial(0, h, sendbuf.at[h, 0])
+        link.start_send(h, 0, sendbuf.at[h, 0])
+    for s in range(1, n):
+        last = s == n - 1
+        for h in range(nd):  # overlaps the accumulators in flight
+            partial(s, h, stage.at[h])
+        if not late:
+            for h in range(nd):
+                link.wait_recv(h, s - 1)
+        for h in range(nd):
+            _tiling.add(stage.at[h], link.received(h, s - 1),
+                        mine(h) if last else sendbuf.at[h, s % 2], add_tile)
+        for h in range(nd):
+            if late:
+                link.wait_recv(h, s - 1)
+            link.wait_send(h, s - 1, sendbuf.at[h, (s - 1) % 2])
+            link.release(h, s - 1)
+            if not last:
+                link.start_send(h, s, sendbuf.at[h, s % 2])
+
+
+def matmul_reduce_scatter(prim, cfg, x, w):
+    """Run `prim` (rs_rows or rs_cols) as one fused kernel; see the module docstring."""
+    ring = Ring(cfg.axis_size, cfg.bidirectional)
+    seg, _, dims = shapes(prim, ring.size, ring.bidirectional, x.shape, w.shape)
+    tile, why = _tiling.tiles(cfg, *dims)
+    if why is not None:
+        raise NotImplementedError(f"{prim}: {why}")
+    out_shape = P.out_shape(prim, x.shape, w.shape, ring.size)
+    nd = ring.num_directions
+    shapes_ = [jax.ShapeDtypeStruct(out_shape, cfg.out_dtype),
+               jax.ShapeDtypeStruct((nd, 2, *seg), cfg.reduce_dtype),  # receive slots
+               jax.ShapeDtypeStruct((nd, 2, *seg), cfg.reduce_dtype),  # send buffers
+               jax.ShapeDtypeStruct((nd, *seg), cfg.reduce_dtype)]  # staging
+    _common.register_cpu_chip()
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    kernel = functools.partial(
+        _kernel, prim=prim, ring=ring, axis_name=cfg.axis_name, tile=tile,
+        precision=cfg.precision, broken=cfg.option("_broken"))
+    return _common.call(kernel, ring, cfg, shapes_, [hbm, hbm], x, w)[0]

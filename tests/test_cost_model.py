@@ -1,0 +1,157 @@
+"""The cost model's limits, and that `"auto"` follows it."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import fusedpar
+from fusedpar import _backends, cost_model
+from fusedpar._backends import Call
+
+AGM, MRS = "all_gather_matmul", "matmul_reduce_scatter"
+
+
+def _one_link(**changes):
+    """A simple accelerator: one link per neighbour, full overlap, no fixed costs."""
+    base = dict(name="test", flops={"float32": 1e12}, efficiency=1.0, hbm_bandwidth=1e15,
+                link_bandwidth=1e9, egress_bandwidth=1e12, step_latency=0.0,
+                kernel_step_latency=0.0, hop_latency=0.0, launch_overhead=0.0, overlap=1.0)
+    base.update(changes)
+    return cost_model.Hardware(**base)
+
+
+def test_ring_of_one_has_no_communication():
+    for op in (AGM, MRS):
+        est = cost_model.estimate(op, (256, 512), (512, 256), 1, "bfloat16", "h100_sxm",
+                                  details=True)
+        for b in est.values():
+            assert b.bytes_sent == 0 and b.bytes_step == 0 and b.transfer_step == 0
+        # Nothing to overlap: every backend is the one matmul.
+        assert est["ring"].seconds == pytest.approx(est["reference"].seconds)
+
+
+def test_compute_bound_ring_hides_all_communication():
+    # Huge FLOP/s cost per step vs a tiny transfer: ring time = N matmul steps, the
+    # reference pays the matmul plus the whole all-gather.
+    hw = _one_link(flops={"float32": 1e9}, link_bandwidth=1e12, egress_bandwidth=4e12)
+    n, m, k, cols = 4, 64, 128, 256
+    est = cost_model.estimate(AGM, (m, k), (k, cols), n, "float32", hw, details=True)
+    step = 2 * m * k * cols / 1e9
+    assert est["ring"].bound == "compute"
+    assert est["ring"].seconds == pytest.approx(n * step)
+    gather = (n - 1) * m * k * 4 / 2e12  # reference uses both directions' links
+    assert est["reference"].seconds == pytest.approx(n * step + gather)
+    assert est["ring"].seconds < est["reference"].seconds
+
+
+def test_communication_bound_ring_costs_first_step_plus_transfers():
+    hw = _one_link(flops={"float32": 1e15})
+    n, m, k, cols = 8, 64, 128, 256
+    est = cost_model.estimate(AGM, (m, k), (k, cols), n, "float32", hw,
+                              bidirectional=False, details=True)
+    ring = est["ring"]
+    assert ring.bound == "communication"
+    transfer = m * k * 4 / 1e9
+    assert ring.transfer_step == pytest.approx(transfer)
+    # The exposed step's compute plus N - 1 transfers that nothing hides.
+    assert ring.seconds == pytest.approx(ring.compute_step + (n - 1) * transfer)
+    assert ring.bytes_sent == (n - 1) * m * k * 4
+
+
+def test_no_overlap_adds_compute_and_communication():
+    hw = _one_link(overlap=0.0, flops={"float32": 1e10})
+    est = cost_model.estimate(AGM, (64, 128), (128, 256), 4, "float32", hw,
+                              bidirectional=False, details=True)["ring"]
+    assert est.seconds == pytest.approx(4 * est.compute_step + 3 * est.transfer_step)
+
+
+def test_bidirectional_halves_per_step_bytes_and_time():
+    hw = _one_link(flops={"float32": 1e15})
+    kw = dict(dtype="float32", hardware=hw, details=True)
+    uni = cost_model.estimate(AGM, (64, 128), (128, 256), 8, bidirectional=False, **kw)
+    bi = cost_model.estimate(AGM, (64, 128), (128, 256), 8, bidirectional=True, **kw)
+    assert bi["ring"].bytes_step * 2 == uni["ring"].bytes_step
+    assert bi["ring"].transfer_step == pytest.approx(uni["ring"].transfer_step / 2)
+    assert bi["ring"].bytes_sent == uni["ring"].bytes_sent  # the same data, both ways
+    # Through one shared egress (NVSwitch) both directions share the bandwidth: no gain.
+    shared = _one_link(flops={"float32": 1e15}, egress_bandwidth=1e9)
+    kw["hardware"] = shared
+    uni = cost_model.estimate(AGM, (64, 128), (128, 256), 8, bidirectional=False, **kw)
+    bi = cost_model.estimate(AGM, (64, 128), (128, 256), 8, bidirectional=True, **kw)
+    assert bi["ring"].transfer_step == pytest.approx(uni["ring"].transfer_step)
+
+
+def test_reduce_scatter_accumulator_bytes_follow_reduce_dtype():
+    args = (MRS, (512, 256), (256, 128), 4, "bfloat16", "tpu_v5e")
+    f32 = cost_model.estimate(*args, details=True)["ring"]
+    bf16 = cost_model.estimate(*args, reduce_dtype="bfloat16", details=True)["ring"]
+    assert f32.bytes_sent == 3 * (512 // 4) * 128 * 4
+    assert bf16.bytes_sent * 2 == f32.bytes_sent
+    assert cost_model.bytes_sent(MRS, (512, 256), (256, 128), 4, "bfloat16") == f32.bytes_sent
+
+
+def test_estimate_validates_like_the_ops():
+    with pytest.raises(ValueError, match="scattered over 3 devices"):
+        cost_model.estimate(MRS, (10, 8), (8, 8), 3)
+    with pytest.raises(ValueError, match="unknown hardware 'a100'.*h100_sxm"):
+        cost_model.estimate(AGM, (8, 8), (8, 8), 2, hardware="a100")
+
+
+def test_presets_and_calibration():
+    assert set(cost_model.PRESETS) >= {"h100_sxm", "h200", "tpu_v5e", "tpu_v5p", "cpu"}
+    assert cost_model.get_hardware("v5p") is cost_model.PRESETS["tpu_v5p"]
+    hw = cost_model.calibrate("h100", matmul=(1024, 1024, 1024, "bfloat16", 4e-6),
+                              transfer=(1 << 20, 1e-5), step_latency=2e-5)
+    assert hw.matmul_flops("bfloat16") == pytest.approx(2 * 1024**3 / 4e-6)
+    assert hw.link_bandwidth == pytest.approx((1 << 20) / 1e-5)
+    assert hw.step_latency == 2e-5
+    # The calibrated hardware drives the estimate: 1 step of that matmul, N=1.
+    est = cost_model.estimate(AGM, (1024, 1024), (1024, 1024), 1, "bfloat16", hw)
+    assert est["reference"] >= 4e-6
+
+
+def _call(prim, x_shape, w_shape, n, platform, dtype="bfloat16"):
+    return Call("op", prim, x_shape, w_shape, dtype, n, platform)
+
+
+def test_auto_follows_the_model_on_gpu():
+    big = _call("ag_rows", (2048, 8192), (8192, 8192), 8, "gpu")
+    name, reason = _backends.auto_choice(big)
+    est = cost_model.estimate_call(big, "h100_sxm")
+    assert est["ring"].seconds < _backends.AUTO_MARGIN * est["reference"].seconds
+    assert name == "ring" and "estimated" in reason and "faster than reference" in reason
+    tiny = _call("ag_rows", (16, 64), (64, 64), 8, "gpu")
+    est = cost_model.estimate_call(tiny, "h100_sxm")
+    assert est["ring"].seconds > est["reference"].seconds
+    name, reason = _backends.auto_choice(tiny)
+    assert name == "reference" and "does not pay" in reason
+
+
+def test_auto_follows_the_model_on_tpu_and_uses_set_hardware():
+    call = _call("rs_rows", (4096, 4096), (4096, 4096), 4, "tpu")
+    assert _backends.auto_choice(call)[0] == "ring"
+    # A machine whose links are so slow that nothing hides keeps the reference.
+    slow = dataclasses.replace(cost_model.PRESETS["tpu_v5e"], overlap=0.0)
+    cost_model.set_hardware(slow)
+    try:
+        name, reason = _backends.auto_choice(call)
+        assert name == "reference" and "TPU v5e" in reason
+    finally:
+        cost_model.set_hardware(None)
+
+
+def test_auto_stays_on_reference_for_tiny_rings_and_cpu():
+    assert _backends.auto_choice(_call("ag_rows", (2048, 8192), (8192, 8192), 1, "gpu"))[0] \
+        == "reference"
+    assert _backends.auto_choice(_call("ag_rows", (2048, 8192), (8192, 8192), 8, "cpu"))[0] \
+        == "reference"
+
+
+def test_explain_prints_the_estimate():
+    x = jax.ShapeDtypeStruct((2048, 8192), np.dtype("float32"))
+    w = jax.ShapeDtypeStruct((8192, 8192), np.dtype("float32"))
+    choice = fusedpar.explain(AGM, x, w, 8, platform="gpu")
+    assert choice.backend == "ring"
+    assert "estimated reference" in str(choice) and "ring" in str(choice)

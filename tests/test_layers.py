@@ -1,0 +1,224 @@
+"""The layers against eqx.nn.Linear with the same weights: values and gradients, on meshes
+8, 2x4 and 4x2, in the three calling contexts, under vmap, for every available backend."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+import fusedpar
+from helpers import assert_close, mesh, normal
+
+pytestmark = pytest.mark.timeout(300)
+
+F32 = jnp.float32
+IN, HID = 16, 32  # features: divisible by every mesh axis used (8, 4, 2)
+
+
+def _backend_params():
+    """reference, ring, and pallas_tpu when fusedpar.explain says it can run."""
+    params = ["reference", "ring"]
+    try:
+        x, w = jax.ShapeDtypeStruct((8, 16), F32), jax.ShapeDtypeStruct((16, 8), F32)
+        fusedpar.explain("all_gather_matmul", x, w, 4, backend="pallas_tpu")
+        params.append("pallas_tpu")
+    except Exception as e:  # noqa: BLE001 - any reason it cannot run is a skip reason
+        params.append(pytest.param("pallas_tpu", marks=pytest.mark.skip(
+            reason=f"pallas_tpu unavailable: {type(e).__name__}: {e}"[:300])))
+    return params
+
+
+BACKENDS = _backend_params()
+
+
+def dense_apply(lin, x):
+    """eqx.nn.Linear applied over every leading dimension of x."""
+    f = lin
+    for _ in range(x.ndim - 1):
+        f = jax.vmap(f)
+    return f(x)
+
+
+def mlp(up, down, x):
+    return down(jnp.tanh(up(x)))
+
+
+def loss(model, x):
+    return jnp.sum(jnp.sin(mlp(*model, x)))
+
+
+def dense_loss(model, x):
+    up, down = model
+    return jnp.sum(jnp.sin(dense_apply(down, jnp.tanh(dense_apply(up, x)))))
+
+
+def make(kind, backend, sp=False, fsdp=None, tp="tp", bias=True):
+    k1, k2 = jax.random.split(jax.random.key(0))
+    if kind == "fsdp":
+        layers = (fusedpar.FSDPLinear(IN, HID, bias, key=k1, axis=fsdp, backend=backend),
+                  fusedpar.FSDPLinear(HID, IN, bias, key=k2, axis=fsdp, backend=backend))
+    else:
+        layers = (fusedpar.ColumnLinear(IN, HID, bias, key=k1, axis=tp, sequence_parallel=sp,
+                                        fsdp_axis=fsdp, backend=backend),
+                  fusedpar.RowLinear(HID, IN, bias, key=k2, axis=tp, sequence_parallel=sp,
+                                     fsdp_axis=fsdp, backend=backend))
+    dense = (eqx.nn.Linear(IN, HID, bias, key=k1), eqx.nn.Linear(HID, IN, bias, key=k2))
+    return layers, dense
+
+
+def check_grads(got, want, what):
+    (gv, gg), (wv, wg) = got, want
+    assert_close(gv, wv, F32, f"{what} loss")
+    for name, a, b in (("up", gg[0][0], wg[0][0]), ("down", gg[0][1], wg[0][1])):
+        assert_close(a.weight, b.weight, F32, f"{what} d{name}.weight")
+        if b.bias is not None:
+            assert_close(a.bias, b.bias, F32, f"{what} d{name}.bias")
+    assert_close(gg[1], wg[1], F32, f"{what} dx")
+
+
+def run_global(m, layers, x):
+    with jax.set_mesh(m):
+        model = fusedpar.shard(layers, m)
+        return eqx.filter_jit(eqx.filter_value_and_grad(
+            lambda mx: loss(*mx)))((model, x))
+
+
+def dense_grads(dense, x):
+    return eqx.filter_value_and_grad(lambda mx: dense_loss(*mx))((dense, x))
+
+
+CASES = [  # (mesh shape, axis names, layer kind, fsdp axis)
+    ((8,), ("tp",), "tp", None),
+    ((2, 4), ("fsdp", "tp"), "tp", "fsdp"),
+    ((4, 2), ("fsdp", "tp"), "tp", "fsdp"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sp", [False, True], ids=["nosp", "sp"])
+@pytest.mark.parametrize("shape,names,kind,fsdp", CASES, ids=["tp8", "fsdp2xtp4", "fsdp4xtp2"])
+def test_mlp_matches_dense(shape, names, kind, fsdp, sp, backend):
+    """Column -> Row (with FSDP on the 2-D meshes): loss and every gradient."""
+    layers, dense = make(kind, backend, sp=sp, fsdp=fsdp)
+    x = normal(1, (4, 8, IN), F32)  # (batch, seq, features)
+    want = dense_grads(dense, x)
+    check_grads(run_global(mesh(shape, names), layers, x), want, f"{shape} sp={sp}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fsdp_mlp_matches_dense(backend):
+    layers, dense = make("fsdp", backend, fsdp="fsdp")
+    x = normal(2, (16, IN), F32)
+    check_grads(run_global(mesh((8,), ("fsdp",)), layers, x), dense_grads(dense, x), "fsdp8")
+
+
+def test_fsdp_on_the_tp_dimension():
+    """FSDP sharing the tensor-parallel dimension: weight specs (tp, fsdp) tuples."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    layers = (fusedpar.ColumnLinear(IN, HID, key=k1, fsdp_axis="fsdp", fsdp_dim=0,
+                                    backend="ring"),
+              fusedpar.RowLinear(HID, IN, key=k2, fsdp_axis="fsdp", fsdp_dim=1, backend="ring"))
+    specs = fusedpar.param_specs(layers)
+    assert specs[0].weight == P(("tp", "fsdp"), None)
+    assert specs[1].weight == P(None, ("tp", "fsdp"))
+    dense = (eqx.nn.Linear(IN, HID, key=k1), eqx.nn.Linear(HID, IN, key=k2))
+    x = normal(3, (4, 8, IN), F32)
+    check_grads(run_global(mesh((2, 4), ("fsdp", "tp")), layers, x), dense_grads(dense, x),
+                "fsdp on tp dim")
+
+
+def test_three_contexts_agree():
+    """shard_map (local shards), global arrays (Auto and Explicit axes), no mesh."""
+    m = mesh((2, 4), ("fsdp", "tp"))
+    layers, dense = make("tp", "ring", sp=True, fsdp="fsdp")
+    x = normal(4, (4, 8, IN), F32)
+    want = mlp(*(jax.vmap(jax.vmap(d)) for d in dense), x)
+
+    assert_close(mlp(*layers, x), want, F32, "no mesh")
+    (pspecs, x_spec), y_spec = fusedpar.shard_map_specs(layers, x.ndim)
+    assert x_spec == P("fsdp", "tp", None) and y_spec == P("fsdp", "tp", None)
+    local = jax.jit(jax.shard_map(lambda ls, x: mlp(*ls, x), mesh=m,
+                                  in_specs=(pspecs, x_spec), out_specs=y_spec))
+    assert_close(local(layers, x), want, F32, "shard_map")
+    with jax.set_mesh(m):
+        assert_close(eqx.filter_jit(mlp)(*layers, x), want, F32, "global, Auto axes")
+    em = jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(AxisType.Explicit,) * 2,
+                       devices=jax.devices()[:8])
+    with jax.set_mesh(em):
+        ls = fusedpar.shard(layers, em)
+        y = eqx.filter_jit(mlp)(*ls, x)
+        assert y.sharding.spec == P("fsdp", "tp", None)
+    assert_close(y, want, F32, "global, Explicit axes")
+
+
+def test_gather_output():
+    m = mesh((4,), ("tp",))
+    k = jax.random.key(5)
+    layer = fusedpar.ColumnLinear(IN, HID, key=k, gather_output=True, backend="ring")
+    x = normal(6, (3, IN), F32)
+    want = dense_apply(eqx.nn.Linear(IN, HID, key=k), x)
+    with jax.set_mesh(m):
+        assert_close(jax.jit(layer)(x), want, F32, "global")
+    # Inside shard_map the gathered output is invariant, so it may leave replicated.
+    local = jax.jit(jax.shard_map(lambda l, x: l(x), mesh=m,
+                                  in_specs=(fusedpar.param_specs(layer), P()), out_specs=P()))
+    assert_close(local(layer, x), want, F32, "shard_map")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vmap_equals_batched(backend):
+    """jax.vmap(layer)(x) == layer(x), values and input gradients, global and local."""
+    m = mesh((2, 4), ("fsdp", "tp"))
+    layers, _ = make("tp", backend, sp=True, fsdp="fsdp")
+    x = normal(7, (4, 8, IN), F32)
+
+    def f(ls, x):
+        return jnp.sum(jnp.sin(mlp(*ls, x)))
+
+    def fv(ls, x):
+        return jnp.sum(jnp.sin(jax.vmap(lambda r: mlp(*ls, r))(x)))
+
+    with jax.set_mesh(m):
+        ls = fusedpar.shard(layers, m)
+        want = eqx.filter_jit(eqx.filter_value_and_grad(f))(ls, x)
+        got = eqx.filter_jit(eqx.filter_value_and_grad(fv))(ls, x)
+    assert_close(got, want, F32, "global vmap")
+    # Inside shard_map: custom_vjp + collectives under vmap over the local batch.
+    (pspecs, x_spec), _ = fusedpar.shard_map_specs(layers, x.ndim)
+
+    def local(g):
+        return jax.jit(jax.grad(jax.shard_map(
+            lambda ls, x: jax.lax.psum(g(ls, x), ("fsdp", "tp")), mesh=m,
+            in_specs=(pspecs, x_spec), out_specs=P()), argnums=(0, 1)))
+    # Each device's sum covers its sequence shard after the Row's reduce-scatter.
+    assert_close(local(fv)(layers, x), local(f)(layers, x), F32, "shard_map vmap")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vmap_fsdp_unbatched(backend):
+    """FSDP under vmap sees one example (no batch dimension): it gathers the weight."""
+    m = mesh((8,), ("fsdp",))
+    layers, dense = make("fsdp", backend, fsdp="fsdp")
+    x = normal(8, (16, IN), F32)
+    with jax.set_mesh(m):
+        ls = fusedpar.shard(layers, m)
+        got = eqx.filter_jit(eqx.filter_grad(
+            lambda ls, x: jnp.sum(jax.vmap(lambda r: mlp(*ls, r))(x) ** 2)))(ls, x)
+    want = eqx.filter_grad(lambda d, x: jnp.sum(dense_apply(
+        d[1], jnp.tanh(dense_apply(d[0], x))) ** 2))(dense, x)
+    assert_close(got, want, F32, "fsdp vmap grads")
+
+
+def test_input_dtype_and_unbatched():
+    """(in,) inputs in every context; bfloat16 layer."""
+    k = jax.random.key(9)
+    layer = fusedpar.ColumnLinear(IN, HID, dtype=jnp.bfloat16, key=k, backend="ring")
+    lin = eqx.nn.Linear(IN, HID, dtype=jnp.bfloat16, key=k)
+    x = normal(10, (IN,), jnp.bfloat16)
+    want = lin(x)
+    assert_close(layer(x), want, jnp.bfloat16, "dense")
+    with jax.set_mesh(mesh((4,), ("tp",))):
+        y = jax.jit(layer)(x)
+    assert y.dtype == jnp.bfloat16 and y.shape == (HID,)
+    assert_close(y, want, jnp.bfloat16, "global")

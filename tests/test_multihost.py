@@ -1,0 +1,161 @@
+"""fusedpar across processes: 2 processes x 4 CPU devices equal 1 process x 8 devices.
+
+`examples/multihost.py` runs in two child processes joined by `jax.distributed` on the
+loopback address (gloo CPU collectives), over one 8-device mesh whose rings cross the
+process boundary. Its results are compared with the same computation run here, in the
+test process, on its 8 simulated devices.
+
+Bounded: the children are polled; the first one that exits non-zero, or the time limit,
+kills the others and fails the test with their output (a dead peer would otherwise leave
+the survivor waiting in a collective).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from helpers import assert_close
+
+pytestmark = pytest.mark.timeout(240)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "multihost.py"
+PROCESSES, LOCAL_DEVICES = 2, 4
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("fusedpar_multihost_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env():
+    env = dict(os.environ)
+    # conftest asked for 8 devices in this process; each child simulates its own 4.
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["NPROC"] = str(max(int(env.get("NPROC", "0") or 0), LOCAL_DEVICES + 1))
+    return env
+
+
+def _tail(path, n=3000):
+    text = pathlib.Path(path).read_text(errors="replace")
+    # Drop gloo's per-rank connection chatter; keep what explains a failure.
+    lines = [ln for ln in text.splitlines() if not ln.startswith("[Gloo]")]
+    return "\n".join(lines)[-n:]
+
+
+def run_processes(commands, timeout, logdir):
+    """Run `commands` concurrently; return when all exit 0, raise as soon as one does not.
+
+    Raises `RuntimeError` naming the failed process (or the timeout) with the tail of every
+    process's output; every process still running is killed first, whatever happens.
+    """
+    procs, logs = [], []
+    try:
+        for i, cmd in enumerate(commands):
+            log = os.path.join(logdir, f"process{i}.log")
+            logs.append(log)
+            with open(log, "wb") as f:
+                procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                              env=_child_env(), cwd=ROOT))
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                why = f"process {failed[0]} exited with code {codes[failed[0]]}"
+                break
+            if all(c == 0 for c in codes):
+                return [_tail(log) for log in logs]
+            if time.monotonic() > deadline:
+                why = f"timed out after {timeout} s (exit codes so far: {codes})"
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    outputs = "\n".join(f"--- process {i} ---\n{_tail(log)}" for i, log in enumerate(logs))
+    raise RuntimeError(f"multi-process run failed: {why}\n{outputs}")
+
+
+def _commands(port, out):
+    return [[sys.executable, str(EXAMPLE), "--process-id", str(i),
+             "--num-processes", str(PROCESSES), "--coordinator", f"127.0.0.1:{port}",
+             "--local-devices", str(LOCAL_DEVICES), "--init-timeout", "60"]
+            + (["--out", out] if i == 0 else []) for i in range(PROCESSES)]
+
+
+def test_two_processes_equal_one():
+    example = _example()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.npz")
+        procs_done = {}
+
+        # Start the children, then compute the single-process result here meanwhile.
+        def children():
+            try:
+                procs_done["logs"] = run_processes(_commands(_free_port(), out), 180, tmp)
+            except Exception as e:  # re-raised in the test's thread below
+                procs_done["error"] = e
+
+        t = threading.Thread(target=children)
+        t.start()
+        want = example.results(example.build_mesh())
+        t.join()
+        if "error" in procs_done:
+            raise procs_done["error"]
+        assert any(f"process 1/{PROCESSES}: {LOCAL_DEVICES} local of 8 devices" in log
+                   for log in procs_done["logs"]), procs_done["logs"]
+        with np.load(out) as f:
+            got = {k: f[k] for k in f.files}
+
+    assert sorted(got) == sorted(want)
+    expected = 5 * len(example.BACKENDS) * 3  # cases x backends x (y, dx, dw)
+    assert len(got) == expected
+    for key in sorted(want):
+        assert_close(got[key], want[key], np.float32, f"2 processes vs 1: {key}")
+        # And every backend equals the reference, within the multi-process run itself.
+        case, backend, output = key.split("/")
+        assert_close(got[key], got[f"{case}/reference/{output}"], np.float32,
+                     f"2 processes, {key} vs reference")
+
+
+def test_dead_process_fails_fast():
+    """A peer that dies before connecting ends the run with an error, not a wait."""
+    with tempfile.TemporaryDirectory() as tmp:
+        commands = _commands(_free_port(), os.path.join(tmp, "unused.npz"))
+        commands[1] = [sys.executable, "-c", "import sys; sys.exit(3)"]
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="process 1 exited with code 3"):
+            run_processes(commands, 60, tmp)
+        assert time.monotonic() - start < 30
+
+
+def test_hung_process_times_out():
+    with tempfile.TemporaryDirectory() as tmp:
+        commands = [[sys.executable, "-c", "import time; time.sleep(600)"]]
+        with pytest.raises(RuntimeError, match="timed out after 1 s"):
+            run_processes(commands, 1, tmp)
