@@ -52,8 +52,6 @@ from jaxtyping import Array
 
 from . import _backends, _context, _definition, _specs
 from ._specs import Rule
-import os
-_CHECK = os.environ.get("FP_CHECK", "1") == "1"
 
 
 def _positive_int(where, name, v):
@@ -173,7 +171,7 @@ class ParallelLinear(eqx.Module):
             layer = self
         fn = jax.shard_map(functools.partial(type(self)._local, rule=rule), mesh=mesh,
                            in_specs=(pspecs, x_spec), out_specs=y_spec,
-                           axis_names=set(rule.axes), check_vma=_CHECK)
+                           axis_names=set(rule.axes), check_vma=_context.check_vma(self.backend))
         return fn(layer, x)
 
     # --- helpers for `_local` ----------------------------------------------------

@@ -57,11 +57,13 @@ def _split(ring, a, axis, what):
     return tuple(segment(a, h, half, axis) for h in range(ring.num_directions))
 
 
-def ring_gather(cfg, travelling, axis, step_fn, carry):
+def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=()):
     """All-gather `travelling` along `axis` round the ring, folding each piece into `carry`.
 
     `step_fn(carry, piece, seg)` is called once per step and direction with the piece of
     the gathered operand this device holds and its segment index (`Ring.gather_segment`).
+    `inputs`: the other arrays `step_fn` reads, so a rolled loop's carry is typed as
+    varying over every mesh axis its result will vary over.
     """
     ring = Ring(cfg.axis_size, cfg.bidirectional)
     me = lax.axis_index(cfg.axis_name)
@@ -77,9 +79,12 @@ def ring_gather(cfg, travelling, axis, step_fn, carry):
         incoming = _send(cfg, ring, pieces)
         return compute(i, carry, pieces), incoming
 
-    axes = {cfg.axis_name} | varying_axes(travelling)
+    axes = {cfg.axis_name}.union(*(varying_axes(a) for a in (travelling,) + tuple(inputs)))
     carry = jax.tree.map(lambda a: as_varying(a, axes), carry)
-    state = (carry, _split(ring, travelling, axis, "the travelling block"))
+    pieces = _split(ring, travelling, axis, "the travelling block")
+    # After one ppermute a piece varies over the ring axis even if `travelling` did not.
+    pieces = tuple(as_varying(p, {cfg.axis_name} | varying_axes(p)) for p in pieces)
+    state = (carry, pieces)
     carry, pieces = _loop(cfg, 0, ring.num_transfers, step, state)
     return compute(ring.num_steps - 1, carry, pieces)
 
@@ -158,6 +163,6 @@ def _gather(prim, cfg, x, w, return_gathered):
         return out, gathered
 
     gathered = _gathered_buffer(cfg, travelling, axis) if return_gathered else None
-    out, gathered = ring_gather(cfg, travelling, axis, step_fn, (out, gathered))
+    out, gathered = ring_gather(cfg, travelling, axis, step_fn, (out, gathered), (x, w))
     out = out.astype(cfg.out_dtype)
     return (out, gathered) if return_gathered else out

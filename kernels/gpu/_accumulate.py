@@ -25,6 +25,9 @@ from jax.experimental import pallas as pl
 from . import _matmul, _tiles
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("a", "b", "a_row", "a_col", "b_row", "b_col"),
+                   meta_fields=("k",))
 @dataclasses.dataclass(frozen=True)
 class Term:
     """`a[a_row:+m, a_col:+k] @ b[b_row:+k, b_col:+n]`; offsets may be traced int32.
@@ -86,7 +89,7 @@ def matmul_acc(acc, terms, out_shape, out_dtype, *, precision=None, options=(),
     tiles = _tiles.choose(m, n, min(ks), dtype, options)
     tiles_m, tiles_n = m // tiles.block_m, n // tiles.block_n
     for k in ks:  # the block chosen for the shortest window must divide the others too
-        _tiles.choose(m, n, k, dtype, options + (("block_k", tiles.block_k),))
+        _tiles.choose(m, n, k, dtype, {**dict(options), "block_k": tiles.block_k})
     kernel = functools.partial(
         _kernel, ks=ks, has_acc=acc is not None, tiles_m=tiles_m, tiles_n=tiles_n,
         tiles=tiles, precision=_matmul.dot_precision(precision, dtype))

@@ -63,7 +63,7 @@ def tile_product(acc, a_ref, a_rows, a_cols, b_ref, b_rows, b_cols, *, k, block_
         kk = pl.multiple_of(t * block_k, block_k)
         a = a_ref[pl.ds(a_rows, bm), pl.ds(a_cols + kk, block_k)]
         b = b_ref[pl.ds(b_rows + kk, block_k), pl.ds(b_cols, bn)]
-        return acc + pl.dot(a, b, precision=precision)
+        return acc + pltriton.dot(a, b, precision=precision)
 
     return lax.fori_loop(0, k // block_k, body, acc)
 

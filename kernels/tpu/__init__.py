@@ -60,7 +60,7 @@ def run(prim, cfg, x, w, return_gathered=False):
         if prim in P.GATHERS:
             return all_gather_matmul.all_gather_matmul(prim, cfg, x, w, return_gathered)
         return matmul_reduce_scatter.matmul_reduce_scatter(prim, cfg, x, w)
-    except Exception as e:  # add the fix to JAX's message about vma typing
-        if "vma" in str(e) and "check_vma" not in str(e):
+    except ValueError as e:  # JAX's vma message suggests a fix that is not enough
+        if "vma" in str(e):
             raise type(e)(f"{e}\n\n{_common.CHECK_VMA_HINT}") from e
         raise

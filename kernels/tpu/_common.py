@@ -34,8 +34,8 @@ BROKEN = (None, BROKEN_READ_BEFORE_WAIT, BROKEN_NO_CREDIT)
 
 CHECK_VMA_HINT = (
     "The fused TPU kernels are collective Pallas kernels: the enclosing jax.shard_map "
-    "must be called with check_vma=False (JAX cannot type the kernel's output as "
-    "varying over the mesh axis).")
+    "must be called with check_vma=False. Tagging the outputs as varying "
+    "(manual_axis_type) is not enough: the kernels use lax.axis_index in data.")
 
 
 def interpret_params(cfg):

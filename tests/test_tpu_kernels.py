@@ -1,0 +1,171 @@
+"""The fused Pallas TPU kernels (TPU interpret mode on CPU): values and gradients.
+
+Every primitive x ring size {1, 2, 4, 8} x direction x dtype {f32, bf16}, through the
+public ops with backend="pallas_tpu" inside jax.jit(jax.shard_map(..., check_vma=False)),
+against backend="reference" (the pure-lax definition differentiated by JAX). The five
+primitives of one (ring, direction, dtype) run in one jitted function to pay the
+interpret-mode compile once. Gradients go through the shared custom VJP, whose backward
+runs the dual primitives on the same kernels.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import fusedpar
+from fusedpar import _backends
+from fusedpar.kernels import tpu as kernels
+
+from helpers import assert_close, mesh, normal
+
+pytestmark = pytest.mark.timeout(240)
+
+# Per-device shapes (tiny: interpret mode simulates every DMA). R rows, K contraction,
+# C output columns; blocks split in two for the bidirectional ring.
+R, K, C = 16, 32, 32
+
+
+def _cases(n):
+    """(name, per-device x shape, per-device w shape, op) for the five primitives."""
+    agm, mrs = fusedpar.all_gather_matmul, fusedpar.matmul_reduce_scatter
+    return [
+        ("ag_rows", (R, K), (K, C), lambda x, w, **kw: agm(x, w, "x", **kw)),
+        ("ag_cols", (R, K), (K, C), lambda x, w, **kw: agm(x, w, "x", gather="rhs", dim=1, **kw)),
+        ("ag_contract", (R, n * K), (K, C),
+         lambda x, w, **kw: agm(x, w, "x", gather="rhs", dim=0, **kw)),
+        ("rs_rows", (n * R, K), (K, C), lambda x, w, **kw: mrs(x, w, "x", dim=0, **kw)),
+        ("rs_cols", (R, K), (K, n * C), lambda x, w, **kw: mrs(x, w, "x", dim=1, **kw)),
+    ]
+
+
+def _values_and_grads(n, backend, bidirectional, dtype, keep_gathered=True):
+    """jit(shard_map) returning (outputs, (dx, dw)) of all five primitives."""
+    cases = _cases(n)
+
+    def local(*args):
+        results = []
+        for (_, _, _, op), x, w, ct in zip(cases, args[0::3], args[1::3], args[2::3]):
+            kw = {} if backend == "reference" else dict(
+                backend=backend, bidirectional=bidirectional, keep_gathered=keep_gathered)
+
+            def loss(x, w):
+                y = op(x, w, **kw)
+                return jnp.sum(y.astype(jnp.float32) * ct), y
+
+            (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+            results.append((y, grads))
+        return results
+
+    # Every operand is sharded (each device has its own w too), so no cotangent is
+    # implicitly summed over devices and the comparison is per device.
+    specs = (P("x"),) * (3 * len(cases))
+    out = [(P("x"), (P("x"), P("x")))] * len(cases)
+    return jax.jit(jax.shard_map(local, mesh=mesh((n,), ("x",)), in_specs=specs,
+                                 out_specs=out, check_vma=False))
+
+
+def _inputs(n, dtype):
+    args = []
+    for i, (name, xs, ws, _) in enumerate(_cases(n)):
+        x = normal(10 * i, (n * xs[0], xs[1]), dtype)
+        w = normal(10 * i + 1, (n * ws[0], ws[1]), dtype)
+        y_rows = {"ag_rows": n * xs[0], "rs_rows": xs[0] // n}.get(name, xs[0])
+        y_cols = {"ag_cols": n * ws[1], "rs_cols": ws[1] // n}.get(name, ws[1])
+        ct = normal(10 * i + 2, (n * y_rows, y_cols), jnp.float32)
+        args += [x, w, ct]
+    return args
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_kernels_match_reference(n, bidirectional, dtype):
+    args = _inputs(n, dtype)
+    got = _values_and_grads(n, "pallas_tpu", bidirectional, dtype)(*args)
+    want = _values_and_grads(n, "reference", bidirectional, dtype)(*args)
+    for (name, *_), (y, (dx, dw)), (y0, (dx0, dw0)) in zip(_cases(n), got, want):
+        assert y.dtype == dtype, name
+        assert_close(y, y0, dtype, f"{name} value")
+        assert_close(dx, dx0, dtype, f"{name} dx")
+        assert_close(dw, dw0, dtype, f"{name} dw")
+
+
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
+def test_backward_without_keep_gathered(bidirectional):
+    """keep_gathered=False: the backward gathers again (ag_contract/ag_cols kernels)."""
+    n, dtype = 4, jnp.float32
+    args = _inputs(n, dtype)
+    got = _values_and_grads(n, "pallas_tpu", bidirectional, dtype, keep_gathered=False)(*args)
+    want = _values_and_grads(n, "reference", bidirectional, dtype)(*args)
+    assert_close(got, want, dtype, "keep_gathered=False")
+
+
+def test_mixed_precision_and_tile_options():
+    """bf16 in, f32 out, bf16 reduce accumulators; tiles forced smaller than the blocks."""
+    n, mm = 4, mesh((4,), ("x",))
+    x = normal(0, (n * 32, 256), jnp.bfloat16)
+    w = normal(1, (256, n * 256), jnp.bfloat16)
+    opts = {"block_m": 8, "block_k": 128, "block_n": 128}
+
+    def f(x, w, backend):
+        kw = {} if backend == "reference" else {"backend": backend, "options": opts}
+        a = fusedpar.all_gather_matmul(x, w, "x", gather="rhs", dim=1,
+                                       preferred_element_type=jnp.float32, **kw)
+        b = fusedpar.matmul_reduce_scatter(x, w, "x", dim=0, preferred_element_type=jnp.float32,
+                                           reduce_dtype=jnp.bfloat16, **kw)
+        return a, b
+
+    def run(backend):
+        return jax.jit(jax.shard_map(lambda x, w: f(x, w, backend), mesh=mm,
+                                     in_specs=(P("x"), P(None, "x")), out_specs=P("x"),
+                                     check_vma=False))(x, w)
+
+    got, want = run("pallas_tpu"), run("reference")
+    assert got[0].dtype == got[1].dtype == jnp.float32
+    assert_close(got[0], want[0], jnp.float32, "ag_cols f32 out")
+    assert_close(got[1], want[1], jnp.bfloat16, "rs_rows bf16 reduce")  # bf16 sums
+
+
+def test_check_vma_true_error_names_the_fix():
+    mm = mesh((2,), ("x",))
+    x, w = normal(0, (32, 128), jnp.float32), normal(1, (128, 128), jnp.float32)
+    f = jax.shard_map(lambda x, w: fusedpar.all_gather_matmul(x, w, "x", backend="pallas_tpu"),
+                      mesh=mm, in_specs=(P("x"), P()), out_specs=P("x"))
+    with pytest.raises(ValueError, match="check_vma=False"):
+        jax.jit(f)(x, w)
+
+
+def _call(**kw):
+    base = dict(op="all_gather_matmul", prim="ag_rows", x_shape=(256, 512), w_shape=(512, 256),
+                dtype="float32", axis_size=4, platform="cpu", bidirectional=False)
+    return _backends.Call(**{**base, **kw})
+
+
+def test_unavailable_reasons():
+    assert kernels.unavailable(_call()) is None
+    assert kernels.unavailable(_call(platform="tpu", dtype="bfloat16")) is None
+    assert "platform 'gpu'" in kernels.unavailable(_call(platform="gpu"))
+    assert "float16 is not supported" in kernels.unavailable(_call(dtype="float16"))
+    why = kernels.unavailable(_call(w_shape=(512, 1000)))  # 1000 columns: no 128-multiple tile
+    assert "length 1000" in why and "block_n" in why
+
+
+def test_explicit_request_raises_the_reason():
+    mm = mesh((2,), ("x",))
+    x, w = normal(0, (32, 128), jnp.float16), normal(1, (128, 128), jnp.float16)
+    f = jax.shard_map(lambda x, w: fusedpar.all_gather_matmul(x, w, "x", backend="pallas_tpu"),
+                      mesh=mm, in_specs=(P("x"), P()), out_specs=P("x"), check_vma=False)
+    with pytest.raises(NotImplementedError, match="float16 is not supported"):
+        jax.jit(f)(x, w)
+
+
+def test_bad_tile_option_is_a_clear_error():
+    mm = mesh((2,), ("x",))
+    x, w = normal(0, (32, 256), jnp.float32), normal(1, (256, 128), jnp.float32)
+    f = jax.shard_map(lambda x, w: fusedpar.all_gather_matmul(
+        x, w, "x", backend="pallas_tpu", options={"block_k": 100}),
+        mesh=mm, in_specs=(P("x"), P()), out_specs=P("x"), check_vma=False)
+    with pytest.raises(NotImplementedError, match="block_k=100"):
+        jax.jit(f)(x, w)
