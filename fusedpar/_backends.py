@@ -104,8 +104,10 @@ def auto_choice(call: Call) -> tuple[str, str]:
     """The `"auto"` policy: (backend name, reason), from the cost model (`cost_model.py`).
 
     A decomposed ring must beat the reference's estimate by `AUTO_MARGIN` (the model is
-    rough; a near tie is not worth the extra code path). CPU always stays on the reference:
-    its simulated devices share the cores, and Pallas there is an interpreter.
+    rough; a near tie is not worth the extra code path), and the Pallas kernels, when
+    they can run the call, must beat the lax ring by `KERNEL_MARGIN`. CPU always stays
+    on the reference: its simulated devices share the cores, and Pallas there is an
+    interpreter.
     """
     from . import cost_model
 
@@ -116,15 +118,21 @@ def auto_choice(call: Call) -> tuple[str, str]:
                            "matmul into ring steps only adds overhead")
     hw = cost_model.get_hardware(None, call.platform)
     est = cost_model.estimate_call(call, hw)
-    candidates = [RING]
+    candidates, why_not = [RING], ""
     if PALLAS in _REGISTRY:
         try:
-            if _REGISTRY[PALLAS].unavailable(call) is None:
-                candidates.append(PALLAS)
-        except Exception:  # kernels that fail to import cannot be chosen
-            pass
-    best = min(candidates, key=lambda name: est[name].seconds)
+            why_not = _REGISTRY[PALLAS].unavailable(call)
+        except Exception as e:  # kernels that fail to import cannot be chosen
+            why_not = f"{type(e).__name__}: {e}"
+        if why_not is None:
+            candidates.append(PALLAS)
+    # Simplest first: a kernel backend must beat the lax ring by KERNEL_MARGIN too.
+    best = RING
+    if PALLAS in candidates and est[PALLAS].seconds < KERNEL_MARGIN * est[RING].seconds:
+        best = PALLAS
     summary = f"{hw.name}: {cost_model.describe({n: est[n] for n in [REFERENCE] + candidates})}"
+    if why_not:
+        summary += f"; pallas cannot run it: {why_not}"
     ref, fast = est[REFERENCE].seconds, est[best].seconds
     if fast < AUTO_MARGIN * ref:
         return best, (f"{best} is estimated {ref / fast:.2f}x faster than reference "
@@ -133,8 +141,10 @@ def auto_choice(call: Call) -> tuple[str, str]:
                        f"{ref / fast:.2f}x); {summary}")
 
 
-# A ring backend is chosen only when estimated at most this fraction of the reference.
+# A ring backend is chosen only when estimated at most this fraction of the reference,
+# and the Pallas kernels over the lax ring only when at most this fraction of the ring.
 AUTO_MARGIN = 0.9
+KERNEL_MARGIN = 0.95
 
 
 def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
