@@ -66,7 +66,7 @@ def ratio_tables(ops):
     for (op, mode, _), rows in sorted(by_op.items()):
         backends = _backends_in(rows)
         lines += [f"### {OP_TITLES.get(op, op)} — {mode}", ""]
-        lines.append("| shape M x K x N_out | ring | " + " | ".join(backends) + " |")
+        lines.append("| shape M x K x N_out | devices | " + " | ".join(backends) + " |")
         lines.append("|---|---:|" + "---:|" * len(backends))
         cells = collections.defaultdict(dict)
         for r in rows:
@@ -100,7 +100,7 @@ def compile_tables(rows):
             sel = [r for r in rows if r["kind"] == kind and r["op"] == op]
             rings = sorted({r["ring"] for r in sel})
             lines += [f"### {kind}: {op}", "",
-                      "| ring | unrolled time | unrolled size | rolled time | rolled size |",
+                      "| devices | unrolled time | unrolled size | rolled time | rolled size |",
                       "|---:|---:|---:|---:|---:|"]
             for n in rings:
                 cell = []

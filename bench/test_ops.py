@@ -17,13 +17,16 @@ mode there (a simulator of every DMA and semaphore), so it only runs at a tiny s
 its group says "simulated".
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fusedpar
-from conftest import SIZES
+
+SIZES = os.environ.get("FUSEDPAR_BENCH_SIZES", "cpu")  # validated in bench/conftest.py
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -178,7 +178,9 @@ def test_auto_picks_pallas_only_when_it_can_run_and_the_model_says_so(monkeypatc
         assert _backends.auto_choice(call)[0] == "pallas"
         _fake_pallas(monkeypatch, "no kernel for this shape")
         name, reason = _backends.auto_choice(call)
-        assert name == "ring" and "pallas cannot run it: no kernel for this shape" in reason
+        # Then the model's pick among the rest: this latency-bound ring does not pay.
+        assert est["ring"].seconds > _backends.AUTO_MARGIN * est["reference"].seconds
+        assert name == "reference" and "pallas cannot run it: no kernel for this shape" in reason
         # Never on CPU, where Pallas is an interpreter, even if it says it can run.
         _fake_pallas(monkeypatch, None)
         cpu = dataclasses.replace(call, platform="cpu")

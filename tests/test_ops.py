@@ -247,3 +247,14 @@ def test_rolled_ring_trace_stays_flat():
 
     assert size(4, False) == size(8, False)
     assert size(8, True) > size(4, True)
+
+
+@pytest.mark.parametrize("case", [
+    Case("vector_rhs_dim1", "all_gather_matmul", dict(gather="rhs", dim=1),
+         (16,), (16, 2), P(), P(None, "x"), P("x"), stack_output=True),
+    Case("vector_rs", "matmul_reduce_scatter", dict(dim=0),
+         (2,), (2, 8), P("x"), P("x"), P("x")),
+], ids=lambda c: c.name)
+def test_vector_input(case):
+    """x of shape (k,) works where the op has a dimension to gather or scatter."""
+    check(run_case(case, 4, jnp.float32, CONFIGS[:3]), jnp.float32, case.name)

@@ -65,6 +65,8 @@ def tile_product(acc, a_ref, a_rows, a_cols, b_ref, b_rows, b_cols, *, k, block_
         b = b_ref[pl.ds(b_rows + kk, block_k), pl.ds(b_cols, bn)]
         return acc + pltriton.dot(a, b, precision=precision)
 
+    if k == block_k:  # no loop to pipeline (and a cheaper program in interpret mode)
+        return body(0, acc)
     return lax.fori_loop(0, k // block_k, body, acc)
 
 

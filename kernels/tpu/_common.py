@@ -114,8 +114,8 @@ class Link:
 
     def start_send(self, h, t, src):
         """Start transfer `t` of direction `h`: `src` into the neighbour's slot `t % 2`."""
-        if t >= 2 and self.broken != BROKEN_NO_CREDIT:
-            pl.semaphore_wait(self.credit.at[h], 1)  # the neighbour freed that slot
+        if self.broken != BROKEN_NO_CREDIT:  # wait until the neighbour freed that slot
+            when(t >= 2, lambda: pl.semaphore_wait(self.credit.at[h], 1))
         self._copy(h, t, src).start()
 
     def wait_send(self, h, t, src):
@@ -131,13 +131,36 @@ class Link:
 
     def release(self, h, t):
         """Done with the slot of transfer `t`: give the sender a credit if it reuses it."""
-        if t + 2 <= self.ring.num_transfers - 1 and self.broken != BROKEN_NO_CREDIT:
-            r = self.ring.directions[h]
-            pl.semaphore_signal(self.credit.at[h], 1,
-                                device_id=self._device(self.ring.recv_from(self.me, r)))
+        if self.broken == BROKEN_NO_CREDIT:
+            return
+        r = self.ring.directions[h]
+        when(t + 2 <= self.ring.num_transfers - 1, lambda: pl.semaphore_signal(
+            self.credit.at[h], 1, device_id=self._device(self.ring.recv_from(self.me, r))))
 
     def local_copy(self, h, src, dst):
         return pltpu.make_async_copy(src, dst, self.local.at[h])
+
+
+def when(cond, fn):
+    """`fn()` if `cond`: decided now for Python bools, in the kernel for traced ones."""
+    if isinstance(cond, bool):
+        if cond:
+            fn()
+    else:
+        pl.when(cond)(fn)
+
+
+def steps(n, step):
+    """Run `step(s, first, last)` for s in [0, n): the first and last step peeled (static),
+    the middle ones in a `fori_loop` so the kernel's size does not grow with the ring."""
+    step(0, True, n == 1)
+    if n > 2:
+        def body(s, carry):
+            step(s, False, False)
+            return carry
+        lax.fori_loop(1, n - 1, body, 0)
+    if n > 1:
+        step(n - 1, False, True)
 
 
 def half(ref, h, length, axis):

@@ -63,7 +63,7 @@ def _kernel(x, w, out, *rest, prim, ring, axis_name, tile, return_gathered, prec
     me, nd, n = link.me, ring.num_directions, ring.size
     late = broken == _common.BROKEN_READ_BEFORE_WAIT
 
-    def compute(piece, seg, count):
+    def compute(piece, seg, first, last):
         if prim == P.AG_ROWS:
             _tiling.matmul(piece, w, _common.segment(out, seg, length, 0), tile,
                            precision=precision)
@@ -71,20 +71,17 @@ def _kernel(x, w, out, *rest, prim, ring, axis_name, tile, return_gathered, prec
             _tiling.matmul(x, piece, _common.segment(out, seg, length, 1), tile,
                            precision=precision)
         else:  # the f32 sum over segments lives in `acc`; the last one writes `out`
-            last = count == ring.num_segments - 1
             _tiling.matmul(_common.segment(x, seg, length, 1), piece,
                            out if last else acc, tile,
-                           prev=None if count == 0 else acc, precision=precision)
+                           prev=None if first else acc, precision=precision)
 
-    if n > 1:
-        link.barrier()
-    for s in range(n):
-        pieces = [_common.half(travelling, h, length, axis) if s == 0 else link.received(h, s - 1)
+    def step(s, first, last):
+        pieces = [_common.half(travelling, h, length, axis) if first else link.received(h, s - 1)
                   for h in range(nd)]
-        if s >= 1 and not late:
+        if not first and not late:
             for h in range(nd):
                 link.wait_recv(h, s - 1)
-        if s < n - 1:  # forward the block in hand before multiplying it
+        if not last:  # forward the block in hand before multiplying it
             for h in range(nd):
                 link.start_send(h, s, pieces[h])
         copies = []
@@ -94,18 +91,22 @@ def _kernel(x, w, out, *rest, prim, ring, axis_name, tile, return_gathered, prec
                 copies.append(link.local_copy(h, pieces[h],
                                               _common.segment(gathered, seg, length, axis)))
                 copies[-1].start()
-            compute(pieces[h], seg, s * nd + h)
-        if s >= 1 and late:
+            compute(pieces[h], seg, first and h == 0, last and h == nd - 1)
+        if not first and late:
             for h in range(nd):
                 link.wait_recv(h, s - 1)
         for c in copies:
             c.wait()
-        if s < n - 1:
+        if not last:
             for h in range(nd):
                 link.wait_send(h, s, pieces[h])
-        if s >= 1:  # the slot has been multiplied and forwarded
+        if not first:  # the slot has been multiplied and forwarded
             for h in range(nd):
                 link.release(h, s - 1)
+
+    if n > 1:
+        link.barrier()
+    _common.steps(n, step)
 
 
 def all_gather_matmul(prim, cfg, x, w, return_gathered=False):

@@ -64,16 +64,13 @@ def _kernel(x, w, out, slots, sendbuf, stage, send, recv, local, credit, *, prim
     def mine(h):  # this device's output: segment me * nd + h, i.e. half h of `out`
         return _common.half(out, h, length, axis)
 
-    if n == 1:
-        for h in range(nd):
-            partial(0, h, mine(h))
-        return
-    link.barrier()
-    for h in range(nd):
-        partial(0, h, sendbuf.at[h, 0])
-        link.start_send(h, 0, sendbuf.at[h, 0])
-    for s in range(1, n):
-        last = s == n - 1
+    def step(s, first, last):
+        if first:  # the first partial product is the accumulator itself
+            for h in range(nd):
+                partial(s, h, mine(h) if last else sendbuf.at[h, 0])
+                if not last:
+                    link.start_send(h, 0, sendbuf.at[h, 0])
+            return
         for h in range(nd):  # overlaps the accumulators in flight
             partial(s, h, stage.at[h])
         if not late:
@@ -89,6 +86,10 @@ def _kernel(x, w, out, slots, sendbuf, stage, send, recv, local, credit, *, prim
             link.release(h, s - 1)
             if not last:
                 link.start_send(h, s, sendbuf.at[h, s % 2])
+
+    if n > 1:
+        link.barrier()
+    _common.steps(n, step)
 
 
 def matmul_reduce_scatter(prim, cfg, x, w):
