@@ -49,7 +49,7 @@ def make_mesh():
 
 
 def _rounds(seconds_per_call, budget):
-    return int(max(3, min(50, budget / max(seconds_per_call, 1e-6))))
+    return int(max(5, min(50, budget / max(seconds_per_call, 1e-6))))
 
 
 @pytest.fixture

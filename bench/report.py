@@ -1,9 +1,10 @@
 """Turn pytest-benchmark JSON into bench/RESULTS.md and a plot.
 
     pytest bench/ --benchmark-only --benchmark-json=bench/results-cpu.json
-    python bench/report.py bench/results-cpu.json            # -> bench/RESULTS.md, bench/results.png
+    python bench/report.py bench/results-cpu.json   # -> bench/RESULTS.md, bench/results.png
 
-Times are medians over the rounds (robust to other load on the machine). Ratios are to
+Times are the minimum over the rounds: load from other processes only adds time, so the
+minimum is the estimate least disturbed by it (pytest-benchmark's JSON has the rest). Ratios are to
 `reference` in the same group: above 1.00x is slower than all_gather+dot / dot+psum_scatter,
 below is faster. The plot needs matplotlib (the `bench` extra); without it only the
 Markdown is written.
@@ -37,13 +38,36 @@ def _backends_in(rows):
 def load(path):
     with open(path) as f:
         data = json.load(f)
-    ops, compile_rows = [], []
+    ops, compile_rows, other = [], [], []
     for b in data["benchmarks"]:
         info = dict(b.get("extra_info") or {})
-        row = dict(info, seconds=b["stats"]["median"], rounds=b["stats"]["rounds"],
-                   group=b["group"], name=b["name"])
-        (compile_rows if "kind" in info else ops).append(row)
-    return data, ops, compile_rows
+        row = dict(info, seconds=b["stats"]["min"], rounds=b["stats"]["rounds"],
+                   group=b["group"] or "", name=b["name"])
+        if "kind" in info and "ring" in info:
+            compile_rows.append(row)
+        elif all(k in info for k in ("op", "mode", "shape", "ring", "backend")):
+            ops.append(row)
+        else:  # other benchmark files (e.g. bench/test_gpu_steps.py): listed as they are
+            other.append(row)
+    return data, ops, compile_rows, other
+
+
+def other_tables(rows):
+    """Benchmarks this report does not know: one table per group, times as measured."""
+    if not rows:
+        return []
+    lines = ["## Other benchmarks", ""]
+    groups = collections.defaultdict(list)
+    for r in rows:
+        groups[r["group"]].append(r)
+    for group, rs in sorted(groups.items()):
+        fastest = min(r["seconds"] for r in rs)
+        lines += [f"### {group or '(no group)'}", "", "| benchmark | time | vs fastest |",
+                  "|---|---:|---:|"]
+        for r in sorted(rs, key=lambda r: r["seconds"]):
+            lines.append(f"| {r['name']} | {_ms(r['seconds'])} | {r['seconds'] / fastest:.2f}x |")
+        lines.append("")
+    return lines
 
 
 def machine(data, ops):
@@ -117,24 +141,60 @@ def compile_tables(rows):
     return lines
 
 
-def headline(ops):
-    """Geometric-mean ratio to reference per backend, op and mode (the summary table)."""
+# How each bench op maps to a public op call on per-device shapes (see bench/test_op_speed.py).
+_LOCAL = {
+    "agm_lhs": ("all_gather_matmul", dict(gather="lhs", dim=0),
+                lambda m, k, o, n: ((m // n, k), (k, o))),
+    "agm_rhs": ("all_gather_matmul", dict(gather="rhs", dim=1),
+                lambda m, k, o, n: ((m // n, k), (k, o // n))),
+    "mrs": ("matmul_reduce_scatter", dict(dim=0),
+            lambda m, k, o, n: ((m, k // n), (k // n, o))),
+}
+
+
+def model_ratio(r, hardware):
+    """The cost model's time ratio to reference for a forward bench row, or None."""
+    if r["mode"] != "fwd" or r["op"] not in _LOCAL or not r["backend"].startswith("ring"):
+        return None
+    from fusedpar import cost_model
+
+    op, kw, local = _LOCAL[r["op"]]
+    xs, ws = local(*r["shape"], r["ring"])
+    est = cost_model.estimate(op, xs, ws, r["ring"], r.get("dtype", "float32"), hardware,
+                              bidirectional=r["backend"] == "ring-bidi", **kw)
+    return est["ring"] / est["reference"]
+
+
+def _geomean(xs):
     import math
 
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def headline(ops, hardware):
+    """Geometric-mean ratio to reference per backend, op and mode (the summary table)."""
     acc = collections.defaultdict(list)
+    model = collections.defaultdict(list)
     refs = {(r["group"]): r["seconds"] for r in ops if r["backend"] == "reference"}
     for r in ops:
         if r["backend"] != "reference" and r["group"] in refs:
-            acc[(r["op"], r["mode"], r["backend"])].append(r["seconds"] / refs[r["group"]])
+            key = (r["op"], r["mode"], r["backend"])
+            acc[key].append(r["seconds"] / refs[r["group"]])
+            predicted = model_ratio(r, hardware) if hardware else None
+            if predicted is not None:
+                model[key].append(predicted)
     if not acc:
         return []
     lines = ["## Summary: time relative to reference (geometric mean over shapes and rings)",
-             "", "| op | mode | backend | ratio | min | max | cases |",
-             "|---|---|---|---:|---:|---:|---:|"]
-    for (op, mode, b), rs in sorted(acc.items()):
-        g = math.exp(sum(math.log(x) for x in rs) / len(rs))
-        lines.append(f"| {op} | {mode} | {b} | **{g:.2f}x** | {min(rs):.2f}x | {max(rs):.2f}x "
-                     f"| {len(rs)} |")
+             "", f"`model`: the same ratio predicted by `fusedpar.cost_model` with the "
+             f"`{hardware}` preset (forward only).", "",
+             "| op | mode | backend | measured | min | max | cases | model |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for key, rs in sorted(acc.items()):
+        op, mode, b = key
+        m = f"{_geomean(model[key]):.2f}x" if model.get(key) else "—"
+        lines.append(f"| {op} | {mode} | {b} | **{_geomean(rs):.2f}x** | {min(rs):.2f}x | "
+                     f"{max(rs):.2f}x | {len(rs)} | {m} |")
     return lines + [""]
 
 
@@ -157,7 +217,7 @@ def plot(ops, compile_rows, path):
         return False
     panels = sorted({(r["op"], r["mode"]) for r in ops if not r.get("simulated")
                      and r["backend"] != "pallas_tpu"})
-    extra = 1 if compile_rows else 0
+    extra = 2 if compile_rows else 0
     cols = 2
     rows_n = (len(panels) + extra + cols - 1) // cols
     fig, axes = plt.subplots(rows_n, cols, figsize=(6 * cols, 3.6 * rows_n), squeeze=False)
@@ -176,7 +236,7 @@ def plot(ops, compile_rows, path):
                             label=f"{b} {'x'.join(map(str, shape))}")
         ax.set_title(f"{op} {mode}", fontsize=10)
         ax.set_xlabel("ring size (devices)")
-        ax.set_ylabel("time (ms, median)")
+        ax.set_ylabel("time (ms, min over rounds)")
         ax.set_yscale("log")
         _ring_ticks(ax, sel)
         ax.legend(fontsize=7)
@@ -195,6 +255,20 @@ def plot(ops, compile_rows, path):
         ax.set_ylabel("time (ms)")
         _ring_ticks(ax, compile_rows)
         ax.legend(fontsize=7)
+        ax = axes.flat[len(panels) + 1]
+        for op in sorted({r["op"] for r in compile_rows}):
+            for unroll, style in ((True, "-"), (False, "--")):
+                pts = sorted((r["ring"], r["hlo_lines"]) for r in compile_rows
+                             if r["kind"] == "trace+lower" and r["op"] == op
+                             and r["unroll"] == unroll)
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o",
+                            label=f"{op} {'unrolled' if unroll else 'rolled'}")
+        ax.set_title("program size vs ring size", fontsize=10)
+        ax.set_xlabel("ring size (devices)")
+        ax.set_ylabel("StableHLO lines")
+        _ring_ticks(ax, compile_rows)
+        ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels) + extra:]:
         ax.set_visible(False)
     fig.tight_layout()
@@ -209,30 +283,33 @@ def main(argv=None):
     parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), "results.png"))
     parser.add_argument("--note", default="", help="a paragraph to add (e.g. machine load)")
     args = parser.parse_args(argv)
-    data, ops, compile_rows = None, [], []
+    data, ops, compile_rows, other = None, [], [], []
     for path in args.json:
-        d, o, c = load(path)
+        d, o, c, x = load(path)
         data = data or d
         ops += o
         compile_rows += c
+        other += x
     ops_main = [r for r in ops if not r.get("simulated") and "simulated" not in r["group"]]
     ops_sim = [r for r in ops if "simulated" in r["group"]]
     for r in ops_sim:
         r["simulated_group"] = True
     import jax
 
-    jax_version = next((r.get("jax_version") for r in ops + compile_rows
+    jax_version = next((r.get("jax_version") for r in ops + compile_rows + other
                         if r.get("jax_version")), jax.__version__)
-    on_cpu = next(iter(ops), {}).get("platform", "cpu") == "cpu"
+    timed_rows = ops + other
+    on_cpu = next(iter(timed_rows), {}).get("platform", "cpu") == "cpu"
     lines = ["# fusedpar benchmark results", "",
-             f"- Machine: **{machine(data, ops)}**",
+             f"- Machine: **{machine(data, timed_rows)}**",
              f"- JAX {jax_version}, Python {data['machine_info']['python_version']}, "
              f"pytest-benchmark {data['version']}",
              f"- Date: {data['datetime'][:19].replace('T', ' ')} UTC",
              f"- Commit: {(data.get('commit_info') or {}).get('id', 'unknown')[:12]}"
              f"{' (dirty)' if (data.get('commit_info') or {}).get('dirty') else ''}",
              f"- Produced by: `pytest bench/ --benchmark-only --benchmark-json=...` then "
-             f"`python bench/report.py ...`; times are medians.", ""]
+             "`python bench/report.py ...`; times are the minimum over rounds (other load "
+             "only adds time).", ""]
     if on_cpu:
         lines += ["> **CPU numbers show overheads, never speed-ups.** The simulated devices "
                   "share the same cores, and a \"transfer\" is a memory copy made by those "
@@ -242,20 +319,22 @@ def main(argv=None):
                   "expect there.", ""]
     if args.note:
         lines += [args.note, ""]
-    if os.path.exists(args.plot) or ops:
+    if ops_main or compile_rows:
         lines += [f"![time vs ring size]({os.path.basename(args.plot)})", ""]
-    lines += headline(ops_main)
-    lines += ["## Ops: time per call, and ratio to reference in the same row", "",
-              "`ring`: unidirectional lax ring; `ring-bidi`: bidirectional (halves per step). "
-              "Forward: the op alone; fwd+bwd: `jax.grad` of the sum of the output with "
-              "respect to both operands.", ""]
-    lines += ratio_tables(ops_main)
+    lines += headline(ops_main, "cpu" if on_cpu else None)
+    if ops_main:
+        lines += ["## Ops: time per call, and ratio to reference in the same row", "",
+                  "`ring`: unidirectional lax ring; `ring-bidi`: bidirectional (halves per "
+                  "step). Forward: the op alone; fwd+bwd: `jax.grad` of the sum of the output "
+                  "with respect to both operands.", ""]
+        lines += ratio_tables(ops_main)
     if ops_sim:
         lines += ["## Pallas TPU kernels in interpret mode (a simulation, not a speed)", "",
                   "TPU interpret mode simulates every device, DMA and semaphore on the CPU; "
                   "these numbers track the simulator's cost only.", ""]
         lines += ratio_tables(ops_sim)
     lines += compile_tables(compile_rows)
+    lines += other_tables(other)
     with open(args.out, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
     wrote_plot = plot(ops_main, compile_rows, args.plot) if ops_main or compile_rows else False

@@ -67,7 +67,7 @@ def test_trace_and_lower(benchmark, op, n, unroll):
     nbytes, lines = _size(_lower(op, n, unroll))
     benchmark.extra_info.update(op=op, ring=n, unroll=unroll, hlo_bytes=nbytes,
                                 hlo_lines=lines, kind="trace+lower", jax_version=jax.__version__)
-    benchmark.pedantic(_lower, (op, n, unroll), rounds=3, iterations=1)
+    benchmark.pedantic(_lower, (op, n, unroll), rounds=5, iterations=1)
     if not unroll and n == RINGS[-1]:
         # The rolled ring's program does not grow with the ring: the same operations (lines)
         # from 4 devices up (a ring of 2 has one transfer, which is never rolled); only the
@@ -92,4 +92,4 @@ def test_compile(benchmark, make_mesh, op, n, unroll):
                                 first_s=time.perf_counter() - start,
                                 hlo_bytes=len(compiled.as_text() or ""),
                                 jax_version=jax.__version__)
-    benchmark.pedantic(compile_once, rounds=2, iterations=1)
+    benchmark.pedantic(compile_once, rounds=3, iterations=1)

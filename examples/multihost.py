@@ -28,6 +28,13 @@ its inputs.
    Results that should be read on every host are returned replicated
    (`out_shardings=NamedSharding(mesh, P())`), so each process has the whole value.
 
+5. **Layers.** A model of fusedpar layers is created already sharded with
+   `fusedpar.init_sharded(make, mesh, key)` (each process computes only its shards of
+   every parameter) and called on global arrays under `jax.set_mesh(mesh)`. Here a
+   sequence-parallel MLP (`ColumnLinear` -> gelu -> `RowLinear`, both also FSDP-sharded)
+   and an `FSDPLinear` head run on a `("fsdp", "tp")` = (2, 4) mesh: tensor parallelism
+   inside each process, FSDP across the two.
+
 Usage (two processes with 4 CPU devices each, on one machine):
 
     python examples/multihost.py --process-id 0 --num-processes 2 \
@@ -162,6 +169,74 @@ def results(mesh) -> dict:
     return {k: np.asarray(v.addressable_data(0)) for k, v in out.items()}
 
 
+MODEL_AXES, MODEL_MESH = ("fsdp", "tp"), (2, 4)
+BATCH, SEQ, D_MODEL, D_HIDDEN, D_OUT = 4, 16, 32, 64, 16
+
+
+def make_model(key, backend):
+    """The MLP + head of point 5: every fusedpar layer type, all sharded."""
+    import equinox as eqx
+    import jax
+
+    import fusedpar
+
+    k1, k2, k3 = jax.random.split(key, 3)
+    return eqx.nn.Sequential([
+        fusedpar.ColumnLinear(D_MODEL, D_HIDDEN, key=k1, axis="tp", sequence_parallel=True,
+                              fsdp_axis="fsdp", backend=backend),
+        eqx.nn.Lambda(jax.nn.gelu),
+        fusedpar.RowLinear(D_HIDDEN, D_MODEL, key=k2, axis="tp", sequence_parallel=True,
+                           fsdp_axis="fsdp", backend=backend),
+        fusedpar.FSDPLinear(D_MODEL, D_OUT, key=k3, axis="fsdp", backend=backend),
+    ])
+
+
+def build_model_mesh():
+    import jax
+    from jax.sharding import AxisType
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return jax.make_mesh(MODEL_MESH, MODEL_AXES, axis_types=(AxisType.Auto,) * 2,
+                         devices=devices)
+
+
+def model_results(mesh) -> dict:
+    """The model's output and the gradients of every parameter and of the input, per
+    backend, keyed "model/<backend>/<output>"."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import fusedpar
+
+    x = place((BATCH, SEQ, D_MODEL), P("fsdp", "tp", None), mesh, 300)
+    out = {}
+    for bname, bkw in BACKENDS[:2]:
+        # The same key gives the same parameters for every backend.
+        model = fusedpar.init_sharded(make_model, mesh, jax.random.key(0), bkw["backend"])
+        params, static = eqx.partition(model, eqx.is_array)
+
+        def forward_backward(params, x):
+            def loss(params, x):
+                y = eqx.combine(params, static)(x)
+                ct = jnp.cos(jnp.arange(y.size, dtype=y.dtype).reshape(y.shape))
+                return jnp.sum(y * ct), y
+
+            (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+            return y, grads
+
+        with jax.set_mesh(mesh):
+            y, (dparams, dx) = jax.jit(forward_backward, out_shardings=NamedSharding(
+                mesh, P()))(params, x)
+        leaves = jax.tree_util.tree_leaves_with_path(dparams)
+        named = {f"d{jax.tree_util.keystr(path)}": g for path, g in leaves}
+        for k, v in {"y": y, "dx": dx, **named}.items():
+            out[f"model/{bname}/{k}"] = np.asarray(v.addressable_data(0))
+    return out
+
+
 def _arguments(argv):
     env = os.environ.get
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -206,6 +281,7 @@ def main(argv=None):
     import numpy as np
 
     out = results(build_mesh())
+    out.update(model_results(build_model_mesh()))
     if a.out and jax.process_index() == 0:
         np.savez(a.out, **out)
     print(f"process {jax.process_index()}: {len(out)} results"

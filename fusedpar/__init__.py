@@ -37,3 +37,11 @@ from ._specs import (
 __all__ += ["ColumnLinear", "RowLinear", "FSDPLinear", "ParallelLinear", "parallelize",
             "shard", "init_sharded", "param_specs", "shard_map_specs", "validate",
             "compose", "Column", "Row", "FSDP", "Rule", "Drop"]
+
+# GPU XLA flags (issue 5)
+from ._xla_flags import (
+    gpu_overlap_flags as gpu_overlap_flags,
+    set_gpu_overlap_flags as set_gpu_overlap_flags,
+)
+
+__all__ += ["gpu_overlap_flags", "set_gpu_overlap_flags"]

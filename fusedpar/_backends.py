@@ -137,8 +137,8 @@ def auto_choice(call: Call) -> tuple[str, str]:
     if fast < AUTO_MARGIN * ref:
         return best, (f"{best} is estimated {ref / fast:.2f}x faster than reference "
                       f"over a ring of {call.axis_size}; {summary}")
-    return REFERENCE, (f"decomposing does not pay at this size (best: {best}, "
-                       f"{ref / fast:.2f}x); {summary}")
+    return REFERENCE, (f"decomposing does not pay at this size (best: {best}, estimated "
+                       f"at {fast / ref:.2f}x the reference's time); {summary}")
 
 
 # A ring backend is chosen only when estimated at most this fraction of the reference,

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from jax import lax
-
 from . import _context, _specs
 from ._layer import ParallelLinear, add_bias, fsdp_matmul, gather_fsdp
+from ._ops import all_gather_matmul
 
 
 class ColumnLinear(ParallelLinear):
@@ -46,8 +45,6 @@ class ColumnLinear(ParallelLinear):
         self._setup(in_features, out_features, use_bias, dtype, key, rule, backend)
 
     def _local(self, x, rule):
-        from ._ops import all_gather_matmul
-
         tp = rule.tp
         w, b, x = self._operands(x, rule, self.in_features)
         if tp.sequence_parallel:

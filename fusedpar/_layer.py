@@ -51,6 +51,7 @@ from jax import lax
 from jaxtyping import Array
 
 from . import _backends, _context, _definition, _specs
+from ._ops import all_gather_matmul
 from ._specs import Rule
 
 
@@ -169,9 +170,11 @@ class ParallelLinear(eqx.Module):
             x = _context.place(x, x_spec, True)
         else:
             layer = self
+        # Manual over the layer's axes only: the mesh's other axes keep their layout.
         fn = jax.shard_map(functools.partial(type(self)._local, rule=rule), mesh=mesh,
                            in_specs=(pspecs, x_spec), out_specs=y_spec,
-                           axis_names=set(rule.axes), check_vma=_context.check_vma(self.backend))
+                           axis_names=set(rule.axes),
+                           check_vma=_context.check_vma(self.backend))
         return fn(layer, x)
 
     # --- helpers for `_local` ----------------------------------------------------
@@ -237,8 +240,6 @@ def fsdp_matmul(x, w, rule: Rule, backend, out_dtype=None):
     (gather="rhs", dim=0) or the output columns (dim=1). The op's backward
     reduce-scatters the weight gradient over the FSDP axis.
     """
-    from ._ops import all_gather_matmul
-
     if rule.fsdp is None:
         return _definition.matmul(x, w.T).astype(out_dtype or x.dtype)
     return all_gather_matmul(x, w.T, rule.fsdp.axis, gather="rhs", dim=1 - rule.fsdp_dim,

@@ -8,6 +8,7 @@ from jax import lax
 
 from . import _definition, _specs
 from ._layer import ParallelLinear, add_bias, fsdp_matmul, gather_fsdp
+from ._ops import matmul_reduce_scatter
 
 
 class RowLinear(ParallelLinear):
@@ -41,8 +42,6 @@ class RowLinear(ParallelLinear):
         self._setup(in_features, out_features, use_bias, dtype, key, rule, backend)
 
     def _local(self, x, rule):
-        from ._ops import matmul_reduce_scatter
-
         tp = rule.tp
         w, b, x = self._operands(x, rule, self.in_features // lax.axis_size(tp.axis))
         if tp.sequence_parallel:

@@ -48,7 +48,7 @@ def init_sharded(make: Callable, mesh, *args, relaxed: bool = False, **kwargs):
     abstract = eqx.filter_eval_shape(make, *args, **kwargs)
     abstract, dropped = _specs.validate(abstract, mesh, relaxed=relaxed)
     _warn(dropped)
-    params, static = eqx.partition(abstract, eqx.is_array)
+    params, static = eqx.partition(abstract, _specs.is_param)
 
     def build(*args, **kwargs):
         model = make(*args, **kwargs)

@@ -251,7 +251,7 @@ def merge(path: str, ndim: int, placements) -> P:
     for ps in dims:
         axes = tuple(p.axis for p in sorted(ps, key=lambda p: ROLES.index(p.role)))
         entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-    return P(*entries)
+    return P(*entries) if any(e is not None for e in entries) else P()
 
 
 def _axes_of(entry) -> tuple:
@@ -289,6 +289,11 @@ def check_spec(path: str, shape, spec: P, sizes: dict, what="parameter"):
 
 # --- whole models -----------------------------------------------------------------
 
+def is_param(x) -> bool:
+    """An array, or the shape of one (`jax.eval_shape` / `eqx.filter_eval_shape` output)."""
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
 def is_layer(x) -> bool:
     """A fusedpar layer: a module with a sharding `Rule`."""
     return isinstance(x, eqx.Module) and isinstance(getattr(x, "rule", None), Rule)
@@ -317,7 +322,7 @@ def layer_param_specs(layer, where: str, rule: Optional[Rule] = None) -> Any:
         name = path[-1].name if path and hasattr(path[-1], "name") else None
         if name in specs and specs[name] is not None:
             return specs[name]
-        return P() if eqx.is_array(leaf) else None
+        return P() if is_param(leaf) else None
 
     return jax.tree_util.tree_map_with_path(spec, layer)
 
@@ -334,7 +339,7 @@ def param_specs(model) -> Any:
     def one(path, x):
         if is_layer(x):
             return layer_param_specs(x, _path_str(path))
-        return P() if eqx.is_array(x) else None
+        return P() if is_param(x) else None
 
     return jax.tree_util.tree_map_with_path(one, model, is_leaf=is_layer)
 

@@ -116,20 +116,22 @@ PRESETS: dict[str, Hardware] = {
         hbm_bandwidth=2765 * _G, link_bandwidth=100 * _G, egress_bandwidth=600 * _G,
         step_latency=5e-6, kernel_step_latency=1.5e-6, hop_latency=1e-6,
         launch_overhead=2e-6, overlap=1.0),
-    # One of 8 simulated devices on a 2-core CPU (rough, from bench/RESULTS.md): the
-    # devices share the cores and a "transfer" is a copy made by those cores, so nothing
-    # overlaps. Pallas there is an interpreter; auto never picks it.
+    # One of 8 simulated devices on a 2-core CPU (rough, fitted by eye to bench/RESULTS.md:
+    # ~200 GFLOP/s f32 for the two cores together, shared by the 8 devices). The devices
+    # share the cores and a "transfer" is a copy made by those cores, so nothing overlaps.
+    # Pallas there is an interpreter; auto never picks it.
     "cpu": Hardware(
-        "CPU (simulated device)", {"float32": 2 * _G}, efficiency=1.0, hbm_bandwidth=2 * _G,
-        link_bandwidth=1 * _G, egress_bandwidth=1 * _G, step_latency=200e-6,
-        kernel_step_latency=200e-6, hop_latency=50e-6, launch_overhead=50e-6, overlap=0.0),
+        "CPU (simulated device)", {"float32": 25 * _G}, efficiency=1.0, hbm_bandwidth=4 * _G,
+        link_bandwidth=4 * _G, egress_bandwidth=4 * _G, step_latency=150e-6,
+        kernel_step_latency=150e-6, hop_latency=20e-6, launch_overhead=20e-6, overlap=0.0),
 }
 _ALIASES = {"h100": "h100_sxm", "h200_sxm": "h200", "v5e": "tpu_v5e", "v5p": "tpu_v5p"}
 
 _default: Optional[Hardware] = None
 
 
-def get_hardware(spec: Union[str, Hardware, None] = None, platform: Optional[str] = None) -> Hardware:
+def get_hardware(spec: Union[str, Hardware, None] = None,
+                 platform: Optional[str] = None) -> Hardware:
     """A `Hardware`: `spec` itself, a preset by name, or the one for `platform`.
 
     With `spec=None`: the hardware set by `set_hardware`, else a preset guessed from the

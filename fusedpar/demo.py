@@ -42,7 +42,7 @@ def _parse(argv):
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--blocks", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=0.3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--backends", default="reference,ring",
                    help="comma-separated backends (reference, ring, pallas, pallas_tpu, ...)")

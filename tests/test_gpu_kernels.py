@@ -22,6 +22,8 @@ from helpers import assert_close, mesh, normal
 pytestmark = pytest.mark.timeout(120)
 
 SMALL = {"block_m": 16, "block_n": 16, "block_k": 16}
+# Interpret mode on CPU; on a GPU (bench/test_gpu_steps.py's GPU command) the real kernels.
+INTERPRET = jax.default_backend() == "cpu"
 # float32 through the MXU/tensor cores would be TF32 on a GPU; ask for full precision so
 # the same tolerances hold there as in interpret mode on CPU.
 PRECISION = {jnp.float32: lax.Precision.HIGHEST, jnp.bfloat16: None}
@@ -43,7 +45,7 @@ def test_matmul_into(axis, num_pieces, dtype):
     segs = jnp.array([3, 0][:num_pieces], jnp.int32)
     prec = PRECISION[dtype]
     got = jax.jit(functools.partial(gpu.matmul_into, axis=axis, precision=prec, options=SMALL,
-                                    interpret=True))(out, pieces, other, segs)
+                                    interpret=INTERPRET))(out, pieces, other, segs)
     want = gpu.matmul_into_reference(out, pieces, other, segs, axis=axis, precision=prec)
     assert_close(got, want, dtype, "matmul_into")
     # The slices no piece was written to are left as they were (in place, not zeroed).
@@ -66,7 +68,7 @@ def test_matmul_acc(with_acc, dtype):
 
     def f(acc, terms):
         return gpu.matmul_acc(acc, terms, (32, 32), jnp.float32, precision=prec,
-                              options=SMALL, interpret=True)
+                              options=SMALL, interpret=INTERPRET)
 
     got = jax.jit(f)(acc, terms)
     want = gpu.matmul_acc_reference(acc, terms, (32, 32), jnp.float32, precision=prec)
@@ -162,9 +164,18 @@ def _value_and_vjp(f, args):
     return run(args)
 
 
-@pytest.mark.parametrize("bidirectional", [False, True])
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
+# Each case compiles 20 interpreted rings (5 primitives x 2 dtypes, forward and backward):
+# 10-30 s on 2 CPU cores. Unmarked: 1 device, an unrolled (2) and a rolled (8) bidirectional
+# ring; the rest of the grid (every primitive, ring size, direction, dtype) is marked slow.
+RINGS = [(1, False), (2, True), (8, True)]
+SLOW_RINGS = [(1, True), (2, False), (4, False), (4, True), (8, False)]
+
+
+@pytest.mark.parametrize("n,bidirectional", RINGS + [
+    pytest.param(*r, marks=pytest.mark.slow) for r in SLOW_RINGS])
 def test_five_primitives_match_reference(n, bidirectional):
+    if len(jax.devices()) < n:
+        pytest.skip(f"a ring of {n} needs {n} devices")
     d = 2 if bidirectional else 1
     args = (_five_ops(n, d, jnp.float32)[0], _five_ops(n, d, jnp.bfloat16)[0])
     got = _value_and_vjp(_apply(n, "pallas_gpu", bidirectional), args)

@@ -12,6 +12,7 @@ the survivor waiting in a collective).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import pathlib
@@ -19,7 +20,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import numpy as np
@@ -65,40 +65,50 @@ def _tail(path, n=3000):
     return "\n".join(lines)[-n:]
 
 
-def run_processes(commands, timeout, logdir):
-    """Run `commands` concurrently; return when all exit 0, raise as soon as one does not.
-
-    Raises `RuntimeError` naming the failed process (or the timeout) with the tail of every
-    process's output; every process still running is killed first, whatever happens.
-    """
+@contextlib.contextmanager
+def processes(commands, logdir):
+    """Start `commands`; on leaving the block, kill whichever are still running."""
     procs, logs = [], []
     try:
         for i, cmd in enumerate(commands):
-            log = os.path.join(logdir, f"process{i}.log")
-            logs.append(log)
-            with open(log, "wb") as f:
+            logs.append(os.path.join(logdir, f"process{i}.log"))
+            with open(logs[-1], "wb") as f:
                 procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                               env=_child_env(), cwd=ROOT))
-        deadline = time.monotonic() + timeout
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                why = f"process {failed[0]} exited with code {codes[failed[0]]}"
-                break
-            if all(c == 0 for c in codes):
-                return [_tail(log) for log in logs]
-            if time.monotonic() > deadline:
-                why = f"timed out after {timeout} s (exit codes so far: {codes})"
-                break
-            time.sleep(0.1)
+        yield procs, logs
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def wait(procs, logs, timeout):
+    """Return every process's output once all exit 0; raise as soon as one does not.
+
+    Raises `RuntimeError` naming the failed process (or the timeout) with the tail of
+    every process's output (the caller's `processes` block then kills the rest).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            why = f"process {failed[0]} exited with code {codes[failed[0]]}"
+            break
+        if all(c == 0 for c in codes):
+            return [_tail(log) for log in logs]
+        if time.monotonic() > deadline:
+            why = f"timed out after {timeout} s (exit codes so far: {codes})"
+            break
+        time.sleep(0.1)
     outputs = "\n".join(f"--- process {i} ---\n{_tail(log)}" for i, log in enumerate(logs))
     raise RuntimeError(f"multi-process run failed: {why}\n{outputs}")
+
+
+def run_processes(commands, timeout, logdir):
+    with processes(commands, logdir) as (procs, logs):
+        return wait(procs, logs, timeout)
 
 
 def _commands(port, out):
@@ -112,29 +122,19 @@ def test_two_processes_equal_one():
     example = _example()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.npz")
-        procs_done = {}
-
-        # Start the children, then compute the single-process result here meanwhile.
-        def children():
-            try:
-                procs_done["logs"] = run_processes(_commands(_free_port(), out), 180, tmp)
-            except Exception as e:  # re-raised in the test's thread below
-                procs_done["error"] = e
-
-        t = threading.Thread(target=children)
-        t.start()
-        want = example.results(example.build_mesh())
-        t.join()
-        if "error" in procs_done:
-            raise procs_done["error"]
-        assert any(f"process 1/{PROCESSES}: {LOCAL_DEVICES} local of 8 devices" in log
-                   for log in procs_done["logs"]), procs_done["logs"]
+        with processes(_commands(_free_port(), out), tmp) as (procs, logs):
+            # The single-process run, here, while the children run.
+            want = example.results(example.build_mesh())
+            want.update(example.model_results(example.build_model_mesh()))
+            outputs = wait(procs, logs, 180)
+        assert any(f"process 1/{PROCESSES}: {LOCAL_DEVICES} local of 8 devices" in o
+                   for o in outputs), outputs
         with np.load(out) as f:
             got = {k: f[k] for k in f.files}
 
     assert sorted(got) == sorted(want)
-    expected = 5 * len(example.BACKENDS) * 3  # cases x backends x (y, dx, dw)
-    assert len(got) == expected
+    # ops: cases x backends x (y, dx, dw); model: 2 backends x (y, dx, 3 x (dw, db))
+    assert len(got) == 5 * len(example.BACKENDS) * 3 + 2 * 8
     for key in sorted(want):
         assert_close(got[key], want[key], np.float32, f"2 processes vs 1: {key}")
         # And every backend equals the reference, within the multi-process run itself.

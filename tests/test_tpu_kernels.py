@@ -103,11 +103,12 @@ def test_backward_without_keep_gathered(bidirectional):
 
 
 def test_mixed_precision_and_tile_options():
-    """bf16 in, f32 out, bf16 reduce accumulators; tiles forced smaller than the blocks."""
+    """bf16 in, f32 out, bf16 reduce accumulators; the tiled HBM path (tiles forced small)."""
     n, mm = 4, mesh((4,), ("x",))
     x = normal(0, (n * 32, 256), jnp.bfloat16)
     w = normal(1, (256, n * 256), jnp.bfloat16)
-    opts = {"block_m": 8, "block_k": 128, "block_n": 128}
+    # vmem=False: operands stay in HBM and every step is an emit_pipeline over 4-16 tiles.
+    opts = {"vmem": False, "block_m": 8, "block_k": 128, "block_n": 128}
 
     def f(x, w, backend):
         kw = {} if backend == "reference" else {"backend": backend, "options": opts}
@@ -148,7 +149,9 @@ def test_unavailable_reasons():
     assert kernels.unavailable(_call(platform="tpu", dtype="bfloat16")) is None
     assert "platform 'gpu'" in kernels.unavailable(_call(platform="gpu"))
     assert "float16 is not supported" in kernels.unavailable(_call(dtype="float16"))
-    why = kernels.unavailable(_call(w_shape=(512, 1000)))  # 1000 columns: no 128-multiple tile
+    assert kernels.unavailable(_call(w_shape=(512, 200))) is None  # fits VMEM: no tiles
+    # Too big for VMEM, and 1000 columns have no tile that is a multiple of 128.
+    why = kernels.unavailable(_call(x_shape=(4096, 8192), w_shape=(8192, 1000)))
     assert "length 1000" in why and "block_n" in why
 
 
@@ -165,7 +168,7 @@ def test_bad_tile_option_is_a_clear_error():
     mm = mesh((2,), ("x",))
     x, w = normal(0, (32, 256), jnp.float32), normal(1, (256, 128), jnp.float32)
     f = jax.shard_map(lambda x, w: fusedpar.all_gather_matmul(
-        x, w, "x", backend="pallas_tpu", options={"block_k": 100}),
+        x, w, "x", backend="pallas_tpu", options={"block_k": 100, "vmem": False}),
         mesh=mm, in_specs=(P("x"), P()), out_specs=P("x"), check_vma=False)
     with pytest.raises(NotImplementedError, match="block_k=100"):
         jax.jit(f)(x, w)

@@ -14,6 +14,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from fusedpar._vma import varying_axes
+
 
 def tile_of(pid, tiles_m: int, tiles_n: int, group_m: int):
     """`(i, j)` output tile of program `pid` of a 1-D launch, in groups of `group_m` rows.
@@ -60,7 +62,7 @@ def tile_product(acc, a_ref, a_rows, a_cols, b_ref, b_rows, b_cols, *, k, block_
     bm, bn = acc.shape
 
     def body(t, acc):
-        kk = pl.multiple_of(t * block_k, block_k)
+        kk = t * block_k if isinstance(t, int) else pl.multiple_of(t * block_k, block_k)
         a = a_ref[pl.ds(a_rows, bm), pl.ds(a_cols + kk, block_k)]
         b = b_ref[pl.ds(b_rows + kk, block_k), pl.ds(b_cols, bn)]
         return acc + pltriton.dot(a, b, precision=precision)
@@ -75,12 +77,11 @@ def out_struct(shape, dtype, *operands):
 
     Inside `shard_map(check_vma=True)` pallas_call needs to be told how its result varies.
     """
-    mats = [getattr(jax.typeof(o), "manual_axis_type", None) for o in operands]
-    mats = [m for m in mats if m is not None]
-    if not mats:
-        return jax.ShapeDtypeStruct(shape, dtype)
-    varying = frozenset().union(*(m.varying for m in mats))
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mats[0].update(varying=varying))
+    varying = frozenset().union(*(varying_axes(o) for o in operands))
+    mat = getattr(jax.sharding, "ManualAxisType", None)
+    if mat is None:  # earlier JAX spelling
+        return jax.ShapeDtypeStruct(shape, dtype, vma=varying)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat(varying=varying))
 
 
 def compiler_params(tiles):

@@ -24,30 +24,44 @@ _DTYPES = ("float32", "bfloat16")
 
 def unavailable(call):
     """Why the TPU kernels cannot run `call` (a `fusedpar._backends.Call`), or None."""
-    from . import _tiling, all_gather_matmul, matmul_reduce_scatter
+    import jax
+
+    from fusedpar._schedule import Ring
+
+    from . import _common, _tiling, all_gather_matmul, matmul_reduce_scatter
 
     if call.platform not in ("tpu", "cpu"):
         return (f"the fused TPU kernels run on TPU (or interpreted on CPU), not on "
                 f"platform {call.platform!r}")
     if call.dtype not in _DTYPES:
         return f"dtype {call.dtype} is not supported (supported: {', '.join(_DTYPES)})"
-    module = all_gather_matmul if call.prim in P.GATHERS else matmul_reduce_scatter
     # The dispatcher picks the ring shape after this check; a default bidirectional ring
     # needs even blocks, which it only picks when they are (see _backends._ring_shape).
-    bidirectional = bool(call.bidirectional) and call.block_length % 2 == 0
-    try:
-        _, _, dims = module.shapes(call.prim, call.axis_size, bidirectional,
+    ring = Ring(call.axis_size, bool(call.bidirectional) and call.block_length % 2 == 0)
+    x = jax.ShapeDtypeStruct(call.x_shape, call.dtype)
+    w = jax.ShapeDtypeStruct(call.w_shape, call.dtype)
+    try:  # the largest variant: f32 results, gathered operand returned
+        if call.prim in P.GATHERS:
+            module = all_gather_matmul
+            out = module.buffers(call.prim, ring, x, w, "float32", True)
+        else:
+            module = matmul_reduce_scatter
+            out = module.buffers(call.prim, ring, x, w, "float32", "float32")
+        _, _, dims = module.shapes(call.prim, ring.size, ring.bidirectional,
                                    call.x_shape, call.w_shape)
     except ValueError as e:
         return str(e)
+    vmem, why = _tiling.plan(_DefaultOptions, dims, _common.nbytes([x, w, *out]))
+    return why if vmem is None else None
 
-    class _Options:  # tile checks with the default targets; options are checked at run
-        @staticmethod
-        def option(name, default=None):
-            return default
 
-    _, why = _tiling.tiles(_Options, *dims)
-    return why
+class _DefaultOptions:
+    """Stands in for a Config: `unavailable` checks the default tiles (options are
+    checked when the kernel is built, with a message naming the option)."""
+
+    @staticmethod
+    def option(name, default=None):
+        return default
 
 
 def run(prim, cfg, x, w, return_gathered=False):

@@ -18,8 +18,10 @@ The protocol (one `Link` per kernel, both directions of a bidirectional ring):
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -30,7 +32,8 @@ from fusedpar._schedule import Ring
 # proves the race/NaN checks catch them). They share all other code with the real kernel.
 BROKEN_READ_BEFORE_WAIT = "read_before_wait"
 BROKEN_NO_CREDIT = "no_credit"
-BROKEN = (None, BROKEN_READ_BEFORE_WAIT, BROKEN_NO_CREDIT)
+BROKEN_STRAY_CREDIT = "stray_credit"  # a credit nobody waits for: non-zero at exit
+BROKEN = (None, BROKEN_READ_BEFORE_WAIT, BROKEN_NO_CREDIT, BROKEN_STRAY_CREDIT)
 
 CHECK_VMA_HINT = (
     "The fused TPU kernels are collective Pallas kernels: the enclosing jax.shard_map "
@@ -66,6 +69,11 @@ def register_cpu_chip():
     if jax.default_backend() == "cpu" and "cpu" not in tpu_info.registry:
         tpu_info.registry["cpu"] = lambda: pltpu.get_tpu_info_for_chip(
             pltpu.ChipVersion.TPU_V5P, 1)
+
+
+def nbytes(shapes):
+    """Total bytes of `jax.ShapeDtypeStruct`s (arrays work too)."""
+    return sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in shapes)
 
 
 def semaphores(ring):
@@ -134,7 +142,8 @@ class Link:
         if self.broken == BROKEN_NO_CREDIT:
             return
         r = self.ring.directions[h]
-        when(t + 2 <= self.ring.num_transfers - 1, lambda: pl.semaphore_signal(
+        needed = t + 2 <= self.ring.num_transfers - 1
+        when(needed | (self.broken == BROKEN_STRAY_CREDIT), lambda: pl.semaphore_signal(
             self.credit.at[h], 1, device_id=self._device(self.ring.recv_from(self.me, r))))
 
     def local_copy(self, h, src, dst):
@@ -175,12 +184,13 @@ def segment(ref, index, length, axis):
     return ref.at[window] if axis == 0 else ref.at[:, window]
 
 
-def call(kernel, ring, cfg, out_shapes, in_specs, *args):
-    """`pallas_call` of a ring kernel with HBM outputs and the `Link` semaphores."""
-    hbm = pl.BlockSpec(memory_space=pl.ANY)
+def call(kernel, ring, cfg, out_shapes, vmem, *args):
+    """`pallas_call` of a ring kernel: every buffer whole in VMEM (`vmem`) or in HBM."""
+    spec = pl.BlockSpec(memory_space=pltpu.VMEM if vmem else pl.ANY)
     params = pltpu.CompilerParams(collective_id=0) if ring.size > 1 else None
     f = pl.pallas_call(
-        kernel, out_shape=out_shapes, in_specs=in_specs, out_specs=[hbm] * len(out_shapes),
+        kernel, out_shape=out_shapes, in_specs=[spec] * len(args),
+        out_specs=[spec] * len(out_shapes),
         scratch_shapes=semaphores(ring), compiler_params=params,
         interpret=interpret_params(cfg))
     return f(*args)

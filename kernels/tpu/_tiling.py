@@ -27,6 +27,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 DEFAULT_BLOCK = 512
 SUBLANES, LANES = 8, 128
+# Kernels whose every buffer (operands, result, ring slots) fits in this many bytes keep
+# them all in VMEM and multiply whole blocks (no tiling, no HBM<->VMEM copies). Half of
+# the smallest default scoped VMEM limit (16 MiB on v5e). Option `vmem`: force True/False.
+VMEM_BUDGET = 8 * 2**20
 
 
 def pick(dim: int, target: int, align: int) -> Optional[int]:
@@ -55,11 +59,32 @@ def tiles(cfg, rows: int, contraction: int, cols: int):
     return got, None
 
 
+def plan(cfg, dims, nbytes):
+    """How a kernel computes: (True, None) all in VMEM, (False, tiles) tiled from HBM,
+    or (None, reason) when no tiling fits. `nbytes`: total bytes of its buffers."""
+    vmem = cfg.option("vmem")
+    if vmem is None:
+        vmem = nbytes <= VMEM_BUDGET
+    if vmem:
+        return True, None
+    t, why = tiles(cfg, *dims)
+    return (None, why) if t is None else (False, t)
+
+
 def matmul(a, b, o, t, *, prev=None, precision=None):
-    """`o = a @ b (+ prev)` over HBM refs, tiled by `t = (bm, bk, bn)`, f32 accumulation."""
+    """`o = a @ b (+ prev)` with f32 accumulation: whole VMEM refs (`t` None), or HBM
+    refs tiled by `t = (bm, bk, bn)`."""
+    if t is None:
+        y = jnp.dot(a[...], b[...], preferred_element_type=jnp.float32, precision=precision)
+        if prev is not None:
+            y = y + prev[...].astype(jnp.float32)
+        o[...] = y.astype(o.dtype)
+        return
     (rows, contraction), cols = a.shape, b.shape[1]
     bm, bk, bn = t
     nk = contraction // bk
+    if (bm, bk, bn) == (rows, contraction, cols):
+        return _whole(a, b, o, prev, precision)
 
     def body(acc, a_t, b_t, *rest):
         o_t = rest[-1]
@@ -95,13 +120,45 @@ def matmul(a, b, o, t, *, prev=None, precision=None):
     pl.run_scoped(scoped, pltpu.VMEM((bm, bn), jnp.float32))
 
 
+def _whole(a, b, o, prev, precision):
+    """One tile: copy the operands into VMEM, multiply, copy the result out."""
+    refs = [a, b] + ([] if prev is None else [prev])
+
+    def scoped(*vmem):
+        *ins, o_v = vmem
+        for src, dst in zip(refs, ins):
+            pltpu.sync_copy(src, dst)
+        y = jnp.dot(ins[0][...], ins[1][...], preferred_element_type=jnp.float32,
+                    precision=precision)
+        if prev is not None:
+            y = y + ins[2][...].astype(jnp.float32)
+        o_v[...] = y.astype(o_v.dtype)
+        pltpu.sync_copy(o_v, o)
+
+    pl.run_scoped(scoped, *[pltpu.VMEM(r.shape, r.dtype) for r in refs + [o]])
+
+
 def add(a, b, o, t):
-    """`o = a + b` (in f32, cast to o's dtype) over HBM refs in (bm, bn) tiles."""
-    bm, bn = t
-    rows, cols = o.shape
+    """`o = a + b` (in f32, cast to o's dtype): VMEM refs (`t` None) or HBM refs in
+    `t = (bm, bn)` tiles."""
 
     def body(a_t, b_t, o_t):
         o_t[...] = (a_t[...].astype(jnp.float32) + b_t[...].astype(jnp.float32)).astype(o_t.dtype)
+
+    if t is None:
+        return body(a, b, o)
+    bm, bn = t
+    rows, cols = o.shape
+
+    if (bm, bn) == (rows, cols):
+        def scoped(a_v, b_v, o_v):
+            pltpu.sync_copy(a, a_v)
+            pltpu.sync_copy(b, b_v)
+            body(a_v, b_v, o_v)
+            pltpu.sync_copy(o_v, o)
+
+        pl.run_scoped(scoped, *[pltpu.VMEM(r.shape, r.dtype) for r in (a, b, o)])
+        return
 
     spec = pl.BlockSpec((bm, bn), lambda i, j: (i, j))
     pltpu.emit_pipeline(body, grid=(rows // bm, cols // bn), in_specs=[spec, spec],

@@ -25,7 +25,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from fusedpar import _primitives as P
@@ -109,28 +108,34 @@ def _kernel(x, w, out, *rest, prim, ring, axis_name, tile, return_gathered, prec
     _common.steps(n, step)
 
 
-def all_gather_matmul(prim, cfg, x, w, return_gathered=False):
-    """Run `prim` (ag_rows, ag_cols or ag_contract) as one fused kernel; see module doc."""
-    ring = Ring(cfg.axis_size, cfg.bidirectional)
-    piece, axis, dims = shapes(prim, ring.size, ring.bidirectional, x.shape, w.shape)
-    tile, why = _tiling.tiles(cfg, *dims)
-    if why is not None:
-        raise NotImplementedError(f"{prim}: {why}")
+def buffers(prim, ring, x, w, out_dtype, return_gathered):
+    """Result shapes of the pallas_call: out, [gathered], slots, [f32 sum for ag_contract]."""
+    piece, axis, _ = shapes(prim, ring.size, ring.bidirectional, x.shape, w.shape)
     travelling = x if P.TRAVELLER[prim] == "x" else w
     out_shape = P.out_shape(prim, x.shape, w.shape, ring.size)
-    shapes_ = [jax.ShapeDtypeStruct(out_shape, cfg.out_dtype)]
+    result = [jax.ShapeDtypeStruct(out_shape, out_dtype)]
     if return_gathered:
         g = list(travelling.shape)
         g[axis] *= ring.size
-        shapes_.append(jax.ShapeDtypeStruct(tuple(g), travelling.dtype))
-    shapes_.append(jax.ShapeDtypeStruct((ring.num_directions, 2, *piece), travelling.dtype))
+        result.append(jax.ShapeDtypeStruct(tuple(g), travelling.dtype))
+    result.append(jax.ShapeDtypeStruct((ring.num_directions, 2, *piece), travelling.dtype))
     if prim == P.AG_CONTRACT and ring.num_segments > 1:
-        shapes_.append(jax.ShapeDtypeStruct(out_shape, jnp.float32))
+        result.append(jax.ShapeDtypeStruct(out_shape, jnp.float32))
+    return result
+
+
+def all_gather_matmul(prim, cfg, x, w, return_gathered=False):
+    """Run `prim` (ag_rows, ag_cols or ag_contract) as one fused kernel; see module doc."""
+    ring = Ring(cfg.axis_size, cfg.bidirectional)
+    _, _, dims = shapes(prim, ring.size, ring.bidirectional, x.shape, w.shape)
+    out_shapes = buffers(prim, ring, x, w, cfg.out_dtype, return_gathered)
+    vmem, tile = _tiling.plan(cfg, dims, _common.nbytes([x, w, *out_shapes]))
+    if vmem is None:
+        raise NotImplementedError(f"{prim}: {tile}")
     _common.register_cpu_chip()
-    hbm = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(
         _kernel, prim=prim, ring=ring, axis_name=cfg.axis_name, tile=tile,
         return_gathered=return_gathered, precision=cfg.precision,
         broken=cfg.option("_broken"))
-    results = _common.call(kernel, ring, cfg, shapes_, [hbm, hbm], x, w)
+    results = _common.call(kernel, ring, cfg, out_shapes, vmem, x, w)
     return (results[0], results[1]) if return_gathered else results[0]

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax.experimental import pallas as pl
 
 from fusedpar import _primitives as P
 from fusedpar._schedule import Ring
@@ -50,7 +49,7 @@ def _kernel(x, w, out, slots, sendbuf, stage, send, recv, local, credit, *, prim
     link = _common.Link(ring, axis_name, slots, send, recv, local, credit, broken)
     me, nd, n = link.me, ring.num_directions, ring.size
     late = broken == _common.BROKEN_READ_BEFORE_WAIT
-    add_tile = (tile[0], tile[2])
+    add_tile = None if tile is None else (tile[0], tile[2])
 
     def partial(step, h, dst):
         seg = ring.scatter_segment(me, step, ring.directions[h])
@@ -92,22 +91,26 @@ def _kernel(x, w, out, slots, sendbuf, stage, send, recv, local, credit, *, prim
     _common.steps(n, step)
 
 
+def buffers(prim, ring, x, w, out_dtype, reduce_dtype):
+    """Result shapes of the pallas_call: out, receive slots, send buffers, staging."""
+    seg, _, _ = shapes(prim, ring.size, ring.bidirectional, x.shape, w.shape)
+    nd = ring.num_directions
+    return [jax.ShapeDtypeStruct(P.out_shape(prim, x.shape, w.shape, ring.size), out_dtype),
+            jax.ShapeDtypeStruct((nd, 2, *seg), reduce_dtype),
+            jax.ShapeDtypeStruct((nd, 2, *seg), reduce_dtype),
+            jax.ShapeDtypeStruct((nd, *seg), reduce_dtype)]
+
+
 def matmul_reduce_scatter(prim, cfg, x, w):
     """Run `prim` (rs_rows or rs_cols) as one fused kernel; see the module docstring."""
     ring = Ring(cfg.axis_size, cfg.bidirectional)
-    seg, _, dims = shapes(prim, ring.size, ring.bidirectional, x.shape, w.shape)
-    tile, why = _tiling.tiles(cfg, *dims)
-    if why is not None:
-        raise NotImplementedError(f"{prim}: {why}")
-    out_shape = P.out_shape(prim, x.shape, w.shape, ring.size)
-    nd = ring.num_directions
-    shapes_ = [jax.ShapeDtypeStruct(out_shape, cfg.out_dtype),
-               jax.ShapeDtypeStruct((nd, 2, *seg), cfg.reduce_dtype),  # receive slots
-               jax.ShapeDtypeStruct((nd, 2, *seg), cfg.reduce_dtype),  # send buffers
-               jax.ShapeDtypeStruct((nd, *seg), cfg.reduce_dtype)]  # staging
+    _, _, dims = shapes(prim, ring.size, ring.bidirectional, x.shape, w.shape)
+    out_shapes = buffers(prim, ring, x, w, cfg.out_dtype, cfg.reduce_dtype)
+    vmem, tile = _tiling.plan(cfg, dims, _common.nbytes([x, w, *out_shapes]))
+    if vmem is None:
+        raise NotImplementedError(f"{prim}: {tile}")
     _common.register_cpu_chip()
-    hbm = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(
         _kernel, prim=prim, ring=ring, axis_name=cfg.axis_name, tile=tile,
         precision=cfg.precision, broken=cfg.option("_broken"))
-    return _common.call(kernel, ring, cfg, shapes_, [hbm, hbm], x, w)[0]
+    return _common.call(kernel, ring, cfg, out_shapes, vmem, x, w)[0]

@@ -1,0 +1,279 @@
+"""The GPU ring-step kernels side by side with `jnp.dot` (issue 5).
+
+Three sections, each a pytest-benchmark group per row of its table:
+
+- `kernel`: one step kernel on a square `S x S x S` problem against `jnp.dot` (cuBLAS on
+  a GPU): `matmul_into` (an all-gather step, product written into its slice of the output
+  in place) against `jnp.dot`, and `matmul_acc` (a reduce-scatter step, `acc + x @ w`
+  into a float32 accumulator) against `acc + jnp.dot`. Reported as TFLOP/s and ratio.
+- `ring1`: each of the five primitives through the public ops on a ring of ONE device,
+  for the `ring` and `pallas_gpu` backends against `reference` (the cost of the machinery
+  when there is nothing to overlap).
+- `decomp`: the compute cost of cutting one `S x S x S` matmul into N = 2, 4, 8 ring steps:
+  the backend's own ring run with `options["no_transfers"]` (the ppermutes left out, so
+  the N step kernels run back to back on one device) over a ring that believes it has N
+  devices, as a ratio to one `jnp.dot` of the whole problem.
+
+`FUSEDPAR_BENCH_SIZES=cpu` (default): tiny shapes, Pallas interpret mode on CPU (a smoke
+test of the bench itself; the numbers mean nothing). `accelerator`: S = 1024..8192 in
+bfloat16 and float32, for a GPU:
+
+    FUSEDPAR_BENCH_SIZES=accelerator python -m pytest bench/test_gpu_steps.py \
+        --benchmark-only --benchmark-json=bench/results-gpu-steps.json
+    python bench/test_gpu_steps.py bench/results-gpu-steps.json   # Markdown tables
+
+float32 runs with the default precision, which both XLA and the kernels run in TF32 on
+tensor cores.
+"""
+
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import fusedpar
+from fusedpar import _backends, _primitives as prims
+from fusedpar._primitives import Config
+
+SIZES = os.environ.get("FUSEDPAR_BENCH_SIZES", "cpu")  # validated in bench/conftest.py
+ON_CPU = jax.default_backend() == "cpu"
+
+pytestmark = pytest.mark.timeout(600)
+
+if SIZES == "cpu":
+    KERNEL = [(s, d) for s in (64,) for d in (jnp.float32, jnp.bfloat16)]
+    RING1 = [(64, jnp.float32)]
+    DECOMP = [(128, jnp.float32)]
+    RINGS = [2, 4]
+    # Interpret mode: blocks of 16 so that even tiny problems have several tiles.
+    OPTIONS = {"block_m": 16, "block_n": 16, "block_k": 16}
+else:
+    KERNEL = [(s, d) for d in (jnp.bfloat16, jnp.float32) for s in (1024, 2048, 4096, 8192)]
+    RING1 = [(s, d) for d in (jnp.bfloat16, jnp.float32) for s in (1024, 4096, 8192)]
+    DECOMP = [(s, d) for d in (jnp.bfloat16, jnp.float32) for s in (1024, 4096, 8192)]
+    RINGS = [2, 4, 8]
+    OPTIONS = {}  # the tile heuristic
+OPTIONS = {**OPTIONS, "interpret": ON_CPU}
+BUDGET = 0.02 if SIZES == "cpu" else 0.4  # seconds of timed calls per benchmark
+
+
+def _inputs(s, dtype, *shapes):
+    keys = jax.random.split(jax.random.key(0), len(shapes))
+    return [jax.random.normal(k, shape, jnp.float32).astype(dtype)
+            for k, shape in zip(keys, shapes)]
+
+
+def _donating(f, state, *args):
+    """A no-argument callable running `state = f(state, *args)` with `state` donated.
+
+    The step kernels update their output in place; donating it (as the ring does, whose
+    buffer is a loop carry) keeps XLA from copying it before every call.
+    """
+    f = jax.jit(f, donate_argnums=0)
+    box = [state]
+
+    def call():
+        box[0] = f(box[0], *args)
+        return box[0]
+
+    return call
+
+
+def _name(dtype):
+    return jnp.dtype(dtype).name
+
+
+# -- kernel: one step kernel vs jnp.dot --------------------------------------------------
+
+
+KERNEL_VARIANTS = ["jnp.dot", "matmul_into", "acc+jnp.dot", "matmul_acc"]
+
+
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS)
+@pytest.mark.parametrize("s,dtype", KERNEL, ids=lambda v: _name(v) if not isinstance(v, int) else str(v))
+def test_kernel(benchmark, timed, s, dtype, variant):
+    from fusedpar.kernels import gpu
+
+    x, w = _inputs(s, dtype, (s, s), (s, s))
+    opts = {k: v for k, v in OPTIONS.items() if k != "interpret"}
+    f32 = jnp.float32
+    if variant == "jnp.dot":
+        fn = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=f32).astype(dtype))
+        args = (x, w)
+    elif variant == "matmul_into":
+        seg = jnp.zeros((1,), jnp.int32)
+        fn, args = _donating(lambda out, x, w: gpu.matmul_into(
+            out, [x], w, seg, axis=0, options=opts, interpret=ON_CPU),
+            jnp.zeros((s, s), dtype), x, w), ()
+    elif variant == "acc+jnp.dot":
+        fn, args = _donating(lambda acc, x, w: acc + jnp.dot(x, w, preferred_element_type=f32),
+                             jnp.zeros((s, s), f32), x, w), ()
+    else:
+        fn, args = _donating(lambda acc, x, w: gpu.matmul_acc(
+            acc, [gpu.Term(x, w, s)], (s, s), f32, options=opts, interpret=ON_CPU),
+            jnp.zeros((s, s), f32), x, w), ()
+    timed(benchmark, fn, *args, group=f"kernel {_name(dtype)} {s}^3", budget=BUDGET, section="kernel",
+          variant=variant, dtype=_name(dtype), size=s, flops=2 * s ** 3)
+
+
+# -- ring1: the ops on a ring of one device ----------------------------------------------
+
+
+RING1_OPS = {  # the public call reaching each primitive; x and w are S x S on one device
+    "ag_rows": lambda x, w, **kw: fusedpar.all_gather_matmul(x, w, "x", **kw),
+    "ag_cols": lambda x, w, **kw: fusedpar.all_gather_matmul(x, w, "x", gather="rhs", dim=1,
+                                                             **kw),
+    "ag_contract": lambda x, w, **kw: fusedpar.all_gather_matmul(x, w, "x", gather="rhs",
+                                                                 dim=0, **kw),
+    "rs_rows": lambda x, w, **kw: fusedpar.matmul_reduce_scatter(x, w, "x", dim=0, **kw),
+    "rs_cols": lambda x, w, **kw: fusedpar.matmul_reduce_scatter(x, w, "x", dim=1, **kw),
+}
+
+
+@pytest.mark.parametrize("backend", ["reference", "ring", "pallas_gpu"])
+@pytest.mark.parametrize("op", list(RING1_OPS))
+@pytest.mark.parametrize("s,dtype", RING1, ids=lambda v: _name(v) if not isinstance(v, int) else str(v))
+def test_ring1(benchmark, timed, make_mesh, s, dtype, op, backend):
+    call = RING1_OPS[op]
+    kw = dict(backend=backend)
+    if backend != "reference":
+        kw.update(bidirectional=False, options=OPTIONS if backend == "pallas_gpu" else None)
+    fn = jax.jit(jax.shard_map(functools.partial(call, **kw), mesh=make_mesh(1),
+                               in_specs=(P(), P()), out_specs=P("x")))
+    x, w = _inputs(s, dtype, (s, s), (s, s))
+    timed(benchmark, fn, x, w, group=f"ring1 {op} {_name(dtype)} {s}^3", budget=BUDGET, section="ring1",
+          op=op, backend=backend, dtype=_name(dtype), size=s, flops=2 * s ** 3)
+
+
+# -- decomp: N ring steps back to back vs one matmul --------------------------------------
+
+
+DECOMP_PRIMS = {  # per-device operands of one S x S x S problem cut into N ring steps
+    prims.AG_ROWS: lambda s, n: ((s // n, s), (s, s)),
+    prims.RS_ROWS: lambda s, n: ((s, s), (s, s)),
+}
+
+
+def _ring_program(prim, backend, n, bidirectional, dtype, mesh):
+    cfg = Config(backend=backend, axis_name="x", axis_size=n, bidirectional=bidirectional,
+                 unroll=True, out_dtype=np.dtype(dtype), reduce_dtype=np.dtype(jnp.float32),
+                 options=tuple(sorted({**(OPTIONS if backend == "pallas_gpu" else {}),
+                                       "no_transfers": True}.items())))
+    run = _backends.get(backend).run
+    # The ring reads only `lax.axis_index` of the mesh: on one device every step is
+    # computed as device 0 would, which is all the compute there is to time.
+    return jax.jit(jax.shard_map(lambda x, w: run(prim, cfg, x, w), mesh=mesh,
+                                 in_specs=(P(), P()), out_specs=P(), check_vma=False))
+
+
+DECOMP_CASES = [("jnp.dot", 1, False)] + [
+    (b, n, bidi) for n in RINGS for b, bidi in
+    (("ring", False), ("pallas_gpu", False), ("pallas_gpu", True))]
+
+
+@pytest.mark.parametrize("backend,n,bidirectional", DECOMP_CASES,
+                         ids=[f"{b}{'-bidi' if d else ''}-{n}" for b, n, d in DECOMP_CASES])
+@pytest.mark.parametrize("prim", list(DECOMP_PRIMS))
+@pytest.mark.parametrize("s,dtype", DECOMP, ids=lambda v: _name(v) if not isinstance(v, int) else str(v))
+def test_decomp(benchmark, timed, make_mesh, s, dtype, prim, backend, n, bidirectional):
+    if backend == "jnp.dot":
+        fn = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)
+                     .astype(dtype))
+        x, w = _inputs(s, dtype, (s, s), (s, s))
+    else:
+        fn = _ring_program(prim, backend, n, bidirectional, dtype, make_mesh(1))
+        x, w = _inputs(s, dtype, *DECOMP_PRIMS[prim](s, n))
+    label = backend + ("-bidi" if bidirectional else "")
+    timed(benchmark, fn, x, w, group=f"decomp {prim} {_name(dtype)} {s}^3", budget=BUDGET,
+          section="decomp",
+          prim=prim, backend=label, steps=n, dtype=_name(dtype), size=s, flops=2 * s ** 3)
+
+
+# -- Markdown tables from the JSON (python bench/test_gpu_steps.py results.json) ----------
+
+
+def _tables(rows):
+    out = []
+    by = lambda sec: [r for r in rows if r["section"] == sec]  # noqa: E731
+    tflops = lambda r: r["flops"] / r["seconds"] / 1e12  # noqa: E731
+    kern = by("kernel")
+    if kern:
+        out += ["### Step kernels vs `jnp.dot` (TFLOP/s; ratio to the XLA counterpart)", "",
+                "| dtype | S (S x S x S) | jnp.dot | matmul_into | acc+jnp.dot | matmul_acc |",
+                "|---|---:|---:|---:|---:|---:|"]
+        for key in sorted({(r["dtype"], r["size"]) for r in kern}):
+            t = {r["variant"]: r for r in kern if (r["dtype"], r["size"]) == key}
+            cells = []
+            for v, base in (("jnp.dot", None), ("matmul_into", "jnp.dot"),
+                            ("acc+jnp.dot", None), ("matmul_acc", "acc+jnp.dot")):
+                if v not in t:
+                    cells.append("—")
+                    continue
+                c = f"{tflops(t[v]):.3g}"
+                if base in t:
+                    c += f" (**{t[base]['seconds'] / t[v]['seconds']:.2f}x**)"
+                cells.append(c)
+            out.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
+        out.append("")
+    ring1 = by("ring1")
+    if ring1:
+        out += ["### Ops on a ring of 1 device (time; ratio to reference)", "",
+                "| op | dtype | S | reference | ring | pallas_gpu |", "|---|---|---:|---:|---:|---:|"]
+        for key in sorted({(r["op"], r["dtype"], r["size"]) for r in ring1}):
+            t = {r["backend"]: r["seconds"] for r in ring1
+                 if (r["op"], r["dtype"], r["size"]) == key}
+            ref = t.get("reference")
+            cells = [("—" if b not in t else f"{t[b] * 1e3:.3g} ms" + (
+                f" (**{t[b] / ref:.2f}x**)" if ref and b != "reference" else ""))
+                for b in ("reference", "ring", "pallas_gpu")]
+            out.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + " |")
+        out.append("")
+    dec = by("decomp")
+    if dec:
+        labels = sorted({r["backend"] for r in dec if r["backend"] != "jnp.dot"})
+        steps = sorted({r["steps"] for r in dec if r["backend"] != "jnp.dot"})
+        out += ["### Decomposition: N ring steps back to back, transfers left out "
+                "(time ratio to one `jnp.dot` of the whole problem)", "",
+                "| primitive | dtype | S | " + " | ".join(
+                    f"{b} N={n}" for b in labels for n in steps) + " |",
+                "|---|---|---:|" + "---:|" * (len(labels) * len(steps))]
+        for key in sorted({(r["prim"], r["dtype"], r["size"]) for r in dec}):
+            sel = [r for r in dec if (r["prim"], r["dtype"], r["size"]) == key]
+            one = next((r["seconds"] for r in sel if r["backend"] == "jnp.dot"), None)
+            cells = []
+            for b in labels:
+                for n in steps:
+                    r = next((r for r in sel if r["backend"] == b and r["steps"] == n), None)
+                    cells.append("—" if r is None or one is None
+                                 else f"{r['seconds'] / one:.2f}x")
+            out.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + " |")
+        out.append("")
+    return out
+
+
+def main(paths):
+    import json
+
+    rows, header = [], None
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        for b in data["benchmarks"]:
+            info = dict(b.get("extra_info") or {})
+            if info.get("section") in ("kernel", "ring1", "decomp"):
+                rows.append(dict(info, seconds=b["stats"]["min"]))
+                header = header or (f"{info.get('device_kind')} ({info.get('platform')}), "
+                                    f"JAX {info.get('jax_version')}, "
+                                    f"{data.get('datetime', '')[:10]}")
+    print(f"## GPU step kernels — {header}\n")
+    print("Times are the minimum over the rounds (pytest-benchmark).\n")
+    print("\n".join(_tables(rows)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
