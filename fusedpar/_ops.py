@@ -26,6 +26,7 @@ def _primitive(op, gather, dim, x_ndim) -> str:
 def _check(op, x, w, n, gather, dim, bidirectional):
     """Validate a call; return (normalised dim, Call minus platform)."""
     _validate.operands(op, x, w)
+    _validate.flag(op, "bidirectional", bidirectional)
     xs, ws = tuple(x.shape), tuple(w.shape)
     if op == AGM:
         if gather not in ("lhs", "rhs"):
@@ -71,6 +72,8 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     """
     if op not in (AGM, MRS):
         raise ValueError(f"explain: op must be {AGM!r} or {MRS!r}, got {op!r}.")
+    _validate.ring_size("explain", axis_size)
+    _validate.flag("explain", "unroll", unroll)
     _, call = _check(op, x, w, axis_size, gather, dim, bidirectional)
     call = _with_platform(call, platform or _platform())
     return _backends.choose(call, backend, unroll)
@@ -86,6 +89,12 @@ def _run(op, x, w, axis_name, gather, dim, backend, bidirectional, unroll, keep_
          preferred_element_type, reduce_dtype, precision, options):
     n = _validate.axis_size(op, axis_name)
     dim, call = _check(op, x, w, n, gather, dim, bidirectional)
+    _validate.flag(op, "unroll", unroll)
+    if not isinstance(keep_gathered, bool):
+        raise TypeError(f"{op}: keep_gathered must be True or False, got {keep_gathered!r}.")
+    preferred_element_type = _validate.float_dtype(op, "preferred_element_type",
+                                                   preferred_element_type)
+    reduce_dtype = _validate.float_dtype(op, "reduce_dtype", reduce_dtype)
     choice = _backends.choose(_with_platform(call, _platform()), backend, unroll)
     out_dtype = np.dtype(x.dtype if preferred_element_type is None else preferred_element_type)
     if choice.backend == REFERENCE:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _definition, _primitives as P
-from ._vma import as_varying, varying_axes
+from ._vma import as_varying, axis_names, varying_axes
 from ._schedule import Ring
 
 
@@ -79,11 +79,12 @@ def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=()):
         incoming = _send(cfg, ring, pieces)
         return compute(i, carry, pieces), incoming
 
-    axes = {cfg.axis_name}.union(*(varying_axes(a) for a in (travelling,) + tuple(inputs)))
+    ring_axes = set(axis_names(cfg.axis_name))
+    axes = ring_axes.union(*(varying_axes(a) for a in (travelling,) + tuple(inputs)))
     carry = jax.tree.map(lambda a: as_varying(a, axes), carry)
     pieces = _split(ring, travelling, axis, "the travelling block")
     # After one ppermute a piece varies over the ring axis even if `travelling` did not.
-    pieces = tuple(as_varying(p, {cfg.axis_name} | varying_axes(p)) for p in pieces)
+    pieces = tuple(as_varying(p, ring_axes | varying_axes(p)) for p in pieces)
     state = (carry, pieces)
     carry, pieces = _loop(cfg, 0, ring.num_transfers, step, state)
     return compute(ring.num_steps - 1, carry, pieces)

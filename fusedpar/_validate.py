@@ -40,7 +40,7 @@ def axis_size(op, axis_name) -> int:
 
 def dim(op, dim, ndim, what, valid):
     """Normalise a possibly negative `dim` of a rank-`ndim` array; `valid` lists allowed."""
-    if not isinstance(dim, int):
+    if not isinstance(dim, int) or isinstance(dim, bool):
         raise TypeError(f"{op}: dim must be an int, got {dim!r}.")
     d = dim + ndim if dim < 0 else dim
     if d not in valid:
@@ -57,3 +57,29 @@ def contraction(op, x_k, w_k, note=""):
 def divisible(op, length, by, what, fix):
     if length % by:
         raise ValueError(f"{op}: {what} is {length}, not divisible by {by}; {fix}.")
+
+
+def flag(op, name, value):
+    """Tri-state options: True, False, or None (the backend's default)."""
+    if not (value is None or isinstance(value, bool)):
+        raise TypeError(f"{op}: {name} must be True, False or None, got {value!r}.")
+
+
+def float_dtype(op, name, dtype):
+    """An optional dtype argument that must be floating (None: the default)."""
+    if dtype is None:
+        return None
+    try:
+        d = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{op}: {name} must be a floating dtype, got {dtype!r}.") from None
+    if not jnp.issubdtype(d, jnp.inexact):
+        raise TypeError(f"{op}: {name} must be a floating dtype such as jnp.float32 or "
+                        f"jnp.bfloat16, got {d}.")
+    return d
+
+
+def ring_size(op, axis_size):
+    if not isinstance(axis_size, int) or isinstance(axis_size, bool) or axis_size < 1:
+        raise ValueError(f"{op}: axis_size must be a positive int (the size of the mesh "
+                         f"axis the op runs over), got {axis_size!r}.")

@@ -22,6 +22,11 @@ def varying_axes(x) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))  # earlier spelling
 
 
+def axis_names(axis_name) -> tuple:
+    """The mesh axes an `axis_name` argument names (a name, or a tuple of names)."""
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
 def _names(axes):
     return tuple(sorted(axes, key=str))
 
