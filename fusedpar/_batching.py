@@ -11,8 +11,10 @@ backward JAX batches by vmapping them. A lax ring batches by itself, but a Palla
 - only `w` mapped, `w (b, K, n)`: its columns are interleaved, `(n, b) -> n*b` columns,
   likewise for the `*_cols` primitives' column blocks;
 - both mapped (the weight gradient in the backward pass, where each example has its own
-  `x` and cotangent): `jax.vmap` of the primitive's pure-lax definition — the same numbers
-  without the overlap, since per-example products cannot be folded into one matmul.
+  `x` and cotangent): per-example products cannot be folded into one matmul, so the same
+  backend runs once per example (`lax.map`) — slower, but never a different backend.
+
+Only the Pallas backends need this (`_pallas.py` applies it); the lax ring batches itself.
 """
 
 from __future__ import annotations
@@ -24,23 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_batching import custom_vmap
 
-from . import _definition, _primitives as P
-
-
-def definition(prim, cfg, x, w, return_gathered=False):
-    """A primitive as its pure-lax expression (all_gather/psum_scatter and a matmul)."""
-    name = cfg.axis_name
-    if prim in P.GATHERS:
-        if prim == P.AG_ROWS:
-            x = gathered = lax.all_gather(x, name, axis=0, tiled=True)
-        else:
-            w = gathered = lax.all_gather(w, name, axis=1 if prim == P.AG_COLS else 0,
-                                          tiled=True)
-        out = _definition.matmul(x, w, precision=cfg.precision).astype(cfg.out_dtype)
-        return (out, gathered) if return_gathered else out
-    y = _definition.matmul(x, w, precision=cfg.precision).astype(cfg.reduce_dtype)
-    dim = 0 if prim == P.RS_ROWS else 1
-    return lax.psum_scatter(y, name, scatter_dimension=dim, tiled=True).astype(cfg.out_dtype)
+from . import _primitives as P
 
 
 def _fold_rows(x):  # (b, M, K) -> (M*b, K), row m*b + i is x[i, m]
@@ -78,8 +64,7 @@ def vmappable(run):
             xb, wb = in_batched
             b = axis_size
             if xb and wb:
-                out = jax.vmap(functools.partial(definition, prim, cfg,
-                                                 return_gathered=return_gathered))(x, w)
+                out = lax.map(lambda xw: run(prim, cfg, *xw, return_gathered), (x, w))
                 return out, ((True, True) if gathers else True)
             if xb:
                 res = wrapped(prim, cfg, _fold_rows(x), w, return_gathered)

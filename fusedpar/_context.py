@@ -55,6 +55,12 @@ def is_explicit(mesh, axes) -> bool:
     return any(types[a] == AxisType.Explicit for a in axes)
 
 
+def current_spec(x):
+    """The PartitionSpec in `x`'s type (Explicit axes), or `P()` when it has none."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    return getattr(sharding, "spec", None) or jax.sharding.PartitionSpec()
+
+
 def place(x, spec, explicit: bool):
     """`x` laid out as `spec` on the current mesh."""
     if explicit:

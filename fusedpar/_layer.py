@@ -11,14 +11,15 @@ down = fusedpar.RowLinear(256, 64, key=k2, sequence_parallel=True, fsdp_axis="fs
 
 mesh = jax.make_mesh((2, 4), ("fsdp", "tp"))
 with jax.set_mesh(mesh):
-    up, down = fusedpar.shard((up, down), mesh)          # weights placed per their specs
-    x = jax.sharding.reshard(jnp.ones((8, 32, 64)), jax.P("fsdp", "tp", None))
+    model = fusedpar.shard((up, down), mesh)             # weights placed per their specs
+    x = jnp.ones((8, 32, 64))                            # (batch, seq, features)
 
     @eqx.filter_jit
-    def loss(up, down, x):
-        return jnp.mean(down(jax.nn.gelu(up(x))) ** 2)    # (batch, seq, features)
+    def loss(model, x):
+        up, down = model
+        return jnp.mean(down(jax.nn.gelu(up(x))) ** 2)
 
-    grads = eqx.filter_grad(loss)(up, down, x)
+    grads = eqx.filter_grad(loss)(model, x)             # sharded like the weights
 ```
 
 Each layer works in three contexts:
@@ -154,6 +155,7 @@ class ParallelLinear(eqx.Module):
     def _global(self, x, mesh):
         where = type(self).__name__
         rule = self.rule
+        _check_sequence(where, rule, x)
         data = _specs.has_data_dim(rule, x.ndim)
         if rule.fsdp is not None and not data:
             rule = rule.without_fsdp()  # the weight is gathered on entry to shard_map
@@ -163,17 +165,24 @@ class ParallelLinear(eqx.Module):
         pspecs = _specs.layer_param_specs(self, where, rule)
         _specs.check_spec(f"{where}.weight", self.weight.shape, pspecs.weight, sizes)
         x_spec, y_spec = rule.activation_specs(x.ndim, data)
-        _specs.check_spec(f"{where} input x of shape {x.shape}:", x.shape, x_spec, sizes,
+        _specs.check_spec(f"{where}: x of shape {x.shape}", x.shape, x_spec, sizes,
                           what="input")
         if _context.is_explicit(mesh, rule.axes):
+            # Explicit axes: the input's layout is known; if it uses other mesh axes on
+            # dimensions the layer keeps (e.g. "data" on the batch), the shard_map is
+            # manual over every axis and keeps them there.
+            x_spec2, y_spec2 = _specs.with_other_axes(_context.current_spec(x), x_spec,
+                                                      y_spec, rule.axes)
+            manual = set(rule.axes)
+            if (x_spec2, y_spec2) != (x_spec, y_spec):
+                x_spec, y_spec, manual = x_spec2, y_spec2, set(mesh.axis_names)
             layer = jax.tree.map(lambda a, s: _context.place(a, s, True), self, pspecs)
             x = _context.place(x, x_spec, True)
         else:
-            layer = self
-        # Manual over the layer's axes only: the mesh's other axes keep their layout.
+            # Auto axes: manual over the layer's axes only; XLA lays out the others.
+            layer, manual = self, set(rule.axes)
         fn = jax.shard_map(functools.partial(type(self)._local, rule=rule), mesh=mesh,
-                           in_specs=(pspecs, x_spec), out_specs=y_spec,
-                           axis_names=set(rule.axes),
+                           in_specs=(pspecs, x_spec), out_specs=y_spec, axis_names=manual,
                            check_vma=_context.check_vma(self.backend))
         return fn(layer, x)
 
@@ -197,12 +206,16 @@ class ParallelLinear(eqx.Module):
             raise ValueError(
                 f"{where}: inside shard_map over {sizes} the local input must have "
                 f"{local_in} features (last dim), got x of shape {x.shape}.")
-        if rule.sequence_parallel and x.ndim < 2:
-            raise ValueError(
-                f"{where}: sequence_parallel=True needs an input (..., seq, features) "
-                f"whose dim -2 is the sequence, got x of shape {x.shape}.")
+        _check_sequence(where, rule, x)
         w, x = _same_dtype(self.weight, x)
         return w, self.bias, x
+
+
+def _check_sequence(where, rule, x):
+    if rule.sequence_parallel and x.ndim < 2:
+        raise ValueError(
+            f"{where}: sequence_parallel=True needs an input (..., seq, features) whose "
+            f"dim -2 is the sequence, got x of shape {x.shape}.")
 
 
 def layer_class(rule: Rule):

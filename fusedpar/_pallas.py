@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 
-from . import _backends
+from . import _backends, _batching
 
 _FAMILY = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
 
@@ -48,7 +48,9 @@ def _backend(name):
         return _kernels(_family(name, jax.default_backend())).run(
             prim, cfg, x, w, return_gathered)
 
-    return _backends.Backend(name, run=run, unavailable=unavailable,
+    # pallas_call cannot be batched by jax.vmap on these 2-D layouts: fold the mapped
+    # dimension into the problem instead (see _batching.py).
+    return _backends.Backend(name, run=_batching.vmappable(run), unavailable=unavailable,
                              description=__doc__.split("\n\n")[0])
 
 

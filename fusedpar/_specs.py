@@ -99,10 +99,6 @@ class Drop:
                 f"{self.axes}")
 
 
-def _style_name(s) -> str:
-    return type(s).__name__
-
-
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """A layer's composed sharding: `tp` (a `Column`/`Row` or None), `fsdp` (or None)."""
@@ -154,7 +150,8 @@ class Rule:
 
     def local_weight_shape(self, shape, sizes: dict) -> tuple:
         """Per-device weight shape on a mesh with `sizes` (axis -> size)."""
-        spec = self.param_specs("weight", False)["weight"]
+        spec = tuple(self.param_specs("weight", False)["weight"])
+        spec += (None,) * (len(shape) - len(spec))
         return tuple(n // _product(_axes_of(e), sizes) for n, e in zip(shape, spec))
 
     def activation_specs(self, ndim: int, data: bool = False) -> tuple[P, P]:
@@ -281,10 +278,11 @@ def check_spec(path: str, shape, spec: P, sizes: dict, what="parameter"):
         n = _product(axes, sizes)
         if axes and shape[d] % n:
             sz = ", ".join(f"{a}={sizes[a]}" for a in axes)
+            fix = ("change the size, the mesh, or use relaxed=True to replicate this "
+                   "dimension" if what == "parameter" else "change the size or the mesh")
             raise ValueError(
                 f"{path}: {what} dim {d} has size {shape[d]}, not divisible by {n}, the "
-                f"product of mesh axes {axes} ({sz}); change the size, the mesh, or use "
-                "relaxed=True to replicate this dimension.")
+                f"product of mesh axes {axes} ({sz}); {fix}.")
 
 
 # --- whole models -----------------------------------------------------------------
@@ -404,6 +402,25 @@ def shard_map_specs(model, x_ndim: int) -> tuple:
     x_spec = first.activation_specs(x_ndim, has_data_dim(first, x_ndim))[0]
     y_spec = last.activation_specs(x_ndim, has_data_dim(last, x_ndim))[1]
     return (param_specs(model), x_spec), y_spec
+
+
+def with_other_axes(current: P, x_spec: P, y_spec: P, used: tuple) -> tuple[P, P]:
+    """`(x_spec, y_spec)` plus the axes of `current` (the input's layout) the layer does not
+    use, on the leading dimensions whose layout the layer keeps from input to output.
+
+    Those are the dimensions unsharded in both specs other than the features, and the
+    FSDP batch dimension (the other axes go before the FSDP axis there). So, e.g., a
+    data-parallel axis on the batch dimension survives a tensor-parallel layer.
+    """
+    xs, ys = list(x_spec), list(y_spec)
+    for d in range(len(xs) - 1):
+        if d >= len(current) or xs[d] != ys[d]:
+            continue
+        keep = tuple(a for a in _axes_of(current[d]) if a not in used)
+        if keep:
+            axes = keep + _axes_of(xs[d])
+            xs[d] = ys[d] = axes[0] if len(axes) == 1 else axes
+    return P(*xs), P(*ys)
 
 
 def has_data_dim(rule: Rule, ndim: int) -> bool:

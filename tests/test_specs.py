@@ -122,9 +122,13 @@ def test_error_not_divisible():
 def test_error_input_not_divisible():
     layer = fusedpar.ColumnLinear(8, 16, key=K, sequence_parallel=True)
     with jax.set_mesh(mesh((4,), ("tp",))):
-        with pytest.raises(ValueError, match=r"ColumnLinear input x of shape \(6, 8\):: input "
-                           r"dim 0 has size 6, not divisible by 4"):
+        with pytest.raises(ValueError, match=r"ColumnLinear: x of shape \(6, 8\): input dim 0 "
+                           r"has size 6, not divisible by 4, the product of mesh axes "
+                           r"\('tp',\) \(tp=4\); change the size or the mesh"):
             layer(jnp.ones((6, 8)))
+        with pytest.raises(ValueError, match=r"sequence_parallel=True needs an input "
+                           r"\(\.\.\., seq, features\).*got x of shape \(8,\)"):
+            layer(jnp.ones(8))
 
 
 def test_error_bad_inputs():
