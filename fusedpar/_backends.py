@@ -90,7 +90,7 @@ def names() -> tuple[str, ...]:
 UNROLL_UP_TO = 8
 
 
-def _ring_shape(call: Call, unroll: Optional[bool]) -> tuple[bool, bool]:
+def ring_shape(call: Call, unroll: Optional[bool]) -> tuple[bool, bool]:
     """Default ring shape: bidirectional when it can split blocks and has >2 devices."""
     bidirectional = call.bidirectional
     if bidirectional is None:
@@ -161,7 +161,7 @@ def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
     why_not = _REGISTRY[name].unavailable(call)
     if why_not is not None:
         raise NotImplementedError(f"{call.op}: backend {name!r} cannot run this call: {why_not}")
-    bidirectional, unroll = _ring_shape(call, unroll)
+    bidirectional, unroll = ring_shape(call, unroll)
     choice = Choice(name, reason, bidirectional, unroll)
     logger.debug("fusedpar: %s %s x%s w%s %s over %d devices -> %s", call.op, call.prim,
                  call.x_shape, call.w_shape, call.dtype, call.axis_size, choice)

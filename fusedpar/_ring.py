@@ -120,7 +120,7 @@ def _dot(cfg, a, b):
     return _definition.matmul(a, b, precision=cfg.precision)
 
 
-def _gathered_buffer(cfg, travelling, axis):
+def gathered_buffer(cfg, travelling, axis):
     shape = list(travelling.shape)
     shape[axis] *= cfg.axis_size
     return jnp.zeros(shape, travelling.dtype)
@@ -163,7 +163,7 @@ def _gather(prim, cfg, x, w, return_gathered):
             gathered = put(gathered, piece, seg, axis)
         return out, gathered
 
-    gathered = _gathered_buffer(cfg, travelling, axis) if return_gathered else None
+    gathered = gathered_buffer(cfg, travelling, axis) if return_gathered else None
     out, gathered = ring_gather(cfg, travelling, axis, step_fn, (out, gathered), (x, w))
     out = out.astype(cfg.out_dtype)
     return (out, gathered) if return_gathered else out

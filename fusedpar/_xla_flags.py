@@ -8,7 +8,11 @@ its flags once, when the backend starts, so fusedpar never sets them behind your
 
     import fusedpar
     fusedpar.set_gpu_overlap_flags()  # before the first JAX computation
-    # or, in the shell:  XLA_FLAGS="$(python -c 'import fusedpar; print(fusedpar.gpu_overlap_flags())')"
+
+or in the shell, before starting Python (`gpu_overlap_flags()` returns the string):
+
+    export XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_latency_hiding_scheduler=true \
+        --xla_gpu_experimental_parallel_collective_overlap_limit=2"
 """
 
 from __future__ import annotations

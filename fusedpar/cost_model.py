@@ -352,7 +352,7 @@ def estimate_call(call, hardware=None, reduce_dtype=None) -> dict[str, Breakdown
     """The model for a dispatch `Call` (`_backends.Call`), with the ring shape auto uses."""
     from . import _backends
 
-    bidirectional, _ = _backends._ring_shape(call, None)
+    bidirectional, _ = _backends.ring_shape(call, None)
     return breakdown(call.prim, call.x_shape, call.w_shape, call.axis_size, call.dtype,
                      get_hardware(hardware, call.platform or None),
                      bidirectional=bidirectional, reduce_dtype=reduce_dtype)
@@ -396,7 +396,7 @@ def estimate(op: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
     call = _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, "")
     from . import _backends
 
-    bi, _ = _backends._ring_shape(call, None)
+    bi, _ = _backends.ring_shape(call, None)
     result = breakdown(call.prim, call.x_shape, call.w_shape, call.axis_size, call.dtype,
                        hw, bidirectional=bi, reduce_dtype=reduce_dtype)
     return result if details else {name: b.seconds for name, b in result.items()}

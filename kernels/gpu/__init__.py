@@ -1,7 +1,8 @@
 """Pallas GPU kernels for the per-step compute of the ring (the `"pallas_gpu"` backend).
 
 The ring itself is the lax ppermute ring (`fusedpar._ring`), so XLA runs the transfers
-on its collective stream and overlaps them with these kernels (see `fusedpar.gpu_overlap_flags`):
+on its collective stream and overlaps them with these kernels (given the XLA flags of
+`fusedpar.gpu_overlap_flags`):
 
 - `matmul_into`: an all-gather step, the product of the block in hand written in place
   into its slice of the output (both halves of a bidirectional step in one launch);
@@ -11,9 +12,14 @@ on its collective stream and overlaps them with these kernels (see `fusedpar.gpu
 Tiles come from `_tiles.choose` (per shape and dtype; override with the op's `options`).
 """
 
-from ._accumulate import Term as Term, matmul_acc as matmul_acc, \
-    matmul_acc_reference as matmul_acc_reference
-from ._matmul_into import matmul_into as matmul_into, \
-    matmul_into_reference as matmul_into_reference
+from ._accumulate import (
+    matmul_acc as matmul_acc,
+    matmul_acc_reference as matmul_acc_reference,
+    Term as Term,
+)
+from ._matmul_into import (
+    matmul_into as matmul_into,
+    matmul_into_reference as matmul_into_reference,
+)
 from ._steps import run as run, unavailable as unavailable
-from ._tiles import Tiles as Tiles, choose as choose_tiles
+from ._tiles import choose as choose_tiles, Tiles as Tiles

@@ -84,6 +84,11 @@ def matmul_acc(acc, terms, out_shape, out_dtype, *, precision=None, options=(),
     **Returns:** the new accumulator, summed in float32 and stored as `out_dtype`.
     """
     m, n = out_shape
+    if acc is not None and (tuple(acc.shape) != tuple(out_shape)
+                            or jnp.dtype(acc.dtype) != jnp.dtype(out_dtype)):
+        raise ValueError(f"matmul_acc: acc is {acc.dtype}{list(acc.shape)}, but out_shape="
+                         f"{tuple(out_shape)} and out_dtype={jnp.dtype(out_dtype)} (the "
+                         "result updates acc in place).")
     dtype = terms[0].a.dtype
     ks = tuple(t.k for t in terms)
     tiles = _tiles.choose(m, n, min(ks), dtype, options)

@@ -46,7 +46,8 @@ def dot_precision(precision, dtype):
     if isinstance(precision, (tuple, list)):
         precision = max(precision, key=lambda p: lax.Precision(p).value)
     if precision is None:  # what jnp.dot would use: the global default, if one is set
-        precision = _FROM_CONFIG.get(str(jax.config.jax_default_matmul_precision).lower())
+        default = getattr(jax.config, "jax_default_matmul_precision", None)
+        precision = _FROM_CONFIG.get(str(default).lower())
     if precision is not None and lax.Precision(precision) == lax.Precision.HIGHEST:
         return lax.Precision.HIGHEST
     return lax.Precision.DEFAULT

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -19,7 +18,7 @@ from . import _matmul, _tiles
 
 
 def _kernel(segs_ref, *refs, axis, num_pieces, tiles_m, tiles_n, k, tiles, precision):
-    *piece_refs, other_ref, _, out_ref = refs  # the 4th-last is `out` going in (aliased)
+    *piece_refs, other_ref, _, out_ref = refs  # `_`: `out` going in, aliased to out_ref
     bm, bn = tiles.block_m, tiles.block_n
     pid = pl.program_id(0)
     per_piece = tiles_m * tiles_n

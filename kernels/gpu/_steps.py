@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from fusedpar import _definition, _primitives as P, _ring
-from fusedpar._backends import _ring_shape
+from fusedpar._backends import ring_shape
 
 from . import _tiles
 from ._accumulate import Term, matmul_acc
@@ -58,7 +58,7 @@ def unavailable(call):
                 f"not on {call.platform!r}")
     if call.dtype not in _DTYPES:
         return f"dtype {call.dtype} is not supported (only {', '.join(_DTYPES)})"
-    bidirectional, _ = _ring_shape(call, None)
+    bidirectional, _ = ring_shape(call, None)
     m, n, k = step_problems(call.prim, call.x_shape, call.w_shape, call.axis_size,
                             2 if bidirectional else 1)
     try:
@@ -117,9 +117,9 @@ def _gather(prim, cfg, x, w, return_gathered, kw):
             out, held = step_kernel(out, held), ()
         return out, gathered, held
 
-    gathered = _ring._gathered_buffer(cfg, travelling, axis) if return_gathered else None
+    gathered = _ring.gathered_buffer(cfg, travelling, axis) if return_gathered else None
     out, gathered, held = _ring.ring_gather(cfg, travelling, axis, step_fn,
-                                            (out, gathered, ()))
+                                            (out, gathered, ()), inputs=(x, w))
     assert not held, "ring_gather must hand over every direction of a step together"
     out = out.astype(cfg.out_dtype)
     return (out, gathered) if return_gathered else out

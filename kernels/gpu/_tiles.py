@@ -95,4 +95,7 @@ def choose(m: int, n: int, k: int, dtype, options=()) -> Tiles:
     for name, value in overrides.items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"options[{name!r}] must be a positive int, got {value!r}.")
+    if overrides.get("num_warps", 1) & (overrides.get("num_warps", 1) - 1):
+        raise ValueError(f"options['num_warps'] must be a power of 2, got "
+                         f"{overrides['num_warps']}.")
     return dataclasses.replace(tiles, **overrides)
