@@ -10,7 +10,7 @@ when the protocol is wrong.
 
 Coverage: every primitive bidirectional (both directions' slots, semaphores and credits)
 at ring sizes 2, 4 and 8; the unidirectional ring (same code, one direction) and the
-tiled HBM path (emit_pipeline, vmem=False) for ag_rows and rs_rows at size 4.
+tiled HBM path (emit_pipeline, vmem=False) for ag_rows, ag_contract and rs_rows at size 4.
 """
 
 import jax
@@ -114,9 +114,10 @@ def test_protocol_clean_unidirectional(prim, capfd):
     _assert_clean(prim, 4, False, capfd, RUNS)
 
 
-@pytest.mark.parametrize("prim", ["ag_rows", "rs_rows"])
+@pytest.mark.parametrize("prim", ["ag_rows", "ag_contract", "rs_rows"])
 def test_protocol_clean_tiled_hbm_path(prim, capfd):
-    """Operands in HBM, each step an emit_pipeline over 2 x 1 x ... tiles."""
+    """Operands in HBM, each step an emit_pipeline over several row tiles (ag_contract:
+    its f32 running sum is read and rewritten in place, tile by tile)."""
     _assert_clean(prim, 4, False, capfd, [("on_wait", 2)], vmem=False, block_m=8)
 
 

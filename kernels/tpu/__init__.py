@@ -36,7 +36,7 @@ def unavailable(call):
     if call.dtype not in _DTYPES:
         return f"dtype {call.dtype} is not supported (supported: {', '.join(_DTYPES)})"
     # The dispatcher picks the ring shape after this check; a default bidirectional ring
-    # needs even blocks, which it only picks when they are (see _backends._ring_shape).
+    # needs even blocks, which it only picks when they are (see _backends.ring_shape).
     ring = Ring(call.axis_size, bool(call.bidirectional) and call.block_length % 2 == 0)
     x = jax.ShapeDtypeStruct(call.x_shape, call.dtype)
     w = jax.ShapeDtypeStruct(call.w_shape, call.dtype)
@@ -51,8 +51,30 @@ def unavailable(call):
                                    call.x_shape, call.w_shape)
     except ValueError as e:
         return str(e)
+    if call.platform == "tpu":
+        why = _aligned(call, ring)
+        if why is not None:
+            return why
     vmem, why = _tiling.plan(_DefaultOptions, dims, _common.nbytes([x, w, *out]))
     return why if vmem is None else None
+
+
+def _aligned(call, ring):
+    """On TPU every ring segment starts at a traced offset: keep it on (sublane, lane)
+    tile boundaries (8 rows of 32 bits, i.e. 16 for bf16; 128 columns). The interpreter
+    does not need this, so it is only checked for platform "tpu"."""
+    import numpy as np
+
+    length = call.block_length // ring.num_directions
+    cols = P.GATHER_AXIS[call.prim] == 1 or call.prim == P.AG_CONTRACT  # x's columns
+    align = 128 if cols else 8 * 4 // np.dtype(call.dtype).itemsize
+    if length % align:
+        what = "columns" if cols else "rows"
+        return (f"on TPU each ring segment must be a multiple of {align} {what} (TPU "
+                f"tiles), but {call.prim} with x {call.x_shape}, w {call.w_shape} over "
+                f"{call.axis_size} devices has segments of {length}"
+                f"{' (bidirectional halves)' if ring.bidirectional else ''}")
+    return None
 
 
 class _DefaultOptions:

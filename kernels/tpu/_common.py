@@ -13,6 +13,9 @@ The protocol (one `Link` per kernel, both directions of a bidirectional ring):
   (computed with it and, for all-gathers, forwarded it); the sender waits for a credit
   before every transfer `t >= 2`. Credits are only signalled when a later transfer will
   wait for them, so every semaphore is back to zero at exit.
+- *Finish.* On exit every device tells its senders it is done and waits for its
+  receivers (`Link.finish`), so consecutive collective kernels cannot mix up their
+  barrier signals.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from fusedpar import _vma
 from fusedpar._schedule import Ring
 
 # Private option values that break the protocol on purpose (tests/test_tpu_protocol.py
@@ -77,10 +81,11 @@ def nbytes(shapes):
 
 
 def semaphores(ring):
-    """Scratch semaphores of a `Link`: (send DMA, recv DMA, local DMA, credit)."""
+    """Scratch semaphores of a `Link`: (send DMA, recv DMA, local DMA, credit, done)."""
     nd = ring.num_directions
     return [pltpu.SemaphoreType.DMA((nd, 2)), pltpu.SemaphoreType.DMA((nd, 2)),
-            pltpu.SemaphoreType.DMA((nd,)), pltpu.SemaphoreType.REGULAR((nd,))]
+            pltpu.SemaphoreType.DMA((nd,)), pltpu.SemaphoreType.REGULAR((nd,)),
+            pltpu.SemaphoreType.REGULAR((nd,))]
 
 
 @dataclasses.dataclass
@@ -89,7 +94,7 @@ class Link:
 
     `slots` is a ref of shape `(num_directions, 2, *piece)`; `send`/`recv` are DMA
     semaphores `(num_directions, 2)`; `local` is one DMA semaphore per direction for
-    local copies; `credit` one REGULAR semaphore per direction.
+    local copies; `credit` and `done` one REGULAR semaphore per direction each.
     """
 
     ring: Ring
@@ -99,13 +104,22 @@ class Link:
     recv: object
     local: object
     credit: object
+    done: object
     broken: object = None
 
     def __post_init__(self):
         self.me = lax.axis_index(self.axis_name)
 
     def _device(self, index):
-        return {self.axis_name: index}
+        """Mesh coordinates of ring position `index`; a tuple of axis names is one ring
+        over those axes (the first one major, as `lax.axis_index` counts)."""
+        names = _vma.axis_names(self.axis_name)
+        coords = {}
+        for name in reversed(names):
+            size = lax.axis_size(name)
+            coords[name] = index % size
+            index = index // size
+        return coords
 
     def barrier(self):
         """Wait until both neighbours have entered the kernel."""
@@ -113,6 +127,22 @@ class Link:
         for r in (1, -1):
             pl.semaphore_signal(sem, 1, device_id=self._device(self.ring.send_to(self.me, r)))
         pl.semaphore_wait(sem, 2)
+
+    def finish(self):
+        """Wait until the devices this one sends to have finished too.
+
+        Without it a device could leave, enter the next collective kernel and signal
+        that kernel's barrier to a neighbour still waiting in this kernel's barrier
+        (in a unidirectional ring of <= 3 devices nothing else orders them), which would
+        count it as this kernel's signal. Each device tells its senders it is done and
+        waits for its receivers, so a device leaves only when both neighbours are past
+        this kernel's barrier.
+        """
+        for h, r in enumerate(self.ring.directions):
+            pl.semaphore_signal(self.done.at[h], 1,
+                                device_id=self._device(self.ring.recv_from(self.me, r)))
+        for h in range(self.ring.num_directions):
+            pl.semaphore_wait(self.done.at[h], 1)
 
     def _copy(self, h, t, src):
         r = self.ring.directions[h]

@@ -6,15 +6,16 @@ that block while the DMA is in flight (and the neighbour's block arrives in its 
 Which block a device holds at each step comes from `Ring.gather_segment`; the protocol
 (barrier, two slots per direction, one DMA semaphore per slot, credits) is `_common.Link`.
 
-| primitive     | travels (HBM)        | each step                                 |
-|---------------|----------------------|-------------------------------------------|
-| `ag_rows`     | x row blocks (m, K)  | out[seg rows] = piece @ w                 |
-| `ag_cols`     | w col blocks (K, n)  | out[:, seg cols] = x @ piece              |
-| `ag_contract` | w row blocks (k, n)  | out += x[:, seg cols] @ piece (f32 in HBM) |
+| primitive     | travels              | each step                                  |
+|---------------|----------------------|--------------------------------------------|
+| `ag_rows`     | x row blocks (m, K)  | out[seg rows] = piece @ w                  |
+| `ag_cols`     | w col blocks (K, n)  | out[:, seg cols] = x @ piece               |
+| `ag_contract` | w row blocks (k, n)  | out += x[:, seg cols] @ piece (f32 buffer) |
 
-All three run natively (no transposes): column segments are strided HBM windows, which
-DMAs and `emit_pipeline` handle. `return_gathered` also copies every piece into the
-gathered operand with a local DMA that runs beside the matmul.
+All three run natively (no transposes): column segments are strided windows of the refs.
+Buffers are all in VMEM for small problems and in HBM, with each step's matmul tiled by
+`emit_pipeline`, otherwise (`_tiling.plan`). `return_gathered` also copies every piece
+into the gathered operand with a local DMA that runs beside the matmul.
 
 Collective kernel: call it inside `jax.shard_map(..., check_vma=False)`.
 """
@@ -25,7 +26,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import tpu as pltpu
 
 from fusedpar import _primitives as P
 from fusedpar._schedule import Ring
@@ -54,11 +54,11 @@ def _kernel(x, w, out, *rest, prim, ring, axis_name, tile, return_gathered, prec
     gathered = rest.pop(0) if return_gathered else None
     slots = rest.pop(0)
     acc = rest.pop(0) if prim == P.AG_CONTRACT and ring.num_segments > 1 else None
-    send, recv, local, credit = rest
+    send, recv, local, credit, done = rest
     travelling = x if P.TRAVELLER[prim] == "x" else w
     axis = P.GATHER_AXIS[prim]
     length = slots.shape[2 + axis]
-    link = _common.Link(ring, axis_name, slots, send, recv, local, credit, broken)
+    link = _common.Link(ring, axis_name, slots, send, recv, local, credit, done, broken)
     me, nd, n = link.me, ring.num_directions, ring.size
     late = broken == _common.BROKEN_READ_BEFORE_WAIT
 
@@ -106,6 +106,8 @@ def _kernel(x, w, out, *rest, prim, ring, axis_name, tile, return_gathered, prec
     if n > 1:
         link.barrier()
     _common.steps(n, step)
+    if n > 1:
+        link.finish()
 
 
 def buffers(prim, ring, x, w, out_dtype, return_gathered):

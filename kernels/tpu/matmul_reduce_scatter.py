@@ -12,9 +12,13 @@ receive slots per direction, one DMA semaphore per slot, credits) is `_common.Li
 | `rs_rows` | x[seg rows] @ w          (L, n)       | (M / N, n)    |
 | `rs_cols` | x @ w[:, seg cols]       (M, L)       | (M, n / N)    |
 
-Accumulators (staging buffer, two send buffers and two receive slots per direction, all
-in HBM) are in `cfg.reduce_dtype`; products accumulate in f32 and each add runs in f32.
-Both primitives run natively (column segments are strided HBM windows).
+Accumulators (staging buffer, two send buffers and two receive slots per direction) are
+in `cfg.reduce_dtype`; products accumulate in f32 and each add runs in f32. Both
+primitives run natively (column segments are strided windows of the refs). Buffers are
+all in VMEM for small problems and in HBM, with each step's matmul and add tiled by
+`emit_pipeline`, otherwise (`_tiling.plan`); the HBM path costs one extra pass over each
+accumulator segment (partial product written, then read back for the add), small next to
+the matmul's K-fold reuse.
 
 Collective kernel: call it inside `jax.shard_map(..., check_vma=False)`.
 """
@@ -42,11 +46,11 @@ def shapes(prim, n, bidirectional, x_shape, w_shape):
     return (m, length), 1, (m, k, length)
 
 
-def _kernel(x, w, out, slots, sendbuf, stage, send, recv, local, credit, *, prim, ring,
-            axis_name, tile, precision, broken):
+def _kernel(x, w, out, slots, sendbuf, stage, send, recv, local, credit, done, *, prim,
+            ring, axis_name, tile, precision, broken):
     axis = P.GATHER_AXIS[prim]
     length = slots.shape[2 + axis]
-    link = _common.Link(ring, axis_name, slots, send, recv, local, credit, broken)
+    link = _common.Link(ring, axis_name, slots, send, recv, local, credit, done, broken)
     me, nd, n = link.me, ring.num_directions, ring.size
     late = broken == _common.BROKEN_READ_BEFORE_WAIT
     add_tile = None if tile is None else (tile[0], tile[2])
@@ -89,6 +93,8 @@ def _kernel(x, w, out, slots, sendbuf, stage, send, recv, local, credit, *, prim
     if n > 1:
         link.barrier()
     _common.steps(n, step)
+    if n > 1:
+        link.finish()
 
 
 def buffers(prim, ring, x, w, out_dtype, reduce_dtype):
