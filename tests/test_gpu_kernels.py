@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -35,24 +36,38 @@ PRECISION = {jnp.float32: lax.Precision.HIGHEST, jnp.bfloat16: None}
 @pytest.mark.parametrize("axis,num_pieces,dtype", [
     (0, 1, jnp.float32), (0, 2, jnp.bfloat16), (1, 1, jnp.bfloat16), (1, 2, jnp.float32)])
 def test_matmul_into(axis, num_pieces, dtype):
-    k = 48  # not a power of 2: the contraction is looped over in blocks of 16
+    # A product of 48 x 32 in tiles of 16: 3 x 2 tiles in groups of 2 rows (one partial
+    # group); a contraction of 48 (not a power of 2) looped over in blocks of 16.
+    m, n, k, segments = 48, 32, 48, 4
     if axis == 0:
-        pieces = [normal(i, (32, k), dtype) for i in range(num_pieces)]
-        other, out = normal(9, (k, 32), dtype), normal(8, (32 * 4, 32), dtype)
+        pieces = [normal(i, (m, k), dtype) for i in range(num_pieces)]
+        other, out = normal(9, (k, n), dtype), normal(8, (segments * m, n), dtype)
     else:
-        pieces = [normal(i, (k, 32), dtype) for i in range(num_pieces)]
-        other, out = normal(9, (32, k), dtype), normal(8, (32, 32 * 4), dtype)
+        pieces = [normal(i, (k, n), dtype) for i in range(num_pieces)]
+        other, out = normal(9, (m, k), dtype), normal(8, (m, segments * n), dtype)
     segs = jnp.array([3, 0][:num_pieces], jnp.int32)
     prec = PRECISION[dtype]
-    got = jax.jit(functools.partial(gpu.matmul_into, axis=axis, precision=prec, options=SMALL,
-                                    interpret=INTERPRET))(out, pieces, other, segs)
+    got = jax.jit(functools.partial(gpu.matmul_into, axis=axis, precision=prec,
+                                    options=dict(SMALL, group_m=2), interpret=INTERPRET))(
+        out, pieces, other, segs)
     want = gpu.matmul_into_reference(out, pieces, other, segs, axis=axis, precision=prec)
     assert_close(got, want, dtype, "matmul_into")
-    # The slices no piece was written to are left as they were (in place, not zeroed).
-    keep = [1, 2] if num_pieces == 2 else [0, 1, 2]
-    for s in keep:
-        sl = (slice(32 * s, 32 * (s + 1)), slice(None))[::1 if axis == 0 else -1]
-        assert (got[sl] == out[sl]).all()
+    # The segments no piece was written to are left as they were (in place, not zeroed).
+    length = m if axis == 0 else n
+    for s in set(range(segments)) - set(segs.tolist()):
+        sl = [slice(None), slice(None)]
+        sl[axis] = slice(length * s, length * (s + 1))
+        assert (got[tuple(sl)] == out[tuple(sl)]).all()
+
+
+@pytest.mark.parametrize("tiles_m,tiles_n,group_m", [(5, 3, 2), (16, 4, 8), (3, 7, 8),
+                                                     (9, 9, 4), (1, 5, 8), (12, 1, 8)])
+def test_tile_order_visits_every_tile_once(tiles_m, tiles_n, group_m):
+    from fusedpar.kernels.gpu._matmul import tile_of
+
+    i, j = tile_of(np.arange(tiles_m * tiles_n), tiles_m, tiles_n, group_m)
+    assert sorted(zip(np.asarray(i).tolist(), np.asarray(j).tolist())) == [
+        (a, b) for a in range(tiles_m) for b in range(tiles_n)]
 
 
 @pytest.mark.parametrize("with_acc,dtype", [(False, jnp.bfloat16), (True, jnp.float32)])
@@ -133,8 +148,8 @@ def _five_ops(n, d, dtype):
     return args, in_specs
 
 
-def _apply(n, backend, bidirectional):
-    """Both dtypes' five ops in one shard_map (one compilation per ring shape)."""
+def _apply(n, backend, bidirectional, dtypes):
+    """The five ops for each dtype, all in one shard_map (one compilation)."""
 
     def ops(dtype, x0, w0, x1, w1, x2, w2, x3, x4, w4):
         kw = dict(backend=backend, precision=PRECISION[dtype])
@@ -146,12 +161,12 @@ def _apply(n, backend, bidirectional):
                 agm(x2, w2, "x", gather="rhs", dim=0, **kw), mrs(x3, w0, "x", dim=0, **kw),
                 mrs(x4, w4, "x", dim=1, **kw))
 
-    def body(f32_args, bf16_args):
-        return ops(jnp.float32, *f32_args), ops(jnp.bfloat16, *bf16_args)
+    def body(*per_dtype):
+        return tuple(ops(dtype, *args) for dtype, args in zip(dtypes, per_dtype))
 
     _, in_specs = _five_ops(n, 1, jnp.float32)
-    return jax.shard_map(body, mesh=mesh((n,), ("x",)), in_specs=(in_specs, in_specs),
-                         out_specs=((P("x"),) * 5,) * 2)
+    return jax.shard_map(body, mesh=mesh((n,), ("x",)), in_specs=(in_specs,) * len(dtypes),
+                         out_specs=((P("x"),) * 5,) * len(dtypes))
 
 
 def _value_and_vjp(f, args):
@@ -164,26 +179,63 @@ def _value_and_vjp(f, args):
     return run(args)
 
 
-# Each case compiles 20 interpreted rings (5 primitives x 2 dtypes, forward and backward):
-# 10-30 s on 2 CPU cores. Unmarked: 1 device, an unrolled (2) and a rolled (8) bidirectional
-# ring; the rest of the grid (every primitive, ring size, direction, dtype) is marked slow.
-RINGS = [(1, False), (2, True), (8, True)]
-SLOW_RINGS = [(1, True), (2, False), (4, False), (4, True), (8, False)]
+# Each case compiles 10 interpreted rings per dtype (5 primitives, forward and backward):
+# 5-20 s per dtype on 2 busy CPU cores (bfloat16 is the slower: CPU dots upcast it).
+# Unmarked: 1 device, and a rolled (fori_loop) bidirectional ring of 8 in float32; the rest
+# of the grid is marked slow.
+BOTH = (jnp.float32, jnp.bfloat16)
+RINGS = [(1, False, BOTH), (8, True, (jnp.float32,))]
+SLOW_RINGS = [(1, True, BOTH), (2, False, BOTH), (2, True, BOTH), (4, False, BOTH),
+              (4, True, BOTH), (8, False, BOTH), (8, True, (jnp.bfloat16,))]
 
 
-@pytest.mark.parametrize("n,bidirectional", RINGS + [
-    pytest.param(*r, marks=pytest.mark.slow) for r in SLOW_RINGS])
-def test_five_primitives_match_reference(n, bidirectional):
+def _ring_id(case):
+    n, bidirectional, dtypes = case
+    kind = "bidi" if bidirectional else "uni"
+    return f"{n}-{kind}-" + "-".join(jnp.dtype(d).name for d in dtypes)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=_ring_id(c)) for c in RINGS] + [
+    pytest.param(c, id=_ring_id(c), marks=pytest.mark.slow) for c in SLOW_RINGS])
+def test_five_primitives_match_reference(case):
+    n, bidirectional, dtypes = case
     if len(jax.devices()) < n:
         pytest.skip(f"a ring of {n} needs {n} devices")
     d = 2 if bidirectional else 1
-    args = (_five_ops(n, d, jnp.float32)[0], _five_ops(n, d, jnp.bfloat16)[0])
-    got = _value_and_vjp(_apply(n, "pallas_gpu", bidirectional), args)
-    want = _value_and_vjp(_apply(n, "reference", bidirectional), args)
+    args = tuple(_five_ops(n, d, dtype)[0] for dtype in dtypes)
+    got = _value_and_vjp(_apply(n, "pallas_gpu", bidirectional, dtypes), args)
+    want = _value_and_vjp(_apply(n, "reference", bidirectional, dtypes), args)
     names = ("ag_rows", "ag_cols", "ag_contract", "rs_rows", "rs_cols")
-    for dtype, g_out, w_out, g_grad, w_grad in zip(
-            (jnp.float32, jnp.bfloat16), got[0], want[0], got[1], want[1]):
+    for dtype, g_out, w_out, g_grad, w_grad in zip(dtypes, got[0], want[0], got[1], want[1]):
         for name, g, w in zip(names, g_out, w_out):
-            assert_close(g, w, dtype, f"{name} value ({dtype.__name__})")
+            assert_close(g, w, dtype, f"{name} value ({jnp.dtype(dtype).name})")
         for i, (g, w) in enumerate(zip(g_grad, w_grad)):
-            assert_close(g, w, dtype, f"gradient of argument {i} ({dtype.__name__})")
+            assert_close(g, w, dtype, f"gradient of argument {i} ({jnp.dtype(dtype).name})")
+
+
+def test_ring_over_one_axis_of_a_2d_mesh():
+    # x varies over both axes, the ring runs over "x" only: results and carries must be
+    # typed as varying over "dp" too (check_vma).
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices")
+    kw = dict(unroll=False, bidirectional=True, options=SMALL,
+              precision=lax.Precision.HIGHEST)
+
+    def body(backend):
+        kws = kw if backend == "pallas_gpu" else dict(precision=kw["precision"])
+
+        def f(x, w, w2):
+            agm, mrs = fusedpar.all_gather_matmul, fusedpar.matmul_reduce_scatter
+            return (agm(x, w, "x", backend=backend, **kws),
+                    agm(x, w2, "x", gather="rhs", dim=1, backend=backend, **kws),
+                    mrs(x, w, "x", dim=0, backend=backend, **kws))
+
+        return jax.shard_map(f, mesh=mesh((2, 4), ("dp", "x")),
+                             in_specs=(P(("dp", "x")), P(), P(None, "x")),
+                             out_specs=(P(("dp", "x")),) * 3)
+
+    args = (normal(0, (8 * 128, 32), jnp.float32), normal(1, (32, 32), jnp.float32),
+            normal(2, (32, 4 * 32), jnp.float32))
+    got = _value_and_vjp(body("pallas_gpu"), args)
+    want = _value_and_vjp(body("reference"), args)
+    assert_close(got, want, jnp.float32, "2-D mesh values and gradients")
