@@ -48,6 +48,7 @@ class Backend:
     run: Optional[Callable]  # run(prim, cfg, x, w, return_gathered) -> out | (out, gathered)
     unavailable: Callable[[Call], Optional[str]]  # why it cannot run `call`, or None
     description: str = ""
+    options: Callable[[], frozenset] = frozenset  # the `options` keys it reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,22 @@ def register(backend: Backend) -> None:
 
 def get(name: str) -> Backend:
     return _REGISTRY[name]
+
+
+def check_options(op: str, options, requested: str, chosen: str) -> None:
+    """Reject `options` keys the backend does not read (any backend's, under "auto")."""
+    if not options:
+        return
+    if requested == AUTO:
+        known = frozenset().union(*(b.options() for b in _REGISTRY.values()))
+        where = "any backend"
+    else:
+        known, where = _REGISTRY[chosen].options(), f"backend {chosen!r}"
+    unknown = sorted(set(options) - known)
+    if unknown:
+        valid = ", ".join(repr(k) for k in sorted(known)) or "none"
+        raise ValueError(f"{op}: options {unknown} are not read by {where}; valid keys: "
+                         f"{valid}.")
 
 
 def names() -> tuple[str, ...]:

@@ -96,6 +96,7 @@ def _run(op, x, w, axis_name, gather, dim, backend, bidirectional, unroll, keep_
                                                    preferred_element_type)
     reduce_dtype = _validate.float_dtype(op, "reduce_dtype", reduce_dtype)
     choice = _backends.choose(_with_platform(call, _platform()), backend, unroll)
+    _backends.check_options(op, options, backend, choice.backend)
     out_dtype = np.dtype(x.dtype if preferred_element_type is None else preferred_element_type)
     if choice.backend == REFERENCE:
         if op == AGM:

@@ -50,8 +50,13 @@ def _backend(name):
 
     # pallas_call cannot be batched by jax.vmap on these 2-D layouts: fold the mapped
     # dimension into the problem instead (see _batching.py).
+    def options():
+        import jax
+
+        return _kernels(_family(name, jax.default_backend())).OPTIONS
+
     return _backends.Backend(name, run=_batching.vmappable(run), unavailable=unavailable,
-                             description=__doc__.split("\n\n")[0])
+                             description=__doc__.split("\n\n")[0], options=options)
 
 
 for _name in ("pallas", "pallas_tpu", "pallas_gpu"):

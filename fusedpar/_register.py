@@ -7,5 +7,6 @@ _backends.register(_backends.Backend(
     description="the pure-lax expression: all_gather then dot; dot then psum_scatter"))
 _backends.register(_backends.Backend(
     _backends.RING, run=_ring.run, unavailable=lambda call: None,
-    description="ppermute ring schedules in lax, uni- or bidirectional, unrolled or rolled"))
+    description="ppermute ring schedules in lax, uni- or bidirectional, unrolled or rolled",
+    options=lambda: frozenset({"no_transfers"})))
 from . import _pallas as _pallas

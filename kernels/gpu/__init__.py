@@ -22,4 +22,8 @@ from ._matmul_into import (
     matmul_into_reference as matmul_into_reference,
 )
 from ._steps import run as run, unavailable as unavailable
-from ._tiles import choose as choose_tiles, Tiles as Tiles
+from ._tiles import choose as choose_tiles, OPTIONS as _TILE_OPTIONS, Tiles as Tiles
+
+# The `options` keys these kernels read (the dispatcher rejects others): tile overrides,
+# `interpret`, and the ring's bench-only `no_transfers`.
+OPTIONS = frozenset(_TILE_OPTIONS) | {"interpret", "no_transfers"}

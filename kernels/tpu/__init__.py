@@ -21,6 +21,11 @@ from fusedpar import _primitives as P
 
 _DTYPES = ("float32", "bfloat16")
 
+# The `options` keys these kernels read (the dispatcher rejects others). `_broken` selects
+# a deliberately broken protocol variant for the tests that prove the checks can fail.
+OPTIONS = frozenset({"block_m", "block_n", "block_k", "vmem", "interpret",
+                     "interpret_params", "_broken"})
+
 
 def unavailable(call):
     """Why the TPU kernels cannot run `call` (a `fusedpar._backends.Call`), or None."""
