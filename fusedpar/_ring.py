@@ -43,12 +43,40 @@ def put(buf, piece, index, axis):
         buf, piece.astype(buf.dtype), index * piece.shape[axis], axis)
 
 
+def _ppermute_index(axis_name):
+    """Map a ring position to the device number `lax.ppermute` uses, for `axis_name`.
+
+    Ring positions follow `lax.axis_index(axis_name)`, which (like `all_gather` and
+    `psum_scatter`) counts a tuple of axes in the tuple's order, first axis major. But
+    `ppermute` numbers devices in the mesh's axis order: for a tuple in another order
+    (e.g. ("b", "a") on an ("a", "b") mesh) the two differ.
+    """
+    names = axis_names(axis_name)
+    mesh_order = [n for n in jax.sharding.get_abstract_mesh().axis_names if n in names]
+    if len(names) == 1 or list(names) == mesh_order:
+        return lambda position: position
+    sizes = {n: lax.axis_size(n) for n in names}
+
+    def index(position):
+        coords = {}
+        for n in reversed(names):
+            position, coords[n] = divmod(position, sizes[n])
+        number = 0
+        for n in mesh_order:
+            number = number * sizes[n] + coords[n]
+        return number
+
+    return index
+
+
 def _send(cfg, ring, pieces):
     # options["no_transfers"]: a bench-only mode that keeps every block where it is, so
     # the per-step compute can be timed alone on one device (results are then wrong).
     if cfg.option("no_transfers", False):
         return pieces
-    return tuple(lax.ppermute(p, cfg.axis_name, ring.permutation(r))
+    index = _ppermute_index(cfg.axis_name)
+    return tuple(lax.ppermute(p, cfg.axis_name,
+                              [(index(s), index(d)) for s, d in ring.permutation(r)])
                  for r, p in zip(ring.directions, pieces))
 
 

@@ -258,3 +258,32 @@ def test_rolled_ring_trace_stays_flat():
 def test_vector_input(case):
     """x of shape (k,) works where the op has a dimension to gather or scatter."""
     check(run_case(case, 4, jnp.float32, CONFIGS[:3]), jnp.float32, case.name)
+
+
+@pytest.mark.parametrize("op, kwargs, xs, ws, x_spec, w_spec, out_spec, stack", [
+    ("all_gather_matmul", dict(gather="lhs", dim=0), (16, 4), (4, 3), P(("a", "b")), P(),
+     P(("a", "b")), True),
+    ("matmul_reduce_scatter", dict(dim=0), (16, 16), (16, 4), P(None, ("a", "b")),
+     P(("a", "b")), P(("b", "a")), False),
+], ids=["gather", "reduce_scatter"])
+def test_axis_tuple_in_reverse_mesh_order(op, kwargs, xs, ws, x_spec, w_spec, out_spec,
+                                          stack):
+    """A ring over ("b", "a") on an ("a", "b") mesh follows the tuple's order, as
+    all_gather and psum_scatter do, although ppermute numbers devices in mesh order."""
+    m = mesh((2, 4), ("a", "b"))
+    axes = ("b", "a")
+
+    def op_with(backend, options):
+        def f(x, w):
+            if backend is None:
+                y = getattr(_definition, op)(x, w, axes, **kwargs)
+            else:
+                y = getattr(fusedpar, op)(x, w, axes, backend=backend, **kwargs, **options)
+            return y[None] if stack else y
+        return f
+
+    configs = [(None, {})] + CONFIGS[1:3]
+    results = evaluate([op_with(b, o) for b, o in configs], m, normal(0, xs, jnp.float32),
+                       normal(1, ws, jnp.float32), (x_spec, w_spec), out_spec,
+                       [f"{b} {o}" for b, o in configs])
+    check(results, jnp.float32, f"{op} over {axes}")
