@@ -307,7 +307,7 @@ def main(argv=None):
              f"- Date: {data['datetime'][:19].replace('T', ' ')} UTC",
              f"- Commit: {(data.get('commit_info') or {}).get('id', 'unknown')[:12]}"
              f"{' (dirty)' if (data.get('commit_info') or {}).get('dirty') else ''}",
-             f"- Produced by: `pytest bench/ --benchmark-only --benchmark-json=...` then "
+             "- Produced by: `pytest bench/ --benchmark-only --benchmark-json=...` then "
              "`python bench/report.py ...`; times are the minimum over rounds (other load "
              "only adds time).", ""]
     if on_cpu:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.custom_batching import custom_vmap

@@ -21,6 +21,7 @@ The protocol (one `Link` per kernel, both directions of a bidirectional ring):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -189,6 +190,15 @@ def when(cond, fn):
         pl.when(cond)(fn)
 
 
+def run_ring(link, n, step):
+    """The ring of `n` devices around `step`: barrier on entry, handshake on exit."""
+    if n > 1:
+        link.barrier()
+    steps(n, step)
+    if n > 1:
+        link.finish()
+
+
 def steps(n, step):
     """Run `step(s, first, last)` for s in [0, n): the first and last step peeled (static),
     the middle ones in a `fori_loop` so the kernel's size does not grow with the ring."""
@@ -212,6 +222,20 @@ def segment(ref, index, length, axis):
     window = pl.ds(pl.multiple_of(index * length, length) if not isinstance(index, int)
                    else index * length, length)
     return ref.at[window] if axis == 0 else ref.at[:, window]
+
+
+def launch(kernel, prim, ring, cfg, dims, out_shapes, x, w, **kernel_args):
+    """Plan the tiles of `prim`'s step matmul and run its ring `kernel` on `x`, `w`."""
+    from . import _tiling
+
+    vmem, tile = _tiling.plan(cfg, dims, nbytes([x, w, *out_shapes]))
+    if vmem is None:
+        raise NotImplementedError(f"{prim}: {tile}")
+    register_cpu_chip()
+    kernel = functools.partial(
+        kernel, prim=prim, ring=ring, axis_name=cfg.axis_name, tile=tile,
+        precision=cfg.precision, broken=cfg.option("_broken"), **kernel_args)
+    return call(kernel, ring, cfg, out_shapes, vmem, x, w)
 
 
 def call(kernel, ring, cfg, out_shapes, vmem, *args):

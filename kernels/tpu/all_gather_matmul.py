@@ -22,7 +22,6 @@ Collective kernel: call it inside `jax.shard_map(..., check_vma=False)`.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -103,11 +102,7 @@ def _kernel(x, w, out, *rest, prim, ring, axis_name, tile, return_gathered, prec
             for h in range(nd):
                 link.release(h, s - 1)
 
-    if n > 1:
-        link.barrier()
-    _common.steps(n, step)
-    if n > 1:
-        link.finish()
+    _common.run_ring(link, n, step)
 
 
 def buffers(prim, ring, x, w, out_dtype, return_gathered):
@@ -131,13 +126,6 @@ def all_gather_matmul(prim, cfg, x, w, return_gathered=False):
     ring = Ring(cfg.axis_size, cfg.bidirectional)
     _, _, dims = shapes(prim, ring.size, ring.bidirectional, x.shape, w.shape)
     out_shapes = buffers(prim, ring, x, w, cfg.out_dtype, return_gathered)
-    vmem, tile = _tiling.plan(cfg, dims, _common.nbytes([x, w, *out_shapes]))
-    if vmem is None:
-        raise NotImplementedError(f"{prim}: {tile}")
-    _common.register_cpu_chip()
-    kernel = functools.partial(
-        _kernel, prim=prim, ring=ring, axis_name=cfg.axis_name, tile=tile,
-        return_gathered=return_gathered, precision=cfg.precision,
-        broken=cfg.option("_broken"))
-    results = _common.call(kernel, ring, cfg, out_shapes, vmem, x, w)
+    results = _common.launch(_kernel, prim, ring, cfg, dims, out_shapes, x, w,
+                             return_gathered=return_gathered)
     return (results[0], results[1]) if return_gathered else results[0]

@@ -25,7 +25,6 @@ Collective kernel: call it inside `jax.shard_map(..., check_vma=False)`.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 
@@ -90,11 +89,7 @@ def _kernel(x, w, out, slots, sendbuf, stage, send, recv, local, credit, done, *
             if not last:
                 link.start_send(h, s, sendbuf.at[h, s % 2])
 
-    if n > 1:
-        link.barrier()
-    _common.steps(n, step)
-    if n > 1:
-        link.finish()
+    _common.run_ring(link, n, step)
 
 
 def buffers(prim, ring, x, w, out_dtype, reduce_dtype):
@@ -112,11 +107,4 @@ def matmul_reduce_scatter(prim, cfg, x, w):
     ring = Ring(cfg.axis_size, cfg.bidirectional)
     _, _, dims = shapes(prim, ring.size, ring.bidirectional, x.shape, w.shape)
     out_shapes = buffers(prim, ring, x, w, cfg.out_dtype, cfg.reduce_dtype)
-    vmem, tile = _tiling.plan(cfg, dims, _common.nbytes([x, w, *out_shapes]))
-    if vmem is None:
-        raise NotImplementedError(f"{prim}: {tile}")
-    _common.register_cpu_chip()
-    kernel = functools.partial(
-        _kernel, prim=prim, ring=ring, axis_name=cfg.axis_name, tile=tile,
-        precision=cfg.precision, broken=cfg.option("_broken"))
-    return _common.call(kernel, ring, cfg, out_shapes, vmem, x, w)[0]
+    return _common.launch(_kernel, prim, ring, cfg, dims, out_shapes, x, w)[0]
