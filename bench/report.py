@@ -36,8 +36,13 @@ def _backends_in(rows):
 
 
 def load(path):
-    with open(path) as f:
-        data = json.load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        data["benchmarks"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"{path}: not a pytest-benchmark JSON file (make one with `pytest "
+                         f"bench/ --benchmark-only --benchmark-json={path}`): {e!r}") from None
     ops, compile_rows, other = [], [], []
     for b in data["benchmarks"]:
         info = dict(b.get("extra_info") or {})

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from . import _autodiff, _backends, _definition, _primitives as P, _validate
-from ._backends import AUTO, REFERENCE, Call, Choice
+from ._backends import AUTO, Call, Choice
 from ._primitives import Config
 
 AGM, MRS = "all_gather_matmul", "matmul_reduce_scatter"
@@ -25,6 +25,8 @@ def _primitive(op, gather, dim, x_ndim) -> str:
 
 def _check(op, x, w, n, gather, dim, bidirectional):
     """Validate a call; return (normalised dim, Call minus platform)."""
+    if op not in (AGM, MRS):
+        raise ValueError(f"op must be {AGM!r} or {MRS!r}, got {op!r}.")
     _validate.operands(op, x, w)
     _validate.flag(op, "bidirectional", bidirectional)
     xs, ws = tuple(x.shape), tuple(w.shape)
@@ -98,12 +100,6 @@ def _run(op, x, w, axis_name, gather, dim, backend, bidirectional, unroll, keep_
     choice = _backends.choose(_with_platform(call, _platform()), backend, unroll)
     _backends.check_options(op, options, backend, choice.backend)
     out_dtype = np.dtype(x.dtype if preferred_element_type is None else preferred_element_type)
-    if choice.backend == REFERENCE:
-        if op == AGM:
-            return _definition.all_gather_matmul(x, w, axis_name, gather=gather, dim=dim,
-                                                 out_dtype=out_dtype, precision=precision)
-        return _definition.matmul_reduce_scatter(x, w, axis_name, dim=dim, out_dtype=out_dtype,
-                                                 reduce_dtype=reduce_dtype, precision=precision)
     cfg = Config(
         backend=choice.backend, axis_name=axis_name, axis_size=n,
         bidirectional=choice.bidirectional, unroll=choice.unroll, out_dtype=out_dtype,

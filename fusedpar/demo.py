@@ -25,6 +25,7 @@ show overheads, not speed-ups.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -54,8 +55,22 @@ def _parse(argv):
         fsdp, tp = (int(v) for v in args.mesh.lower().split("x"))
     except ValueError:
         p.error(f"--mesh must look like 2x4 (FSDP x TP), got {args.mesh!r}")
+    if fsdp < 1 or tp < 1:
+        p.error(f"--mesh axes must be positive, got {args.mesh!r}")
     args.fsdp, args.tp = fsdp, tp
+    for name in ("devices", "batch", "seq", "dim", "hidden", "blocks", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be a positive integer, got {getattr(args, name)}.")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        p.error(f"--lr must be a positive finite number, got {args.lr}.")
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    import fusedpar  # starts no JAX backend: the devices are still ours to set
+
+    valid = ("auto",) + fusedpar.backend_names()
+    bad = [b for b in args.backends if b not in valid]
+    if bad or not args.backends:
+        p.error(f"--backends: unknown {', '.join(bad) or '(none given)'}; valid: "
+                f"{', '.join(valid)}")
     for name, v, by in (("--batch", args.batch, fsdp), ("--seq", args.seq, tp),
                         ("--hidden", args.hidden, tp), ("--dim", args.dim, fsdp)):
         if v % by:

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -123,9 +124,11 @@ def test_two_processes_equal_one():
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.npz")
         with processes(_commands(_free_port(), out), tmp) as (procs, logs):
-            # The single-process run, here, while the children run.
-            want = example.results(example.build_mesh())
-            want.update(example.model_results(example.build_model_mesh()))
+            # The single-process run, here on the 8 simulated CPU devices (also on a host
+            # whose default devices are an accelerator's), while the children run.
+            cpu = jax.devices("cpu")
+            want = example.results(example.build_mesh(cpu))
+            want.update(example.model_results(example.build_model_mesh(cpu)))
             outputs = wait(procs, logs, 180)
         assert any(f"process 1/{PROCESSES}: {LOCAL_DEVICES} local of 8 devices" in o
                    for o in outputs), outputs
@@ -134,7 +137,10 @@ def test_two_processes_equal_one():
 
     assert sorted(got) == sorted(want)
     # ops: cases x backends x (y, dx, dw); model: 2 backends x (y, dx, 3 x (dw, db))
-    assert len(got) == 5 * len(example.BACKENDS) * 3 + 2 * 8
+    assert len(got) == 5 * len(example.BACKENDS) * 3 + len(example.BACKENDS) * 8
+    identical = [k for k in sorted(want) if np.array_equal(got[k], want[k])]
+    print(f"{len(identical)} of {len(want)} arrays bitwise equal to the 1-process run; "
+          f"the others: {sorted(set(want) - set(identical))}")
     for key in sorted(want):
         assert_close(got[key], want[key], np.float32, f"2 processes vs 1: {key}")
         # And every backend equals the reference, within the multi-process run itself.

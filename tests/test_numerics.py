@@ -1,27 +1,30 @@
 """bfloat16 inputs with a large contraction: every backend accumulates in float32.
 
-Stated bound. For bf16 inputs every backend must compute each output element as the
-float32 sum of exact products (a bf16 x bf16 product has at most 16 significant bits, so
-it is exact in f32), summed across the ring in f32 (`reduce_dtype` default), and round
-once to bf16 at the end. With `u = 2^-8` (bf16 unit roundoff) and `K` the contraction
-length, `N` the ring size, the error against the exact result `y` is then at most
+Stated bound. For bf16 inputs a backend must compute each output element as the float32
+sum of exact products (a bf16 x bf16 product has at most 16 significant bits, so it is
+exact in f32), sum partial results across the ring in f32 (`reduce_dtype` default), and
+round once to bf16 at the end. With `u = 2^-8` (bf16 unit roundoff), `K` the contraction
+length and `N` the ring size, the error against the exact result `y` is then at most
 
     |y_bf16 - y| <= u |y| + (1 + u) * gamma(K + N) * sum_k |x_k w_k|,
     gamma(n) = n 2^-24 / (1 - n 2^-24)                       (float32 summation, Higham)
 
-(one rounding of the output; f32 rounding errors of at most K + N additions).
+one rounding of the output plus the f32 rounding of at most K + N additions. The same
+holds for both gradients (contraction over the output's rows or columns).
 
-Two tests make it sharp:
+`test_bf16_accumulates_in_f32` checks it two ways, for every case and backend:
 
-- `test_exact_sums_round_once`: inputs that are small integers make every partial sum an
-  integer below 2^24, exact in f32 in any order. The second term is then 0, and the
-  result must be *bitwise* the exact product rounded to bf16 — values and gradients,
-  for every backend. A backend that accumulated any partial sum in bf16 would fail
-  (`test_bf16_reduction_is_visible` shows the exact test catching exactly that, with
-  `reduce_dtype=bfloat16`).
-- `test_random_inputs_within_bound`: normal inputs, the inequality above elementwise,
-  and the result within 2 bf16 roundings of the f32 computation (the reference backend
-  fed the same values in f32).
+- exact sums: small-integer inputs make every partial sum an integer
+  below 2^24, exact in f32 in any order; the second term is then 0 and the result must be
+  *bitwise* the exact product rounded once to bf16, values and gradients. A bf16
+  accumulator anywhere fails it (`test_bf16_reduction_is_visible`: `reduce_dtype=bf16`).
+- random inputs: normal inputs, the inequality elementwise, and the
+  same bound (x3 for the f32 term) against an f32 computation of the same values.
+
+The `"reference"` backend meets the same bound: its gradients come from the shared
+custom VJP, whose reduce-scatter of the gathered operand's gradient sums in float32
+(JAX's own autodiff of a bf16 `all_gather` would sum the N partials in bf16 — an earlier
+version did, and failed `test_exact_sums_round_once` at ~540 of 1M elements).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ pytestmark = pytest.mark.timeout(300)
 
 N = 4
 AX = "x"
-K = 8192  # global contraction length
+K = 4096  # global contraction length
 U_BF16 = 2.0 ** -8
 U_F32 = 2.0 ** -24
 
@@ -62,23 +65,31 @@ CASES = (
 )
 
 
-def _backends():
-    """Every backend that can run these calls here, as pytest params."""
+# Three cases whose forward and backward passes run all five primitives (the backward of
+# ag_cols is rs_cols, of ag_contract rs_rows, of rs_rows ag_rows): what the interpreted
+# kernels, slow on CPU, are run on.
+KERNEL_CASES = ("ag_cols", "ag_contract", "rs_rows")
+
+
+def _params():
+    """(case, backend) pytest params: every case on every backend that can run it here."""
     out = []
     for name in ("reference", "ring", "pallas_tpu", "pallas_gpu"):
-        why = None
-        for _, op, kw, xs, _, ws, _, _ in CASES:
+        kernel = name.startswith("pallas")
+        for case in CASES:
+            if kernel and case[0] not in KERNEL_CASES:
+                continue
+            _, op, kw, xs, _, ws, _, _ = case
+            marks = [pytest.mark.slow] if kernel else []
             try:
                 fusedpar.explain(op, jax.ShapeDtypeStruct(xs, jnp.bfloat16),
                                  jax.ShapeDtypeStruct(ws, jnp.bfloat16), N, backend=name,
                                  **kw)
             except NotImplementedError as e:
-                why = str(e)
-                break
-        marks = [pytest.mark.skip(reason=why)] if why else []
-        if name.startswith("pallas"):
-            marks.append(pytest.mark.slow)
-        out.append(pytest.param(name, marks=marks))
+                marks.append(pytest.mark.skip(reason=str(e)))
+            except Exception:  # noqa: BLE001 - e.g. a kernel package that fails to import:
+                pass  # the test itself then fails with it (collection stays intact)
+            out.append(pytest.param(case, name, marks=marks, id=f"{case[0]}-{name}"))
     return out
 
 
@@ -146,38 +157,48 @@ def _sum_abs(x64, w64, ct64):
     return _exact(np.abs(x64), np.abs(w64), np.abs(ct64))
 
 
-@pytest.mark.parametrize("backend", _backends())
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_exact_sums_round_once(case, backend):
+OUTPUTS = ("value", "dx", "dw")  # what `_run` returns, in order
+
+
+def _gamma(n, u=U_F32):
+    return n * u / (1 - n * u)
+
+
+def _assert_rounded_once(got, exact, what):
+    rounded = np.asarray(exact.astype(jnp.bfloat16), np.float64)
+    bad = np.flatnonzero(got != rounded)
+    assert bad.size == 0, (
+        f"{what} is not the exact result rounded once to bf16 at {bad.size} of "
+        f"{got.size} elements, e.g. got {got.flat[bad[0]]} for exact {exact.flat[bad[0]]} "
+        f"(bf16: {rounded.flat[bad[0]]})")
+
+
+@pytest.mark.parametrize("case,backend", _params())
+def test_bf16_accumulates_in_f32(case, backend):
+    """Both tests of the module docstring on one compiled program."""
+    _check_exact(case, backend)
+    _check_random(case, backend)
+
+
+def _check_exact(case, backend):
     (x, w, ct), (x64, w64, ct64) = _operands(case, "integers")
     got = _run(backend, case, x, w, ct)
     want = _exact(x64, w64, ct64)
-    assert np.max(np.abs(want[0])) < 2 ** 24  # every partial sum is exact in f32
-    for g, e, what in zip(got, want, ("value", "dx", "dw")):
-        rounded = np.asarray(e.astype(jnp.bfloat16), np.float64)
-        bad = np.flatnonzero(g != rounded)
-        assert bad.size == 0, (
-            f"{case[0]} on {backend}: {what} is not the exact result rounded once to bf16 "
-            f"at {bad.size} of {g.size} elements, e.g. got {g.flat[bad[0]]} for exact "
-            f"{e.flat[bad[0]]} (bf16: {rounded.flat[bad[0]]})")
+    assert max(np.max(np.abs(e)) for e in want) < 2 ** 24  # every partial sum is exact
+    for i, (g, e, what) in enumerate(zip(got, want, OUTPUTS)):
+        _assert_rounded_once(g, e, f"{case[0]} on {backend}: {what}")
 
 
-def _gamma(n):
-    return n * U_F32 / (1 - n * U_F32)
-
-
-@pytest.mark.parametrize("backend", _backends())
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_random_inputs_within_bound(case, backend):
+def _check_random(case, backend):
     (x, w, ct), (x64, w64, ct64) = _operands(case, "normal")
     got = _run(backend, case, x, w, ct)
     want = _exact(x64, w64, ct64)
     sums = _sum_abs(x64, w64, ct64)
-    # Contraction lengths: K for the value; the output's global rows/columns for dx/dw.
+    # Contraction lengths: K for the value; the output's global columns / rows for dx / dw.
     lengths = (x64.shape[1], w64.shape[1], x64.shape[0])
     # "An f32 computation": the same bf16 values multiplied in float32 (BLAS).
     f32 = _exact(*(a.astype(np.float32) for a in (x64, w64, ct64)))
-    for g, e, s, k, y32, what in zip(got, want, sums, lengths, f32, ("value", "dx", "dw")):
+    for i, (g, e, s, k, y32, what) in enumerate(zip(got, want, sums, lengths, f32, OUTPUTS)):
         acc = (1 + U_BF16) * _gamma(k + N) * s
         bound = U_BF16 * np.abs(e) + acc
         err = np.abs(g - e)
@@ -185,7 +206,7 @@ def test_random_inputs_within_bound(case, backend):
         assert np.all(err <= bound), (
             f"{case[0]} on {backend}: {what} error {err.flat[worst]:.3g} > bound "
             f"{bound.flat[worst]:.3g} (exact {e.flat[worst]:.6g}, got {g.flat[worst]:.6g})")
-        # Against the f32 computation, which is itself within `acc` of exact.
+        # Against the f32 computation, which is itself within the f32 term of exact.
         assert np.all(np.abs(g - y32) <= U_BF16 * np.abs(y32) + 3 * acc), (
             f"{case[0]} on {backend}: {what} further from the f32 result than the bound")
 
@@ -197,8 +218,10 @@ def test_bf16_reduction_is_visible():
     case = CASES[3]  # rs_rows
     (x, w, ct), (x64, w64, ct64) = _operands(case, "integers")
     y = _run("ring", case, x, w, ct, reduce_dtype=jnp.bfloat16)[0]
-    rounded = np.asarray(_exact(x64, w64, ct64)[0].astype(jnp.bfloat16), np.float64)
+    exact = _exact(x64, w64, ct64)[0]
+    rounded = np.asarray(exact.astype(jnp.bfloat16), np.float64)
     assert np.count_nonzero(y != rounded) > 0
-    # Still within N roundings of partial sums: loose, but bounded.
-    partial = np.abs(x64) @ np.abs(w64)
-    assert np.all(np.abs(y - rounded) <= 2 * N * U_BF16 * partial)
+    # Within the bf16 bound for N partial sums: u per partial, gamma_bf16(N) for the sum.
+    s = _sum_abs(x64, w64, ct64)[0]
+    assert np.all(np.abs(y - exact) <= U_BF16 * np.abs(exact)
+                  + (U_BF16 + _gamma(N, U_BF16)) * (1 + U_BF16) * s)

@@ -47,7 +47,7 @@ class Term:
         return (self.a_row, self.a_col, self.b_row, self.b_col)
 
 
-def _kernel(offs_ref, *refs, ks, has_acc, tiles_m, tiles_n, tiles, precision):
+def _kernel(offs_ref, *refs, ks, has_acc, tiles_m, tiles_n, tiles, precision, widen):
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     operand_refs, out_ref = refs[:2 * len(ks)], refs[-1]
     i, j = _matmul.tile_of(pl.program_id(0), tiles_m, tiles_n, tiles.group_m)
@@ -63,7 +63,8 @@ def _kernel(offs_ref, *refs, ks, has_acc, tiles_m, tiles_n, tiles, precision):
         acc = _matmul.tile_product(
             acc, operand_refs[2 * t], pl.multiple_of(a_row + i * bm, bm),
             pl.multiple_of(a_col, bk), operand_refs[2 * t + 1], pl.multiple_of(b_row, bk),
-            pl.multiple_of(b_col + j * bn, bn), k=k, block_k=bk, precision=precision)
+            pl.multiple_of(b_col + j * bn, bn), k=k, block_k=bk, precision=precision,
+            widen=widen)
     out_ref[tile] = acc.astype(out_ref.dtype)
 
 
@@ -97,7 +98,8 @@ def matmul_acc(acc, terms, out_shape, out_dtype, *, precision=None, options=(),
         _tiles.choose(m, n, k, dtype, {**dict(options), "block_k": tiles.block_k})
     kernel = functools.partial(
         _kernel, ks=ks, has_acc=acc is not None, tiles_m=tiles_m, tiles_n=tiles_n,
-        tiles=tiles, precision=_matmul.dot_precision(precision, dtype))
+        tiles=tiles, precision=_matmul.dot_precision(precision, dtype),
+        widen=bool(interpret))
     offs = jnp.stack([jnp.asarray(o, jnp.int32) for t in terms for o in t.offsets()])
     operands = [x for t in terms for x in (t.a, t.b)]
     extra = {}

@@ -54,11 +54,13 @@ def dot_precision(precision, dtype):
 
 
 def tile_product(acc, a_ref, a_rows, a_cols, b_ref, b_rows, b_cols, *, k, block_k,
-                 precision):
+                 precision, widen=False):
     """`acc + a[a_rows:+bm, a_cols:+k] @ b[b_rows:+k, b_cols:+bn]` in float32.
 
     `acc` is the `(bm, bn)` float32 tile; the contraction runs `block_k` at a time in a
-    loop that Triton software-pipelines (`num_stages` loads in flight).
+    loop that Triton software-pipelines (`num_stages` loads in flight). `widen` (interpret
+    mode on CPU only) multiplies tiles widened to float32: XLA's CPU runtime cannot run a
+    bf16 x bf16 -> f32 dot, and widening is exact.
     """
     bm, bn = acc.shape
 
@@ -66,6 +68,8 @@ def tile_product(acc, a_ref, a_rows, a_cols, b_ref, b_rows, b_cols, *, k, block_
         kk = t * block_k if isinstance(t, int) else pl.multiple_of(t * block_k, block_k)
         a = a_ref[pl.ds(a_rows, bm), pl.ds(a_cols + kk, block_k)]
         b = b_ref[pl.ds(b_rows + kk, block_k), pl.ds(b_cols, bn)]
+        if widen:
+            a, b = a.astype(jnp.float32), b.astype(jnp.float32)
         return acc + pltriton.dot(a, b, precision=precision)
 
     if k == block_k:  # no loop to pipeline (and a cheaper program in interpret mode)

@@ -17,7 +17,8 @@ from jax.experimental import pallas as pl
 from . import _matmul, _tiles
 
 
-def _kernel(segs_ref, *refs, axis, num_pieces, tiles_m, tiles_n, k, tiles, precision):
+def _kernel(segs_ref, *refs, axis, num_pieces, tiles_m, tiles_n, k, tiles, precision,
+            widen):
     *piece_refs, other_ref, _, out_ref = refs  # `_`: `out` going in, aliased to out_ref
     bm, bn = tiles.block_m, tiles.block_n
     pid = pl.program_id(0)
@@ -33,7 +34,7 @@ def _kernel(segs_ref, *refs, axis, num_pieces, tiles_m, tiles_n, k, tiles, preci
             a_ref, b_ref, rows, cols = other_ref, piece_refs[p], i * bm, start + j * bn
         acc = jnp.zeros((bm, bn), jnp.float32)
         acc = _matmul.tile_product(acc, a_ref, i * bm, 0, b_ref, 0, j * bn, k=k,
-                                   block_k=tiles.block_k, precision=precision)
+                                   block_k=tiles.block_k, precision=precision, widen=widen)
         out_ref[pl.ds(pl.multiple_of(rows, bm), bm),
                 pl.ds(pl.multiple_of(cols, bn), bn)] = acc.astype(out_ref.dtype)
 
@@ -73,7 +74,8 @@ def matmul_into(out, pieces, other, segs, *, axis, precision=None, options=(),
     tiles_m, tiles_n = m // tiles.block_m, n // tiles.block_n
     kernel = functools.partial(
         _kernel, axis=axis, num_pieces=len(pieces), tiles_m=tiles_m, tiles_n=tiles_n, k=k,
-        tiles=tiles, precision=_matmul.dot_precision(precision, piece.dtype))
+        tiles=tiles, precision=_matmul.dot_precision(precision, piece.dtype),
+        widen=bool(interpret))
     out_index = 1 + len(pieces) + 1  # segs, pieces..., other, out
     segs = jnp.asarray(segs, jnp.int32)
     out_shape = _matmul.out_struct(out.shape, out.dtype, segs, *pieces, other, out)

@@ -45,7 +45,7 @@ def step_problems(prim, x_shape, w_shape, n, directions):
     return {
         P.AG_ROWS: (rows // directions, cols, k),
         P.AG_COLS: (rows, cols // directions, k),
-        P.AG_CONTRACT: (rows, cols, k // directions),
+        P.AG_CONTRACT: (rows, cols, w_shape[0] // directions),  # w's block, not x's columns
         P.RS_ROWS: (rows // n // directions, cols, k),
         P.RS_COLS: (rows, cols // n // directions, k),
     }[prim]

@@ -1,0 +1,462 @@
+"""Bad input everywhere in the public API: one test per row of the README's error table.
+
+Each row is (API, the bad input, a call that makes it, the exception, fragments its
+message must contain). The fragments are what a user needs: the argument, the shapes or
+axis sizes involved, and what is valid. Nothing here compiles or runs a collective (the
+errors come at trace time, under `jax.eval_shape`), so the whole table takes seconds.
+
+`python tests/test_errors.py` prints the table as Markdown, with the actual messages,
+for the README.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":  # under pytest, conftest.py sets this up
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    sys.path.insert(0, os.path.dirname(__file__))
+
+import contextlib
+import dataclasses
+import importlib.util
+import io
+import pathlib
+import subprocess
+import tempfile
+from typing import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import fusedpar
+from helpers import mesh
+
+pytestmark = pytest.mark.timeout(60)
+
+AGM, MRS = fusedpar.all_gather_matmul, fusedpar.matmul_reduce_scatter
+S = jax.ShapeDtypeStruct
+KEY = jax.random.key(0)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    api: str
+    case: str
+    call: Callable
+    error: type  # or a tuple of types
+    fragments: tuple
+    xfail: str = ""  # not caught yet: why (see the report); strict, so a fix flips it
+
+
+def in_shard_map(f, x_shape=(4, 8), w_shape=(8, 12), *, x_dtype=jnp.float32,
+                 w_dtype=None, n=4, check_vma=True):
+    """Trace `f(x, w)` per device inside shard_map over a ring "x" of `n` devices; `x` has
+    the local shape `x_shape` (sharded along dim 0, or replicated if it is a scalar)."""
+    def call():
+        x_spec = P("x") if x_shape else P()
+        fn = jax.shard_map(f, mesh=mesh((n,), ("x",)), in_specs=(x_spec, P()),
+                           out_specs=P("x"), check_vma=check_vma)
+        xs = (n * x_shape[0],) + tuple(x_shape[1:]) if x_shape else ()
+        return jax.eval_shape(fn, S(xs, x_dtype), S(w_shape, w_dtype or x_dtype))
+    return call
+
+
+def global_call(layer, x_shape, mesh_shape=(2, 4), names=("fsdp", "tp")):
+    """Trace `layer(x)` on a global array under `jax.set_mesh`."""
+    def call():
+        with jax.set_mesh(mesh(mesh_shape, names)):
+            return jax.eval_shape(layer, S(x_shape, jnp.float32))
+    return call
+
+
+def local_call(layer, x_spec, x_shape):
+    """Trace `layer` inside shard_map, its parameters passed with `param_specs`."""
+    def call():
+        params, static = eqx.partition(layer, eqx.is_array)
+        m = mesh((2, 4), ("fsdp", "tp"))
+        fn = jax.shard_map(lambda p, x: eqx.combine(p, static)(x), mesh=m,
+                           in_specs=(fusedpar.param_specs(layer), x_spec), out_specs=P())
+        return jax.eval_shape(fn, params, S(x_shape, jnp.float32))
+    return call
+
+
+def lazy(make):
+    """`make()` builds the bad input itself (a constructor that raises)."""
+    return make
+
+
+def mlp():
+    k1, k2 = jax.random.split(KEY)
+    return eqx.nn.Sequential([eqx.nn.Linear(8, 16, key=k1), eqx.nn.Linear(16, 8, key=k2)])
+
+
+def _col(*a, **k):
+    return fusedpar.ColumnLinear(*a, key=KEY, **k)
+
+
+OPS = [
+    Row("ops", "scattered dimension not divisible by the ring",
+        in_shard_map(lambda x, w: MRS(x, w, "x", dim=0), (3, 8)), ValueError,
+        ("matmul_reduce_scatter", "dim 0 of the result (shape (3, 12)) is 3",
+         "not divisible by 4")),
+    Row("ops", "unknown axis name",
+        in_shard_map(lambda x, w: AGM(x, w, "y")), ValueError,
+        ("axis_name='y' is not a bound mesh axis", "the enclosing shard_map binds ('x',)")),
+    Row("ops", "called outside shard_map",
+        lambda: AGM(jnp.ones((4, 8)), jnp.ones((8, 12)), "x"), ValueError,
+        ("axis_name='x' is not a bound mesh axis", "no shard_map is active",
+         "inside jax.shard_map")),
+    Row("ops", "w not 2-D",
+        in_shard_map(lambda x, w: AGM(x, w, "x"), w_shape=(1, 8, 12)), ValueError,
+        ("w must be 2-D (k, n)", "w.shape=(1, 8, 12)")),
+    Row("ops", "x a scalar",
+        in_shard_map(lambda x, w: AGM(x, w, "x"), ()),
+        ValueError, ("x must have at least 1 dimension (..., k)", "scalar")),
+    Row("ops", "contracting dimensions differ",
+        in_shard_map(lambda x, w: AGM(x, w, "x"), w_shape=(4, 12)), ValueError,
+        ("contracting dimensions differ: x has 8, w has 4",)),
+    Row("ops", "gather='rhs', dim=0: x's k is not N x w's rows",
+        in_shard_map(lambda x, w: AGM(x, w, "x", gather="rhs", dim=0)), ValueError,
+        ("x has 8, w has 32", "w gathered along dim 0 over 4 devices has 32 rows")),
+    Row("ops", "x and w dtypes differ",
+        in_shard_map(lambda x, w: AGM(x, w, "x"), w_dtype=jnp.bfloat16), TypeError,
+        ("x and w must have the same dtype", "x float32 and w bfloat16", "w.astype(x.dtype)")),
+    Row("ops", "integer dtype",
+        in_shard_map(lambda x, w: MRS(x, w, "x"), x_dtype=jnp.int32), TypeError,
+        ("x and w must be floating point, got int32",)),
+    Row("ops", "not an array",
+        in_shard_map(lambda x, w: AGM([[1.0] * 8] * 4, w, "x")), TypeError,
+        ("x must be an array, got list",)),
+    Row("ops", "unknown backend",
+        in_shard_map(lambda x, w: AGM(x, w, "x", backend="nope")), ValueError,
+        ("unknown backend='nope'", "valid backends are 'auto', 'reference', 'ring'")),
+    Row("ops", "gather neither 'lhs' nor 'rhs'",
+        in_shard_map(lambda x, w: AGM(x, w, "x", gather="both")), ValueError,
+        ("gather must be 'lhs' or 'rhs', got 'both'",)),
+    Row("ops", "gather='lhs', dim is the contracting dimension",
+        in_shard_map(lambda x, w: AGM(x, w, "x", dim=1)), ValueError,
+        ("dim=1 is not valid for gather='lhs' with x of shape (4, 8)", "valid dims: 0")),
+    Row("ops", "gather='rhs', dim not 0 or 1",
+        in_shard_map(lambda x, w: AGM(x, w, "x", gather="rhs", dim=2)), ValueError,
+        ("dim=2 is not valid for gather='rhs'", "valid dims: 0, 1")),
+    Row("ops", "matmul_reduce_scatter, dim out of range",
+        in_shard_map(lambda x, w: MRS(x, w, "x", dim=-3)), ValueError,
+        ("dim=-3 is not valid for the result of shape (4, 12)", "valid dims: 0, 1")),
+    Row("ops", "dim not an int",
+        in_shard_map(lambda x, w: AGM(x, w, "x", dim=0.0)), TypeError,
+        ("dim must be an int, got 0.0",)),
+    Row("ops", "bidirectional=True with an odd block",
+        in_shard_map(lambda x, w: AGM(x, w, "x", backend="ring", bidirectional=True), (3, 8)),
+        ValueError, ("bidirectional=True splits each ring block in two",
+                     "a block has 3 rows", "x (3, 8), w (8, 12), 4 devices",
+                     "use bidirectional=False")),
+    Row("ops", "explicit backend that cannot run the dtype",
+        in_shard_map(lambda x, w: AGM(x, w, "x", backend="pallas_tpu"), x_dtype=jnp.float16),
+        NotImplementedError, ("backend 'pallas_tpu' cannot run this call",
+                              "dtype float16 is not supported")),
+    Row("ops", "explicit backend that cannot run the shape",
+        in_shard_map(lambda x, w: AGM(x, w, "x", backend="pallas_gpu")), NotImplementedError,
+        ("backend 'pallas_gpu' cannot run this call", "a ring step multiplies (2, 8) by (8, 12)",
+         "m=2 is not a multiple of 16", "use the 'ring' backend")),
+    Row("ops", "TPU kernel tiled from HBM, no tile divides a dimension",
+        in_shard_map(lambda x, w: AGM(x, w, "x", backend="pallas_tpu",
+                                      options={"vmem": False}), (8, 1000), (1000, 128),
+                     check_vma=False), NotImplementedError,
+        ("no tile of at most block_k=512 divides the dimension of length 1000",
+         "options={'block_k': ...}")),
+    Row("ops", "TPU kernel inside shard_map(check_vma=True)",
+        in_shard_map(lambda x, w: AGM(x, w, "x", backend="pallas_tpu")), ValueError,
+        ("must be called with check_vma=False",)),
+    Row("ops", "GPU kernel tile option not a power of 2",
+        in_shard_map(lambda x, w: AGM(x, w, "x", backend="pallas_gpu", bidirectional=False,
+                                      options={"block_m": 24}), (32, 16), (16, 32),
+                     check_vma=False), ValueError,
+        ("options['block_m']=24 must be a power of 2",)),
+    Row("ops", "explain: unknown op",
+        lambda: fusedpar.explain("all_gather", S((4, 8), jnp.float32),
+                                 S((8, 12), jnp.float32), 4), ValueError,
+        ("explain: op must be 'all_gather_matmul' or 'matmul_reduce_scatter'",)),
+    Row("ops", "dim a bool",
+        in_shard_map(lambda x, w: AGM(x, w, "x", dim=True)), TypeError,
+        ("dim must be an int, got True",)),
+    Row("ops", "integer reduce_dtype",
+        in_shard_map(lambda x, w: MRS(x, w, "x", backend="ring", reduce_dtype=jnp.int8)),
+        TypeError, ("reduce_dtype must be a floating dtype", "got int8")),
+    Row("ops", "integer preferred_element_type",
+        in_shard_map(lambda x, w: AGM(x, w, "x", preferred_element_type=jnp.int32)),
+        TypeError, ("preferred_element_type must be a floating dtype", "got int32")),
+    Row("ops", "bidirectional not a bool",
+        in_shard_map(lambda x, w: AGM(x, w, "x", backend="ring", bidirectional="no")),
+        TypeError, ("bidirectional must be True, False or None, got 'no'",)),
+    Row("ops", "unroll not a bool",
+        in_shard_map(lambda x, w: MRS(x, w, "x", backend="ring", unroll=1)),
+        TypeError, ("unroll must be True, False or None, got 1",)),
+    Row("ops", "keep_gathered not a bool",
+        in_shard_map(lambda x, w: AGM(x, w, "x", keep_gathered=None)),
+        TypeError, ("keep_gathered must be True or False, got None",)),
+    Row("ops", "an option the backend does not read",
+        in_shard_map(lambda x, w: AGM(x, w, "x", backend="ring", options={"tile_mm": 3})),
+        ValueError, ("options ['tile_mm'] are not read by backend 'ring'",
+                     "valid keys: 'no_transfers'")),
+    Row("ops", "explain: axis_size not a positive int",
+        lambda: fusedpar.explain("matmul_reduce_scatter", S((4, 8), jnp.float32),
+                                 S((8, 12), jnp.float32), 0), ValueError,
+        ("explain: axis_size must be a positive int", "got 0")),
+]
+
+LAYERS = [
+    Row("layers", "in_features not a positive int",
+        lazy(lambda: _col(0, 8)), ValueError,
+        ("ColumnLinear: in_features must be a positive int, got 0",)),
+    Row("layers", "unknown backend",
+        lazy(lambda: fusedpar.FSDPLinear(8, 8, key=KEY, backend="nope")), ValueError,
+        ("FSDPLinear: unknown backend='nope'", "valid backends are 'auto', 'reference'")),
+    Row("layers", "x a scalar",
+        lambda: _col(8, 8)(jnp.float32(1)), ValueError,
+        ("ColumnLinear: x must have shape (..., 8), got a scalar",)),
+    Row("layers", "x's last dimension is not in_features",
+        lambda: _col(8, 8)(jnp.ones((2, 5))), ValueError,
+        ("ColumnLinear: x has shape (2, 5)", "must be in_features=8")),
+    Row("layers", "weight dimension not divisible by its mesh axis",
+        global_call(_col(8, 6), (2, 8)), ValueError,
+        ("ColumnLinear.weight: parameter dim 0 has size 6, not divisible by 4",
+         "mesh axes ('tp',) (tp=4)")),
+    Row("layers", "sequence not divisible by the tensor-parallel axis",
+        global_call(_col(8, 8, sequence_parallel=True), (3, 8)), ValueError,
+        ("ColumnLinear: x of shape (3, 8): input dim 0 has size 3, not divisible by 4",
+         "('tp',) (tp=4)", "change the size or the mesh")),
+    Row("layers", "batch not divisible by the FSDP axis",
+        global_call(fusedpar.FSDPLinear(8, 8, key=KEY), (3, 5, 8)), ValueError,
+        ("FSDPLinear: x of shape (3, 5, 8): input dim 0 has size 3, not divisible by 2",
+         "('fsdp',) (fsdp=2)")),
+    Row("layers", "layer axis not in the mesh",
+        global_call(_col(8, 8, axis="model"), (4, 8)), ValueError,
+        ("ColumnLinear: mesh axis 'model' is not in the current mesh",
+         "whose axes are ('fsdp', 'tp')")),
+    Row("layers", "shard_map binds only some of the layer's axes",
+        lambda: jax.eval_shape(jax.shard_map(
+            _col(8, 8, fsdp_axis="fsdp"), mesh=mesh((2, 4), ("fsdp", "tp")), in_specs=P(),
+            out_specs=P(), axis_names={"tp"}), S((2, 8), jnp.float32)), ValueError,
+        ("ColumnLinear: uses mesh axes ('tp', 'fsdp')",
+         "the enclosing shard_map binds only ('tp',)")),
+    Row("layers", "global weight inside shard_map (layer closed over)",
+        lambda: jax.eval_shape(jax.shard_map(
+            lambda x: _col(8, 8)(x), mesh=mesh((2, 4), ("fsdp", "tp")), in_specs=P(),
+            out_specs=P(None, "tp")), S((2, 8), jnp.float32)), ValueError,
+        ("the local weight must have shape (2, 8)", "got (8, 8)", "its global shape",
+         "fusedpar.param_specs")),
+    Row("layers", "local input with the wrong number of features",
+        local_call(_col(8, 8), P(None, "tp"), (2, 8)), ValueError,
+        ("inside shard_map over {'tp': 4} the local input must have 8 features",
+         "got x of shape (2, 2)")),
+    Row("layers", "sequence-parallel layer given a 1-D input",
+        local_call(fusedpar.RowLinear(8, 8, key=KEY, sequence_parallel=True), P("tp"), (8,)),
+        ValueError, ("RowLinear: sequence_parallel=True needs an input (..., seq, features)",
+                     "got x of shape (2,)")),
+    Row("layers", "sequence-parallel layer given a 1-D global input",
+        global_call(_col(8, 8, sequence_parallel=True), (8,)), ValueError,
+        ("ColumnLinear: sequence_parallel=True needs an input (..., seq, features)",
+         "got x of shape (8,)")),
+]
+
+SPECS = [
+    Row("specs", "two tensor-parallel styles",
+        lambda: fusedpar.compose(fusedpar.Column("tp"), fusedpar.Row("tp")), ValueError,
+        ("two tensor-parallel styles", "column- or row-parallel, not both")),
+    Row("specs", "two FSDP styles",
+        lambda: fusedpar.compose(fusedpar.FSDP("a"), fusedpar.FSDP("b")), ValueError,
+        ("two FSDP styles", "a layer takes one")),
+    Row("specs", "not a style",
+        lambda: fusedpar.compose("column"), TypeError,
+        ("expected Column, Row or FSDP styles, got 'column'",)),
+    Row("specs", "FSDP dim not a weight dimension",
+        lambda: fusedpar.compose(fusedpar.FSDP("fsdp", 2)), ValueError,
+        ("FSDP dim must be None, 0 or 1", "got 2")),
+    Row("specs", "one mesh axis used by both styles",
+        lazy(lambda: _col(8, 8, fsdp_axis="tp")), ValueError,
+        ("ColumnLinear.weight: mesh axis 'tp' is used twice", "dim 0 by tp, dim 1 by fsdp",
+         "different axes")),
+    Row("specs", "shard: axis not in the mesh",
+        lambda: fusedpar.shard(_col(8, 8, axis="model"), mesh((2, 4), ("fsdp", "tp"))),
+        ValueError, ("mesh axis 'model' is not in the mesh", "('fsdp', 'tp')")),
+    Row("specs", "shard: dimension not divisible",
+        lambda: fusedpar.shard({"up": _col(8, 6)}, mesh((2, 4), ("fsdp", "tp"))), ValueError,
+        ("up.weight: parameter dim 0 has size 6, not divisible by 4", "relaxed=True")),
+    Row("specs", "init_sharded: dimension not divisible",
+        lambda: fusedpar.init_sharded(lambda k: fusedpar.ColumnLinear(8, 6, key=k),
+                                      mesh((2, 4), ("fsdp", "tp")), KEY), ValueError,
+        ("weight: parameter dim 0 has size 6, not divisible by 4",)),
+    Row("specs", "shard_map_specs of a model without fusedpar layers",
+        lambda: fusedpar.shard_map_specs(mlp(), 2), ValueError,
+        ("shard_map_specs: the model has no fusedpar layers", "in_specs=P()")),
+]
+
+PARALLELIZE = [
+    Row("parallelize", "unknown style name",
+        lambda: fusedpar.parallelize(mlp(), {"layers.0": "col"}), ValueError,
+        ("plan['layers.0'] = 'col' is not a style", "'column', 'row', 'fsdp'")),
+    Row("parallelize", "style of the wrong type",
+        lambda: fusedpar.parallelize(mlp(), {"layers.0": 3}), TypeError,
+        ("plan['layers.0'] must be a style or a tuple of styles, got 3",)),
+    Row("parallelize", "pattern that matches no linear layer",
+        lambda: fusedpar.parallelize(mlp(), {"layers.5": "column"}), ValueError,
+        ("pattern(s) ['layers.5'] matched no eqx.nn.Linear",
+         "the model's linear layers are ['layers.0', 'layers.1']")),
+    Row("parallelize", "two tensor-parallel styles on one layer",
+        lambda: fusedpar.parallelize(mlp(), {"*": "column", "layers.1": "row"}), ValueError,
+        ("layers.1: two tensor-parallel styles",)),
+    Row("parallelize", "in/out_features='scalar'",
+        lambda: fusedpar.parallelize(eqx.nn.Sequential([eqx.nn.Linear("scalar", 4, key=KEY)]),
+                                     {"*": "column"}), ValueError,
+        ("layers.0 has in/out_features='scalar'", "cannot be sharded")),
+    Row("parallelize", "unknown backend",
+        lambda: fusedpar.parallelize(mlp(), {"layers.0": "column"}, backend="nope"),
+        ValueError, ("unknown backend='nope'",)),
+]
+
+def _late_flags():
+    jax.devices()  # JAX's backends are up (as in any test)
+    return fusedpar.set_gpu_overlap_flags()
+
+
+COST_MODEL = [
+    Row("cost model", "unknown hardware preset",
+        lambda: fusedpar.cost_model.get_hardware("tpu-v9"), ValueError,
+        ("unknown hardware 'tpu-v9'", "presets are cpu, h100_sxm")),
+    Row("cost model", "ring_size below 1",
+        lambda: fusedpar.cost_model.estimate("all_gather_matmul", (8, 128), (128, 128), 0),
+        ValueError, ("ring_size must be >= 1, got 0",)),
+    Row("cost model", "unknown primitive",
+        lambda: fusedpar.cost_model.breakdown("ag_foo", (8, 128), (128, 128), 4), ValueError,
+        ("unknown primitive 'ag_foo'", "valid: ag_rows, ag_cols, ag_contract")),
+    Row("cost model", "shapes the op rejects",
+        lambda: fusedpar.cost_model.estimate("all_gather_matmul", (8, 128), (64, 128), 4),
+        ValueError, ("contracting dimensions differ: x has 128, w has 64",)),
+    Row("cost model", "unknown op",
+        lambda: fusedpar.cost_model.estimate("allgather", (8, 128), (128, 128), 4),
+        ValueError, ("allgather",)),
+    Row("XLA flags", "set_gpu_overlap_flags after JAX started", _late_flags, RuntimeError,
+        ("must run before JAX starts its backends", "export XLA_FLAGS=")),
+]
+
+
+def cli(main, argv):
+    """Run a command-line entry point; an argparse error (exit status 2) is re-raised as
+    `SystemExit(its stderr)`, so the message can be asserted."""
+    def call():
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                return main(argv)
+        except SystemExit as e:
+            raise SystemExit(err.getvalue().strip() or str(e.code)) from None
+    return call
+
+
+def _demo_parse(argv):
+    from fusedpar import demo
+
+    return demo._parse(argv)  # the option checks, without starting a run
+
+
+def _report(argv):
+    spec = importlib.util.spec_from_file_location("fusedpar_bench_report",
+                                                  ROOT / "bench" / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    return report.main(argv)
+
+
+def _bench_sizes(value):
+    """Import bench/conftest.py (in a child: it configures JAX) with FUSEDPAR_BENCH_SIZES."""
+    def call():
+        env = dict(os.environ, FUSEDPAR_BENCH_SIZES=value)
+        env.pop("XLA_FLAGS", None)
+        out = subprocess.run([sys.executable, "-c", "import runpy; runpy.run_path("
+                              "'bench/conftest.py')"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=120)
+        if out.returncode:  # the last line of the traceback: "ValueError: ..."
+            raise ValueError(out.stderr.strip().splitlines()[-1].split(": ", 1)[-1])
+    return call
+
+
+def _json(tmp_name, text):
+    path = pathlib.Path(tempfile.gettempdir()) / tmp_name
+    path.write_text(text)
+    return str(path)
+
+
+def _report_args(path):
+    out = pathlib.Path(tempfile.gettempdir())
+    return [path, "--out", str(out / "fusedpar-report.md"), "--plot",
+            str(out / "fusedpar-report.png")]
+
+
+DEMO_BENCH = [
+    Row("demo", "--mesh not FSDPxTP", cli(_demo_parse, ["--mesh", "2by4"]), SystemExit,
+        ("--mesh must look like 2x4 (FSDP x TP), got '2by4'",)),
+    Row("demo", "a size that does not divide its mesh axis",
+        cli(_demo_parse, ["--seq", "63"]), SystemExit,
+        ("--seq=63 must divide by the mesh axis it is sharded over (4)",)),
+    Row("demo", "--dtype not float32/bfloat16", cli(_demo_parse, ["--dtype", "float16"]),
+        SystemExit, ("argument --dtype: invalid choice: 'float16'",)),
+    Row("demo", "--mesh with a zero axis", cli(_demo_parse, ["--mesh", "0x4"]), SystemExit,
+        ("--mesh",)),
+    Row("demo", "--steps 0", cli(_demo_parse, ["--steps", "0"]), SystemExit, ("--steps",),),
+    Row("demo", "unknown backend in --backends", cli(_demo_parse, ["--backends", "nope"]),
+        SystemExit, ("--backends", "nope"),),
+    Row("bench", "FUSEDPAR_BENCH_SIZES not cpu/accelerator", _bench_sizes("gpu"), ValueError,
+        ("FUSEDPAR_BENCH_SIZES must be 'cpu' or 'accelerator', got 'gpu'",)),
+    Row("bench", "report.py: a JSON file that does not exist",
+        cli(_report, _report_args("/nonexistent/bench.json")), SystemExit,
+        ("No such file or directory", "/nonexistent/bench.json")),
+    Row("bench", "report.py: a file that is not JSON",
+        cli(_report, _report_args(_json("fusedpar-not-json.json", "nope"))),
+        (ValueError, SystemExit), ("fusedpar-not-json.json",),),
+    Row("bench", "report.py: JSON that is not pytest-benchmark output",
+        cli(_report, _report_args(_json("fusedpar-not-bench.json", "{}"))),
+        (ValueError, KeyError, SystemExit), ("fusedpar-not-bench.json",),),
+]
+
+ROWS = OPS + LAYERS + SPECS + PARALLELIZE + COST_MODEL + DEMO_BENCH
+
+
+def _param(row):
+    marks = [pytest.mark.xfail(strict=True, reason=row.xfail)] if row.xfail else []
+    return pytest.param(row, id=f"{row.api}: {row.case}", marks=marks)
+
+
+@pytest.mark.parametrize("row", [_param(r) for r in ROWS])
+def test_error(row):
+    with pytest.raises(row.error) as info:
+        row.call()
+    message = str(info.value)
+    for fragment in row.fragments:
+        assert fragment in message, f"{fragment!r} not in the message: {message}"
+
+
+def markdown() -> str:
+    """The README table: each row's API, case and the error it actually raises."""
+    lines = ["| API | Bad input | Error |", "|---|---|---|"]
+    for row in ROWS:
+        try:
+            row.call()
+            got = "*(no error)*"
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - the table shows what is raised
+            first = (str(e).splitlines() or [""])[0]
+            got = f"`{type(e).__name__}`: {first}".replace("|", "\\|")
+            if isinstance(e, SystemExit):  # argparse: usage line, then the error
+                got = f"exit 2: {str(e).splitlines()[-1]}".replace("|", "\\|")
+        note = f" — *not caught yet: {row.xfail}*" if row.xfail else ""
+        lines.append(f"| {row.api} | {row.case}{note} | {got} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown())
