@@ -1,9 +1,9 @@
 """Backend registry and the one dispatch decision: which backend runs a call, and why.
 
-A backend is a name, a function that runs a primitive (`_primitives.py`), and a function
-that says why it cannot run a given call (or None). `"reference"` is special: it runs the
-definition (`_definition.py`) itself, with JAX's autodiff. Kernel packages register more
-backends (`"pallas"`) with `register`.
+A backend is a name, a function that runs a primitive (`_primitives.py`), a function
+that says why it cannot run a given call (or None), and the `options` keys it reads.
+`"reference"` runs each primitive as its lax definition (`_reference.py`), `"ring"` as
+ppermute rings (`_ring.py`); `_pallas.py` registers the kernels.
 
 `choose(call, requested)` is the only place a backend is picked: an explicit request
 that cannot run raises `NotImplementedError` with the reason, and `"auto"` returns its

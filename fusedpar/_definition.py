@@ -1,8 +1,8 @@
 """What the two ops compute: their pure-lax expressions.
 
-These functions are the definition every backend must match, the test oracle, and the
-`"reference"` backend itself (differentiated by JAX's own autodiff, so the reference
-path shares no code with the custom VJP rules it is used to check).
+These functions are the definition every backend must match, the `"reference"` backend's
+forward (`_reference.py`), and the test oracle, which the tests differentiate with JAX's
+own autodiff so that it shares no code with the custom VJP rules it checks.
 
 Mixed precision follows `jnp.matmul` users' expectations: products accumulate in
 `accumulation_dtype(dtype)` (float32 for bfloat16/float16 inputs) and the result is cast to
