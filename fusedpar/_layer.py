@@ -104,9 +104,11 @@ class ParallelLinear(eqx.Module):
     @classmethod
     def from_linear(cls, linear: eqx.nn.Linear, rule: Rule, backend: str = "auto"):
         """A layer of class `cls` with `linear`'s weights and the sharding `rule`."""
-        if not isinstance(linear, eqx.nn.Linear):
-            raise TypeError(f"{cls.__name__}.from_linear: linear must be an eqx.nn.Linear, "
-                            f"got {type(linear).__name__}.")
+        # Any linear layer will do (eqx.nn.Linear, or a fusedpar layer being re-ruled).
+        if not all(hasattr(linear, a) for a in ("weight", "bias", "in_features",
+                                                "out_features", "use_bias")):
+            raise TypeError(f"{cls.__name__}.from_linear: linear must be an eqx.nn.Linear "
+                            f"(or a fusedpar linear layer), got {type(linear).__name__}.")
         for name in ("in_features", "out_features"):
             _positive_int(cls.__name__, name, getattr(linear, name))
         _check_backend(cls.__name__, backend)
