@@ -74,12 +74,13 @@ CASES = [
 ]
 
 
-def _op(case, backend, options):
+def _op(case, backend, options, axis="x"):
+    """The per-device call of `case` over `axis`: the oracle if `backend` is None."""
     def f(x, w):
-        if backend is None:  # the oracle
-            y = getattr(_definition, case.op)(x, w, "x", **case.kwargs)
+        if backend is None:
+            y = getattr(_definition, case.op)(x, w, axis, **case.kwargs)
         else:
-            y = getattr(fusedpar, case.op)(x, w, "x", backend=backend, **case.kwargs,
+            y = getattr(fusedpar, case.op)(x, w, axis, backend=backend, **case.kwargs,
                                            **options)
         return y[None] if case.stack_output else y
 
@@ -141,22 +142,15 @@ MESH_2D_CASES = [
 @pytest.mark.parametrize("case, axis, xs, ws, x_spec, w_spec, out_spec", MESH_2D_CASES,
                          ids=[f"{c[0].name}_over_{c[1]}" for c in MESH_2D_CASES])
 def test_two_dimensional_mesh(case, axis, xs, ws, x_spec, w_spec, out_spec):
-    m = mesh((2, 4), ("a", "b"))
+    compare_on_2x4(case, axis, xs, ws, x_spec, w_spec, out_spec)
 
-    def op(backend, options):
-        def f(x, w):
-            if backend is None:
-                y = getattr(_definition, case.op)(x, w, axis, **case.kwargs)
-            else:
-                y = getattr(fusedpar, case.op)(x, w, axis, backend=backend, **case.kwargs,
-                                               **options)
-            return y[None] if case.stack_output else y
-        return f
 
+def compare_on_2x4(case, axis, xs, ws, x_spec, w_spec, out_spec):
+    """The oracle and two ring configs over `axis` of a 2x4 ("a", "b") mesh, f32."""
     configs = [(None, {})] + CONFIGS[1:3]
-    results = evaluate([op(b, o) for b, o in configs], m, normal(0, xs, jnp.float32),
-                       normal(1, ws, jnp.float32), (x_spec, w_spec), out_spec,
-                       [f"{b} {o}" for b, o in configs])
+    results = evaluate([_op(case, b, o, axis) for b, o in configs], mesh((2, 4), ("a", "b")),
+                       normal(0, xs, jnp.float32), normal(1, ws, jnp.float32),
+                       (x_spec, w_spec), out_spec, [f"{b} {o}" for b, o in configs])
     check(results, jnp.float32, f"{case.name} over {axis} of 2x4")
 
 
@@ -260,30 +254,14 @@ def test_vector_input(case):
     check(run_case(case, 4, jnp.float32, CONFIGS[:3]), jnp.float32, case.name)
 
 
-@pytest.mark.parametrize("op, kwargs, xs, ws, x_spec, w_spec, out_spec, stack", [
-    ("all_gather_matmul", dict(gather="lhs", dim=0), (16, 4), (4, 3), P(("a", "b")), P(),
-     P(("a", "b")), True),
-    ("matmul_reduce_scatter", dict(dim=0), (16, 16), (16, 4), P(None, ("a", "b")),
-     P(("a", "b")), P(("b", "a")), False),
-], ids=["gather", "reduce_scatter"])
-def test_axis_tuple_in_reverse_mesh_order(op, kwargs, xs, ws, x_spec, w_spec, out_spec,
-                                          stack):
+@pytest.mark.parametrize("case", [
+    Case("gather", "all_gather_matmul", dict(gather="lhs", dim=0), (16, 4), (4, 3),
+         P(("a", "b")), P(), P(("a", "b")), stack_output=True),
+    Case("reduce_scatter", "matmul_reduce_scatter", dict(dim=0), (16, 16), (16, 4),
+         P(None, ("a", "b")), P(("a", "b")), P(("b", "a"))),
+], ids=lambda c: c.name)
+def test_axis_tuple_in_reverse_mesh_order(case):
     """A ring over ("b", "a") on an ("a", "b") mesh follows the tuple's order, as
     all_gather and psum_scatter do, although ppermute numbers devices in mesh order."""
-    m = mesh((2, 4), ("a", "b"))
-    axes = ("b", "a")
-
-    def op_with(backend, options):
-        def f(x, w):
-            if backend is None:
-                y = getattr(_definition, op)(x, w, axes, **kwargs)
-            else:
-                y = getattr(fusedpar, op)(x, w, axes, backend=backend, **kwargs, **options)
-            return y[None] if stack else y
-        return f
-
-    configs = [(None, {})] + CONFIGS[1:3]
-    results = evaluate([op_with(b, o) for b, o in configs], m, normal(0, xs, jnp.float32),
-                       normal(1, ws, jnp.float32), (x_spec, w_spec), out_spec,
-                       [f"{b} {o}" for b, o in configs])
-    check(results, jnp.float32, f"{op} over {axes}")
+    compare_on_2x4(case, ("b", "a"), case.x_shape, case.w_shape, case.x_spec, case.w_spec,
+                   case.out_spec)
