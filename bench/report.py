@@ -246,39 +246,32 @@ def plot(ops, compile_rows, path):
         _ring_ticks(ax, sel)
         ax.legend(fontsize=7)
     if compile_rows:
-        ax = axes.flat[len(panels)]
-        for op in sorted({r["op"] for r in compile_rows}):
-            for unroll, style in ((True, "-"), (False, "--")):
-                pts = sorted((r["ring"], r["seconds"] * 1e3) for r in compile_rows
-                             if r["kind"] == "trace+lower" and r["op"] == op
-                             and r["unroll"] == unroll)
-                if pts:
-                    ax.plot(*zip(*pts), style, marker="o",
-                            label=f"{op} {'unrolled' if unroll else 'rolled'}")
-        ax.set_title("trace+lower time vs ring size", fontsize=10)
-        ax.set_xlabel("ring size (devices)")
-        ax.set_ylabel("time (ms)")
-        _ring_ticks(ax, compile_rows)
-        ax.legend(fontsize=7)
-        ax = axes.flat[len(panels) + 1]
-        for op in sorted({r["op"] for r in compile_rows}):
-            for unroll, style in ((True, "-"), (False, "--")):
-                pts = sorted((r["ring"], r["hlo_lines"]) for r in compile_rows
-                             if r["kind"] == "trace+lower" and r["op"] == op
-                             and r["unroll"] == unroll)
-                if pts:
-                    ax.plot(*zip(*pts), style, marker="o",
-                            label=f"{op} {'unrolled' if unroll else 'rolled'}")
-        ax.set_title("program size vs ring size", fontsize=10)
-        ax.set_xlabel("ring size (devices)")
-        ax.set_ylabel("StableHLO lines")
-        _ring_ticks(ax, compile_rows)
-        ax.legend(fontsize=7)
+        _compile_panel(axes.flat[len(panels)], compile_rows, lambda r: r["seconds"] * 1e3,
+                       "trace+lower time vs ring size", "time (ms)")
+        _compile_panel(axes.flat[len(panels) + 1], compile_rows, lambda r: r["hlo_lines"],
+                       "program size vs ring size", "StableHLO lines")
     for ax in list(axes.flat)[len(panels) + extra:]:
         ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     return True
+
+
+def _compile_panel(ax, compile_rows, value, title, ylabel):
+    """One trace+lower measure vs ring size, unrolled (solid) and rolled (dashed) per op."""
+    for op in sorted({r["op"] for r in compile_rows}):
+        for unroll, style in ((True, "-"), (False, "--")):
+            pts = sorted((r["ring"], value(r)) for r in compile_rows
+                         if r["kind"] == "trace+lower" and r["op"] == op
+                         and r["unroll"] == unroll)
+            if pts:
+                ax.plot(*zip(*pts), style, marker="o",
+                        label=f"{op} {'unrolled' if unroll else 'rolled'}")
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("ring size (devices)")
+    ax.set_ylabel(ylabel)
+    _ring_ticks(ax, compile_rows)
+    ax.legend(fontsize=7)
 
 
 def main(argv=None):
