@@ -75,6 +75,23 @@ def out_shape(prim: str, x_shape, w_shape, n: int) -> tuple[int, int]:
     }[prim]
 
 
+def step_matmul(prim: str, x_shape, w_shape, n: int, directions: int = 1):
+    """`(rows, contraction, cols)` of the matmul one ring step does, per direction.
+
+    All-gathers multiply the piece in hand (a block, or half of one when `directions` is
+    2); reduce-scatters compute this device's part of one output segment.
+    """
+    (m, k), (kw, cols) = x_shape, w_shape
+    d = directions
+    return {
+        AG_ROWS: (m // d, k, cols),
+        AG_COLS: (m, k, cols // d),
+        AG_CONTRACT: (m, kw // d, cols),
+        RS_ROWS: (m // n // d, k, cols),
+        RS_COLS: (m, k, cols // n // d),
+    }[prim]
+
+
 def block_length(prim: str, x_shape, w_shape, n: int) -> int:
     """Length, along `GATHER_AXIS`, of one ring block (what a bidirectional ring halves)."""
     if prim in GATHERS:

@@ -261,21 +261,22 @@ def _matmul_time(hw: Hardware, m, k, n, dtype, out_bytes_per_elem, extra_bytes=0
 
 def _problem(prim, x_shape, w_shape, n, dtype, reduce_dtype):
     """Per-step matmul (m, k, n, out bytes/elem, extra bytes) and the travelling block's bytes."""
+    if prim not in P.PRIMITIVES:
+        raise ValueError(f"cost_model: unknown primitive {prim!r}; valid: "
+                         f"{', '.join(P.PRIMITIVES)}.")
     (mx, kx), (kw, nw) = x_shape, w_shape
+    m, k, cols = P.step_matmul(prim, x_shape, w_shape, n)
     b = _itemsize(dtype)
     acc = _itemsize(_acc_dtype(dtype))
     rb = _itemsize(reduce_dtype)
     if prim == P.AG_ROWS:  # x's row block travels; each step writes a row block of out
-        return (mx, kx, nw, b, 0), mx * kx * b
+        return (m, k, cols, b, 0), mx * kx * b
     if prim == P.AG_COLS:  # w's column block travels; each step writes a column block
-        return (mx, kx, nw, b, 0), kw * nw * b
+        return (m, k, cols, b, 0), kw * nw * b
     if prim == P.AG_CONTRACT:  # w's row block travels; each step adds into an f32 (M, n)
-        return (mx, kx // n, nw, acc, mx * nw * acc), kw * nw * b
-    if prim == P.RS_ROWS:  # an (M/N, n) accumulator travels; each step adds into it
-        return (mx // n, kx, nw, rb, (mx // n) * nw * rb), (mx // n) * nw * rb
-    if prim == P.RS_COLS:
-        return (mx, kx, nw // n, rb, mx * (nw // n) * rb), mx * (nw // n) * rb
-    raise ValueError(f"cost_model: unknown primitive {prim!r}; valid: {', '.join(P.PRIMITIVES)}.")
+        return (m, k, cols, acc, m * cols * acc), kw * nw * b
+    # reduce-scatters: the accumulator of one output segment travels; each step adds into it
+    return (m, k, cols, rb, m * cols * rb), m * cols * rb
 
 
 def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
@@ -290,6 +291,9 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
     reduce_dtype = np.dtype(_acc_dtype(dtype) if reduce_dtype is None else reduce_dtype)
     (m, k, cols, out_b, extra), block_bytes = _problem(prim, x_shape, w_shape, n, dtype,
                                                        reduce_dtype)
+    # The step's matmul, whole and per direction of a bidirectional ring (at least 1 x 1).
+    step = ((m, k, cols),
+            tuple(max(v, 1) for v in P.step_matmul(prim, x_shape, w_shape, n, 2)))
     sent = (n - 1) * block_bytes
     result = {}
     if "reference" in backends:
@@ -309,9 +313,9 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
         if name not in backends:
             continue
         # Each direction runs its own half-size matmul per step: more launches, same flops.
-        c = _step_time(hw, prim, m, k, cols, dtype, out_b, extra, dirs)
+        c = _step_time(hw, prim, step, dtype, out_b, extra, dirs)
         # The first step has no accumulator to read yet (nothing has arrived).
-        first = _step_time(hw, prim, m, k, cols, dtype, out_b, 0, dirs)
+        first = _step_time(hw, prim, step, dtype, out_b, 0, dirs)
         t = transfer + (latency if n > 1 else 0.0)
         overlapped = max(c, t) + (1.0 - hw.overlap) * min(c, t)
         total = first + (n - 1) * overlapped
@@ -319,14 +323,15 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
     return result
 
 
-def _step_time(hw, prim, m, k, cols, dtype, out_b, extra, dirs):
+def _step_time(hw, prim, step, dtype, out_b, extra, dirs):
     """One ring step's compute: one matmul, or one half-size matmul per direction."""
+    whole, half = step
     if dirs == 1:
-        return _matmul_time(hw, m, k, cols, dtype, out_b, extra)
+        return _matmul_time(hw, *whole, dtype, out_b, extra)
     # Each direction's piece is half the block; an ag_contract step still adds into the
     # whole (M, n) accumulator per direction.
     half_extra = extra if prim == P.AG_CONTRACT else extra // 2
-    return 2 * _matmul_time(hw, *_half(prim, m, k, cols), dtype, out_b, half_extra)
+    return 2 * _matmul_time(hw, *half, dtype, out_b, half_extra)
 
 
 def _full(prim, x_shape, w_shape, n):
@@ -337,15 +342,6 @@ def _full(prim, x_shape, w_shape, n):
     if prim == P.AG_COLS:
         return mx, kx, n * nw
     return mx, kx, nw
-
-
-def _half(prim, m, k, cols):
-    """The per-direction matmul of a bidirectional step: the block split along its axis."""
-    if prim in (P.AG_ROWS, P.RS_ROWS):
-        return m // 2 or 1, k, cols
-    if prim == P.AG_CONTRACT:
-        return m, k // 2 or 1, cols
-    return m, k, cols // 2 or 1
 
 
 def estimate_call(call, hardware=None, reduce_dtype=None) -> dict[str, Breakdown]:

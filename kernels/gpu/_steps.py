@@ -39,18 +39,6 @@ def _kernel_options(cfg):
     return tuple((k, v) for k, v in cfg.options if k in _tiles.OPTIONS)
 
 
-def step_problems(prim, x_shape, w_shape, n, directions):
-    """The `(m, n, k)` of each step's matmul of `prim` (what the tiles must divide)."""
-    (rows, k), (_, cols) = x_shape, w_shape
-    return {
-        P.AG_ROWS: (rows // directions, cols, k),
-        P.AG_COLS: (rows, cols // directions, k),
-        P.AG_CONTRACT: (rows, cols, w_shape[0] // directions),  # w's block, not x's columns
-        P.RS_ROWS: (rows // n // directions, cols, k),
-        P.RS_COLS: (rows, cols // n // directions, k),
-    }[prim]
-
-
 def unavailable(call):
     """Why the GPU step kernels cannot run `call`, or None."""
     if call.platform not in ("cpu", "gpu", "cuda"):
@@ -59,10 +47,10 @@ def unavailable(call):
     if call.dtype not in _DTYPES:
         return f"dtype {call.dtype} is not supported (only {', '.join(_DTYPES)})"
     bidirectional, _ = ring_shape(call, None)
-    m, n, k = step_problems(call.prim, call.x_shape, call.w_shape, call.axis_size,
-                            2 if bidirectional else 1)
+    rows, k, cols = P.step_matmul(call.prim, call.x_shape, call.w_shape, call.axis_size,
+                                  2 if bidirectional else 1)
     try:
-        _tiles.choose(m, n, k, call.dtype)
+        _tiles.choose(rows, cols, k, call.dtype)
     except ValueError as e:
         return str(e)
     return None

@@ -36,15 +36,10 @@ def shapes(prim, n, bidirectional, x_shape, w_shape):
     """(piece shape, travelling axis, matmul dims (rows, contraction, cols)) of one step."""
     ring = Ring(n, bidirectional)
     axis = P.GATHER_AXIS[prim]
-    (m, k), (_, cols) = x_shape, w_shape
-    if prim == P.AG_ROWS:
-        rows = ring.split_size(m, "the travelling block")
-        return (rows, k), axis, (rows, k, cols)
-    if prim == P.AG_COLS:
-        c = ring.split_size(cols, "the travelling block")
-        return (k, c), axis, (m, k, c)
-    kk = ring.split_size(w_shape[0], "the travelling block")
-    return (kk, cols), axis, (m, kk, cols)
+    piece = list(x_shape if P.TRAVELLER[prim] == "x" else w_shape)
+    piece[axis] = ring.split_size(piece[axis], "the travelling block")
+    return tuple(piece), axis, P.step_matmul(prim, x_shape, w_shape, n,
+                                             ring.num_directions)
 
 
 def _kernel(x, w, out, *rest, prim, ring, axis_name, tile, return_gathered, precision,

@@ -37,12 +37,10 @@ from . import _common, _tiling
 def shapes(prim, n, bidirectional, x_shape, w_shape):
     """(segment shape, output axis, matmul dims (rows, contraction, cols)) of one step."""
     ring = Ring(n, bidirectional)
-    (m, k), (_, cols) = x_shape, w_shape
-    if prim == P.RS_ROWS:
-        length = ring.split_size(m // n, "each output block")
-        return (length, cols), 0, (length, k, cols)
-    length = ring.split_size(cols // n, "each output block")
-    return (m, length), 1, (m, k, length)
+    axis = P.GATHER_AXIS[prim]
+    ring.split_size(P.out_shape(prim, x_shape, w_shape, n)[axis], "each output block")
+    rows, k, cols = P.step_matmul(prim, x_shape, w_shape, n, ring.num_directions)
+    return (rows, cols), axis, (rows, k, cols)
 
 
 def _kernel(x, w, out, slots, sendbuf, stage, send, recv, local, credit, done, *, prim,
