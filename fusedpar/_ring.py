@@ -20,7 +20,7 @@ from jax import lax
 
 from . import _definition, _primitives as P
 from ._vma import as_varying, axis_names, varying_axes
-from ._schedule import Ring
+from ._schedule import Ring, mesh_coordinates
 
 
 def _loop(cfg, start, stop, body, state):
@@ -58,9 +58,7 @@ def _ppermute_index(axis_name):
     sizes = {n: lax.axis_size(n) for n in names}
 
     def index(position):
-        coords = {}
-        for n in reversed(names):
-            position, coords[n] = divmod(position, sizes[n])
+        coords = mesh_coordinates(position, sizes)
         number = 0
         for n in mesh_order:
             number = number * sizes[n] + coords[n]

@@ -127,3 +127,16 @@ class Ring:
                 f"two equal halves; use an even length or bidirectional=False."
             )
         return length // self.num_directions
+
+
+def mesh_coordinates(position, sizes: dict) -> dict:
+    """Per-axis coordinates of ring `position` on a ring over several mesh axes.
+
+    `sizes` maps each axis name to its size, in the order of the axis tuple the ring runs
+    over: the first axis is major, as `lax.axis_index(tuple)` counts. Works on traced ints.
+    """
+    coords = {}
+    for name in reversed(list(sizes)):
+        coords[name] = position % sizes[name]
+        position = position // sizes[name]
+    return coords

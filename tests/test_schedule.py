@@ -80,3 +80,14 @@ def test_bad_rings():
         Ring(4, True).split_size(3, "x's block")
     with pytest.raises(ValueError, match="direction must be one of"):
         Ring(4).direction_index(-1)
+
+
+def test_mesh_coordinates_count_the_first_axis_major():
+    import numpy as np
+
+    from fusedpar._schedule import mesh_coordinates
+
+    sizes = {"b": 4, "a": 2, "c": 3}
+    for position in range(24):
+        want = np.unravel_index(position, (4, 2, 3))  # C order: the first axis is major
+        assert mesh_coordinates(position, sizes) == dict(zip(sizes, map(int, want)))

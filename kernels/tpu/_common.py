@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from fusedpar import _vma
-from fusedpar._schedule import Ring
+from fusedpar._schedule import Ring, mesh_coordinates
 
 # Private option values that break the protocol on purpose (tests/test_tpu_protocol.py
 # proves the race/NaN checks catch them). They share all other code with the real kernel.
@@ -115,12 +115,7 @@ class Link:
         """Mesh coordinates of ring position `index`; a tuple of axis names is one ring
         over those axes (the first one major, as `lax.axis_index` counts)."""
         names = _vma.axis_names(self.axis_name)
-        coords = {}
-        for name in reversed(names):
-            size = lax.axis_size(name)
-            coords[name] = index % size
-            index = index // size
-        return coords
+        return mesh_coordinates(index, {name: lax.axis_size(name) for name in names})
 
     def barrier(self):
         """Wait until both neighbours have entered the kernel."""
