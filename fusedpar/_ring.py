@@ -86,8 +86,9 @@ def _split(ring, a, axis, what):
 def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=()):
     """All-gather `travelling` along `axis` round the ring, folding each piece into `carry`.
 
-    `step_fn(carry, piece, seg)` is called once per step and direction with the piece of
-    the gathered operand this device holds and its segment index (`Ring.gather_segment`).
+    `step_fn(carry, pieces, segs)` is called once per step with the pieces of the
+    gathered operand this device holds, one per direction, and their segment indices
+    (`Ring.gather_segment`), so a backend can handle a bidirectional step in one launch.
     `inputs`: the other arrays `step_fn` reads, so a rolled loop's carry is typed as
     varying over every mesh axis its result will vary over.
     """
@@ -95,9 +96,8 @@ def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=()):
     me = lax.axis_index(cfg.axis_name)
 
     def compute(i, carry, pieces):
-        for r, piece in zip(ring.directions, pieces):
-            carry = step_fn(carry, piece, ring.gather_segment(me, i, r))
-        return carry
+        return step_fn(carry, pieces, tuple(ring.gather_segment(me, i, r)
+                                            for r in ring.directions))
 
     def step(i, state):
         carry, pieces = state
@@ -177,16 +177,17 @@ def _gather(prim, cfg, x, w, return_gathered):
     if prim == P.AG_CONTRACT:
         out = out.astype(_definition.accumulation_dtype(x.dtype))  # summed over steps
 
-    def step_fn(carry, piece, seg):
+    def step_fn(carry, pieces, segs):
         out, gathered = carry
-        if prim == P.AG_ROWS:
-            out = put(out, _dot(cfg, piece, w), seg, 0)
-        elif prim == P.AG_COLS:
-            out = put(out, _dot(cfg, x, piece), seg, 1)
-        else:  # AG_CONTRACT: the piece is rows of w; multiply the matching columns of x
-            out = out + _dot(cfg, segment(x, seg, piece.shape[0], 1), piece)
-        if return_gathered:
-            gathered = put(gathered, piece, seg, axis)
+        for piece, seg in zip(pieces, segs):
+            if prim == P.AG_ROWS:
+                out = put(out, _dot(cfg, piece, w), seg, 0)
+            elif prim == P.AG_COLS:
+                out = put(out, _dot(cfg, x, piece), seg, 1)
+            else:  # AG_CONTRACT: the piece is rows of w; multiply x's matching columns
+                out = out + _dot(cfg, segment(x, seg, piece.shape[0], 1), piece)
+            if return_gathered:
+                gathered = put(gathered, piece, seg, axis)
         return out, gathered
 
     gathered = gathered_buffer(cfg, travelling, axis) if return_gathered else None

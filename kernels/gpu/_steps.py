@@ -83,31 +83,22 @@ def _gather(prim, cfg, x, w, return_gathered, kw):
     if prim == P.AG_CONTRACT:  # summed over the steps: keep it in float32 until the end
         out_dtype = _definition.accumulation_dtype(x.dtype)
     out = jnp.zeros(P.out_shape(prim, x.shape, w.shape, cfg.axis_size), out_dtype)
-    directions = 2 if cfg.bidirectional else 1
 
-    def step_kernel(out, held):
-        pieces, segs = zip(*held)
+    def step_fn(carry, pieces, segs):
+        # Every direction's piece of a step goes to one launch.
+        out, gathered = carry
+        if return_gathered:
+            for piece, seg in zip(pieces, segs):
+                gathered = _ring.put(gathered, piece, seg, axis)
         if prim == P.AG_CONTRACT:  # x's columns matching each row block of w in hand
             k = pieces[0].shape[0]
-            terms = [Term(x, p, k, a_col=s * k) for p, s in held]
-            return matmul_acc(out, terms, out.shape, out.dtype, **kw)
+            terms = [Term(x, p, k, a_col=s * k) for p, s in zip(pieces, segs)]
+            return matmul_acc(out, terms, out.shape, out.dtype, **kw), gathered
         resident = w if prim == P.AG_ROWS else x
-        return matmul_into(out, pieces, resident, jnp.stack(segs), axis=axis, **kw)
-
-    def step_fn(carry, piece, seg):
-        # `ring_gather` hands over a step's pieces one direction at a time; hold the
-        # first half of a bidirectional step so both go to one launch.
-        out, gathered, held = carry
-        if return_gathered:
-            gathered = _ring.put(gathered, piece, seg, axis)
-        held = held + ((piece, seg),)
-        if len(held) == directions:
-            out, held = step_kernel(out, held), ()
-        return out, gathered, held
+        return matmul_into(out, pieces, resident, jnp.stack(segs), axis=axis, **kw), gathered
 
     gathered = _ring.gathered_buffer(cfg, travelling, axis) if return_gathered else None
-    out, gathered, held = _ring.ring_gather(cfg, travelling, axis, step_fn,
-                                            (out, gathered, ()), inputs=(x, w))
-    assert not held, "ring_gather must hand over every direction of a step together"
+    out, gathered = _ring.ring_gather(cfg, travelling, axis, step_fn, (out, gathered),
+                                      inputs=(x, w))
     out = out.astype(cfg.out_dtype)
     return (out, gathered) if return_gathered else out
