@@ -25,14 +25,13 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, assume, given, settings, strategies as st
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
 from fusedpar import _definition
-from helpers import assert_close, mesh
+from helpers import assert_close, mesh, normal
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -151,10 +150,10 @@ def check(case, check_vma=True):
         y, vjp = jax.vjp(per_device(f), x, w)
         return y, vjp(ct.astype(y.dtype))
 
-    x = _normal(0, (devices, *x_shape), dtype)
-    w = _normal(1, w_shape if w_replicated else (devices, *w_shape), dtype)
+    x = normal(0, (devices, *x_shape), dtype)
+    w = normal(1, w_shape if w_replicated else (devices, *w_shape), dtype)
     y_shape = jax.eval_shape(per_device(definition), x, w).shape
-    ct = _normal(2, y_shape, jnp.float32)
+    ct = normal(2, y_shape, jnp.float32)
 
     @jax.jit
     def both(x, w, ct):
@@ -167,11 +166,6 @@ def check(case, check_vma=True):
     assert_close(grads[0], grads_want[0], dtype, f"{what}: dx")
     assert_close(grads[1], grads_want[1], dtype, f"{what}: dw")
     CHECKED[kwargs["backend"]] += 1
-
-
-def _normal(seed, shape, dtype):
-    # numpy, not jax.random: a jax.random draw compiles once per shape (~0.5 s each here).
-    return np.random.default_rng(seed).standard_normal(shape).astype(jnp.dtype(dtype))
 
 
 @_profile(8)
