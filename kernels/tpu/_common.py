@@ -207,11 +207,6 @@ def steps(n, step):
         step(n - 1, False, True)
 
 
-def half(ref, h, length, axis):
-    """Half `h` (of `length` elements along `axis`) of a ref."""
-    return segment(ref, h, length, axis)
-
-
 def segment(ref, index, length, axis):
     """Segment `index` (in units of `length`) of a ref along `axis` (0 or 1)."""
     window = pl.ds(pl.multiple_of(index * length, length) if not isinstance(index, int)

@@ -69,8 +69,8 @@ def _kernel(x, w, out, *rest, prim, ring, axis_name, tile, return_gathered, prec
                            prev=None if first else acc, precision=precision)
 
     def step(s, first, last):
-        pieces = [_common.half(travelling, h, length, axis) if first else link.received(h, s - 1)
-                  for h in range(nd)]
+        pieces = [_common.segment(travelling, h, length, axis) if first
+                  else link.received(h, s - 1) for h in range(nd)]
         if not first and not late:
             for h in range(nd):
                 link.wait_recv(h, s - 1)

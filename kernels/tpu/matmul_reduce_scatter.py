@@ -62,7 +62,7 @@ def _kernel(x, w, out, slots, sendbuf, stage, send, recv, local, credit, done, *
                            precision=precision)
 
     def mine(h):  # this device's output: segment me * nd + h, i.e. half h of `out`
-        return _common.half(out, h, length, axis)
+        return _common.segment(out, h, length, axis)
 
     def step(s, first, last):
         if first:  # the first partial product is the accumulator itself
