@@ -15,7 +15,7 @@ import functools
 
 import jax
 
-from . import _backends, _definition, _primitives as P
+from . import _backends, _definition, _primitives as prims
 from ._vma import cotangent_like
 
 
@@ -31,7 +31,7 @@ def apply(prim, cfg, x, w):
 
 
 def _fwd(prim, cfg, x, w):
-    if prim in P.GATHERS and cfg.keep_gathered:
+    if prim in prims.GATHERS and cfg.keep_gathered:
         out, gathered = run(prim, cfg, x, w, return_gathered=True)
     else:
         out, gathered = run(prim, cfg, x, w), None
@@ -48,29 +48,29 @@ def _bwd(prim, cfg, res, dy):
     dy = dy.astype(x.dtype)
     c = dataclasses.replace(cfg, out_dtype=x.dtype)
     keep = cfg.keep_gathered
-    if prim == P.AG_ROWS:  # y = AG_rows(x) @ w
-        dx = run(P.RS_ROWS, c, dy, w.T)
-        dw = _local(c, gathered.T, dy, w.dtype) if keep else run(P.AG_CONTRACT, c, dy.T, x).T
-    elif prim == P.AG_COLS:  # y = x @ AG_cols(w)
-        dx = _local(c, dy, gathered.T, x.dtype) if keep else run(P.AG_CONTRACT, c, dy, w.T)
-        dw = run(P.RS_COLS, c, x.T, dy)
-    elif prim == P.AG_CONTRACT:  # y = x @ AG_rows(w)
-        dx = _local(c, dy, gathered.T, x.dtype) if keep else run(P.AG_COLS, c, dy, w.T)
-        dw = run(P.RS_ROWS, c, x.T, dy)
-    elif prim == P.RS_ROWS:  # y = RS_rows(x @ w): dy gathers along rows
+    if prim == prims.AG_ROWS:  # y = AG_rows(x) @ w
+        dx = run(prims.RS_ROWS, c, dy, w.T)
+        dw = _local(c, gathered.T, dy, w.dtype) if keep else run(prims.AG_CONTRACT, c, dy.T, x).T
+    elif prim == prims.AG_COLS:  # y = x @ AG_cols(w)
+        dx = _local(c, dy, gathered.T, x.dtype) if keep else run(prims.AG_CONTRACT, c, dy, w.T)
+        dw = run(prims.RS_COLS, c, x.T, dy)
+    elif prim == prims.AG_CONTRACT:  # y = x @ AG_rows(w)
+        dx = _local(c, dy, gathered.T, x.dtype) if keep else run(prims.AG_COLS, c, dy, w.T)
+        dw = run(prims.RS_ROWS, c, x.T, dy)
+    elif prim == prims.RS_ROWS:  # y = RS_rows(x @ w): dy gathers along rows
         if keep:
-            dx, dyg = run(P.AG_ROWS, c, dy, w.T, return_gathered=True)
+            dx, dyg = run(prims.AG_ROWS, c, dy, w.T, return_gathered=True)
             dw = _local(c, x.T, dyg, w.dtype)
         else:
-            dx = run(P.AG_ROWS, c, dy, w.T)
-            dw = run(P.AG_CONTRACT, c, x.T, dy)
+            dx = run(prims.AG_ROWS, c, dy, w.T)
+            dw = run(prims.AG_CONTRACT, c, x.T, dy)
     else:  # RS_COLS, y = RS_cols(x @ w): dy gathers along columns
         if keep:
-            dw, dyg = run(P.AG_COLS, c, x.T, dy, return_gathered=True)
+            dw, dyg = run(prims.AG_COLS, c, x.T, dy, return_gathered=True)
             dx = _local(c, dyg, w.T, x.dtype)
         else:
-            dw = run(P.AG_COLS, c, x.T, dy)
-            dx = run(P.AG_CONTRACT, c, w, dy.T).T
+            dw = run(prims.AG_COLS, c, x.T, dy)
+            dx = run(prims.AG_CONTRACT, c, w, dy.T).T
     return cotangent_like(dx.astype(x.dtype), x), cotangent_like(dw.astype(w.dtype), w)
 
 

@@ -14,7 +14,7 @@ backward JAX batches by vmapping them. A lax ring batches by itself, but a Palla
   `x` and cotangent): per-example products cannot be folded into one matmul, so the same
   backend runs once per example (`lax.map`) — slower, but never a different backend.
 
-Only the Pallas backends need this (`_pallas.py` applies it); the lax ring batches itself.
+Only the Pallas backends need this (the `pallas_gpu` and `pallas_tpu` backends apply it); the lax ring batches itself.
 """
 
 from __future__ import annotations

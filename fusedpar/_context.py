@@ -36,19 +36,6 @@ def detect(where: str, axes: tuple):
     return GLOBAL, mesh
 
 
-def check_vma(backend: str) -> bool:
-    """The `check_vma` of the shard_map a layer wraps itself in.
-
-    Pallas collective kernels need `check_vma=False` (PLATFORM.md), so a backend that is
-    or may become one ("auto" off CPU) gets it; the layers' gradients are the same either
-    way (shard_map then sums the cotangents of replicated inputs itself), which the tests
-    check for the lax backends.
-    """
-    if backend == "auto":
-        return jax.default_backend() == "cpu"
-    return not backend.startswith("pallas")
-
-
 def is_explicit(mesh, axes) -> bool:
     """Whether any of `axes` is an Explicit axis of `mesh` (inputs must be resharded)."""
     types = dict(zip(mesh.axis_names, mesh.axis_types))

@@ -1,7 +1,7 @@
 """What the two ops compute: their pure-lax expressions.
 
 These functions are the definition every backend must match, the `"reference"` backend's
-forward (`_reference.py`), and the test oracle, which the tests differentiate with JAX's
+forward (`_backends/reference.py`), and the test oracle, which the tests differentiate with JAX's
 own autodiff so that it shares no code with the custom VJP rules it checks.
 
 Mixed precision follows `jnp.matmul` users' expectations: products accumulate in

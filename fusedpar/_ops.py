@@ -1,64 +1,16 @@
-"""The public ops: validate, pick a backend, canonicalise, run with the shared custom VJP."""
+"""The public ops: validate, choose a backend, canonicalise, run with the shared custom VJP."""
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from typing import Optional
 
 import jax
 import numpy as np
 
-from . import _autodiff, _backends, _definition, _primitives as P, _validate
-from ._backends import AUTO, Call, Choice
-from ._primitives import Config
-
-AGM, MRS = "all_gather_matmul", "matmul_reduce_scatter"
-
-
-def _primitive(op, gather, dim, x_ndim) -> str:
-    if op == AGM:
-        if gather == "rhs":
-            return P.AG_CONTRACT if dim == 0 else P.AG_COLS
-        return P.AG_ROWS
-    return P.RS_COLS if dim == x_ndim - 1 else P.RS_ROWS
-
-
-def _check(op, x, w, n, gather, dim, bidirectional):
-    """Validate a call; return (normalised dim, Call minus platform)."""
-    if op not in (AGM, MRS):
-        raise ValueError(f"op must be {AGM!r} or {MRS!r}, got {op!r}.")
-    _validate.operands(op, x, w)
-    _validate.flag(op, "bidirectional", bidirectional)
-    xs, ws = tuple(x.shape), tuple(w.shape)
-    if op == AGM:
-        if gather not in ("lhs", "rhs"):
-            raise ValueError(f"{op}: gather must be 'lhs' or 'rhs', got {gather!r}.")
-        if gather == "lhs":
-            dim = _validate.dim(op, dim, x.ndim, f"gather='lhs' with x of shape {xs} "
-                                "(a non-contracting dimension of x)", range(x.ndim - 1))
-            _validate.contraction(op, xs[-1], ws[0])
-        else:
-            dim = _validate.dim(op, dim, 2, "gather='rhs' (0: w's contracting rows, 1: "
-                                "w's output columns)", range(2))
-            k = ws[0] * n if dim == 0 else ws[0]
-            _validate.contraction(op, xs[-1], k, f" (w gathered along dim {dim} over {n} "
-                                  f"devices has {k} rows)" if dim == 0 else "")
-    else:
-        dim = _validate.dim(op, dim, x.ndim, f"the result of shape {xs[:-1] + ws[1:]}",
-                            range(x.ndim))
-        _validate.contraction(op, xs[-1], ws[0])
-        size = (xs[:-1] + ws[1:])[dim]
-        _validate.divisible(op, size, n, f"dim {dim} of the result (shape "
-                            f"{xs[:-1] + ws[1:]})", f"it is scattered over {n} devices")
-    prim = _primitive(op, gather, dim, x.ndim)
-    call = Call(op, prim, (math.prod(xs[:-1]), xs[-1]), ws, str(np.dtype(x.dtype)), n,
-                platform="", bidirectional=bidirectional)
-    if bidirectional and call.block_length % 2:
-        raise ValueError(
-            f"{op}: bidirectional=True splits each ring block in two, but a block has "
-            f"{call.block_length} {'rows' if P.GATHER_AXIS[prim] == 0 else 'columns'} "
-            f"(primitive {prim}, x {xs}, w {ws}, {n} devices); use bidirectional=False.")
-    return dim, call
+from . import _autodiff, _definition, _dispatch, _primitives as prims, _validate
+from ._dispatch import AUTO, Choice
+from ._primitives import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Config
 
 
 def _platform() -> str:
@@ -70,44 +22,54 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     """Which backend (and ring shape) `op` would use for these local operands, and why.
 
     `x` and `w` may be arrays or `jax.ShapeDtypeStruct`s with per-device shapes;
-    `axis_size` is the size of the mesh axis the op runs over.
+    `axis_size` is the size of the mesh axis the op runs over; `platform` ("cpu", "gpu",
+    "tpu") defaults to JAX's default backend.
     """
-    if op not in (AGM, MRS):
-        raise ValueError(f"explain: op must be {AGM!r} or {MRS!r}, got {op!r}.")
+    if op not in prims.OPS:
+        raise ValueError(f"explain: op must be {ALL_GATHER_MATMUL!r} or "
+                         f"{MATMUL_REDUCE_SCATTER!r}, got {op!r}.")
     _validate.ring_size("explain", axis_size)
     _validate.flag("explain", "unroll", unroll)
-    _, call = _check(op, x, w, axis_size, gather, dim, bidirectional)
-    call = _with_platform(call, platform or _platform())
-    return _backends.choose(call, backend, unroll)
+    _, call = _validate.op_call(op, x, w, axis_size, gather, dim, bidirectional)
+    call = dataclasses.replace(call, platform=platform or _platform())
+    return _dispatch.choose(call, backend, unroll)
 
 
-def _with_platform(call, platform):
-    import dataclasses
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """The keyword arguments both ops share (see `all_gather_matmul`)."""
 
-    return dataclasses.replace(call, platform=platform)
+    backend: str
+    bidirectional: Optional[bool]
+    unroll: Optional[bool]
+    keep_gathered: bool
+    preferred_element_type: object
+    reduce_dtype: object
+    precision: object
+    options: Optional[dict]
 
 
-def _run(op, x, w, axis_name, gather, dim, backend, bidirectional, unroll, keep_gathered,
-         preferred_element_type, reduce_dtype, precision, options):
+def _run(op, x, w, axis_name, gather, dim, s: _Settings):
     n = _validate.axis_size(op, axis_name)
-    dim, call = _check(op, x, w, n, gather, dim, bidirectional)
-    _validate.flag(op, "unroll", unroll)
-    if not isinstance(keep_gathered, bool):
-        raise TypeError(f"{op}: keep_gathered must be True or False, got {keep_gathered!r}.")
-    preferred_element_type = _validate.float_dtype(op, "preferred_element_type",
-                                                   preferred_element_type)
-    reduce_dtype = _validate.float_dtype(op, "reduce_dtype", reduce_dtype)
-    choice = _backends.choose(_with_platform(call, _platform()), backend, unroll)
-    _backends.check_options(op, options, backend, choice.backend)
-    out_dtype = np.dtype(x.dtype if preferred_element_type is None else preferred_element_type)
+    dim, call = _validate.op_call(op, x, w, n, gather, dim, s.bidirectional)
+    _validate.flag(op, "unroll", s.unroll)
+    if not isinstance(s.keep_gathered, bool):
+        raise TypeError(f"{op}: keep_gathered must be True or False, got {s.keep_gathered!r}.")
+    out_dtype = _validate.float_dtype(op, "preferred_element_type", s.preferred_element_type)
+    reduce_dtype = _validate.float_dtype(op, "reduce_dtype", s.reduce_dtype)
+    platform = _platform()
+    choice = _dispatch.choose(dataclasses.replace(call, platform=platform), s.backend,
+                              s.unroll)
+    _dispatch.check_options(op, s.options, s.backend, choice.backend, platform)
     cfg = Config(
         backend=choice.backend, axis_name=axis_name, axis_size=n,
-        bidirectional=choice.bidirectional, unroll=choice.unroll, out_dtype=out_dtype,
+        bidirectional=choice.bidirectional, unroll=choice.unroll,
+        out_dtype=np.dtype(x.dtype if out_dtype is None else out_dtype),
         reduce_dtype=np.dtype(_definition.accumulation_dtype(x.dtype)
                               if reduce_dtype is None else reduce_dtype),
-        precision=precision, keep_gathered=keep_gathered,
-        options=tuple(sorted((options or {}).items())))
-    c = P.canonicalize(op, gather, dim, x, w, n)
+        precision=s.precision, keep_gathered=s.keep_gathered,
+        options=tuple(sorted((s.options or {}).items())))
+    c = prims.canonicalize(op, gather, dim, x, w, n)
     return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
 
 
@@ -127,7 +89,8 @@ def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, backend=AUTO,
     **Arguments:**
 
     - `x`: local `(..., k)` array; `w`: local `(k, n)` array of the same floating dtype.
-    - `backend`: `"auto"`, `"reference"`, `"ring"`, or a registered one (`"pallas"`).
+    - `backend`: `"auto"`, `"reference"`, `"ring"`, `"pallas"`, `"pallas_tpu"`,
+      `"pallas_gpu"`.
     - `bidirectional`: split each block in halves sent both ways (default: when the ring has
       more than 2 devices and blocks split evenly). `unroll`: unrolled steps, or a
       `fori_loop` (default: unrolled up to 8 devices).
@@ -141,8 +104,9 @@ def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, backend=AUTO,
 
     **Returns:** the product, with `x`'s dim `dim` (lhs) or `w`'s (rhs) `N` times larger.
     """
-    return _run(AGM, x, w, axis_name, gather, dim, backend, bidirectional, unroll,
-                keep_gathered, preferred_element_type, reduce_dtype, precision, options)
+    return _run(ALL_GATHER_MATMUL, x, w, axis_name, gather, dim, _Settings(
+        backend, bidirectional, unroll, keep_gathered, preferred_element_type, reduce_dtype,
+        precision, options))
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, dim=0, backend=AUTO,
@@ -161,5 +125,6 @@ def matmul_reduce_scatter(x, w, axis_name, *, dim=0, backend=AUTO,
     `all_gather_matmul`; `keep_gathered` here makes the backward gather the cotangent
     once and reuse it for both gradients.
     """
-    return _run(MRS, x, w, axis_name, "lhs", dim, backend, bidirectional, unroll,
-                keep_gathered, preferred_element_type, reduce_dtype, precision, options)
+    return _run(MATMUL_REDUCE_SCATTER, x, w, axis_name, "lhs", dim, _Settings(
+        backend, bidirectional, unroll, keep_gathered, preferred_element_type, reduce_dtype,
+        precision, options))

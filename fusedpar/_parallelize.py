@@ -8,7 +8,7 @@ import equinox as eqx
 import jax
 
 from . import _specs
-from ._layer import ParallelLinear, layer_class
+from ._layers import ParallelLinear, layer_class
 
 _NAMES = {"column": _specs.Column, "row": _specs.Row, "fsdp": _specs.FSDP}
 
@@ -54,7 +54,7 @@ def parallelize(model, plan: dict, *, backend: str = "auto"):
     def one(path, x):
         if not is_linear(x):
             return x
-        where = _specs._path_str(path)
+        where = _specs.path_str(path)
         styles = []
         for pattern, s in plan.items():
             if fnmatch.fnmatchcase(where, pattern):
@@ -71,7 +71,7 @@ def parallelize(model, plan: dict, *, backend: str = "auto"):
     out = jax.tree_util.tree_map_with_path(one, model, is_leaf=is_linear)
     unused = [p for p in plan if p not in used]
     if unused:
-        paths = [_specs._path_str(p) for p, x in
+        paths = [_specs.path_str(p) for p, x in
                  jax.tree_util.tree_flatten_with_path(model, is_leaf=is_linear)[0]
                  if is_linear(x)]
         raise ValueError(f"parallelize: plan pattern(s) {unused} matched no eqx.nn.Linear; "

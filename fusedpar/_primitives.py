@@ -19,9 +19,15 @@ per device inside `shard_map` over a ring of `N` devices:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Optional
 
 import jax.numpy as jnp
+
+from ._schedule import prefers_bidirectional
+
+# The two public ops.
+ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER = "all_gather_matmul", "matmul_reduce_scatter"
+OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER)
 
 AG_ROWS, AG_COLS, AG_CONTRACT, RS_ROWS, RS_COLS = (
     "ag_rows", "ag_cols", "ag_contract", "rs_rows", "rs_cols")
@@ -32,6 +38,46 @@ GATHERS = (AG_ROWS, AG_COLS, AG_CONTRACT)
 # operand (all-gathers) or of the output (reduce-scatters) that is cut into ring blocks.
 TRAVELLER = {AG_ROWS: "x", AG_COLS: "w", AG_CONTRACT: "w"}
 GATHER_AXIS = {AG_ROWS: 0, AG_COLS: 1, AG_CONTRACT: 0, RS_ROWS: 0, RS_COLS: 1}
+
+
+def primitive_of(op: str, gather: str, dim: int, x_ndim: int) -> str:
+    """The primitive a public op call becomes (`dim` already normalised, non-negative)."""
+    if op == ALL_GATHER_MATMUL:
+        if gather == "rhs":
+            return AG_CONTRACT if dim == 0 else AG_COLS
+        return AG_ROWS
+    return RS_COLS if dim == x_ndim - 1 else RS_ROWS
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One primitive call described statically: what a dispatch decision, a backend's
+    `unavailable` check and the cost model look at.
+
+    `x_shape`, `w_shape` are the canonical 2-D local shapes; `platform` is "cpu", "gpu"
+    or "tpu" ("" when unknown); `bidirectional` is the ring shape as requested (None: the
+    default, `_schedule.prefers_bidirectional`).
+    """
+
+    op: str
+    prim: str
+    x_shape: tuple
+    w_shape: tuple
+    dtype: str
+    axis_size: int
+    platform: str
+    bidirectional: Optional[bool] = None
+
+    @property
+    def block_length(self) -> int:
+        return block_length(self.prim, self.x_shape, self.w_shape, self.axis_size)
+
+    @property
+    def runs_bidirectional(self) -> bool:
+        """The ring shape the call runs with: as requested, else the default."""
+        if self.bidirectional is not None:
+            return self.bidirectional
+        return prefers_bidirectional(self.axis_size, self.block_length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,17 +168,17 @@ def _rows_first(x, dim):
 
 def canonicalize(op: str, gather: str, dim: int, x, w, n: int) -> Canonical:
     """Reshape a public op call (`dim` already normalised to be non-negative)."""
-    if op == "all_gather_matmul" and gather == "rhs":
+    if op == ALL_GATHER_MATMUL and gather == "rhs":
         lead = x.shape[:-1]
         prim = AG_CONTRACT if dim == 0 else AG_COLS
         return Canonical(prim, x.reshape(-1, x.shape[-1]), w,
                          lambda y: y.reshape(*lead, y.shape[-1]))
     last = x.ndim - 1
-    if op == "matmul_reduce_scatter" and dim == last:
+    if op == MATMUL_REDUCE_SCATTER and dim == last:
         lead = x.shape[:-1]
         return Canonical(RS_COLS, x.reshape(-1, x.shape[-1]), w,
                          lambda y: y.reshape(*lead, y.shape[-1]))
-    prim = AG_ROWS if op == "all_gather_matmul" else RS_ROWS
+    prim = AG_ROWS if op == ALL_GATHER_MATMUL else RS_ROWS
     x2, lead = _rows_first(x, dim)
     block = lead[0] * n if prim == AG_ROWS else lead[0] // n
 

@@ -129,6 +129,12 @@ class Ring:
         return length // self.num_directions
 
 
+def prefers_bidirectional(size: int, block_length: int) -> bool:
+    """The default ring shape: bidirectional when the ring has more than 2 devices (with 2,
+    both directions reach the same neighbour) and each block splits into equal halves."""
+    return size > 2 and block_length % 2 == 0
+
+
 def mesh_coordinates(position, sizes: dict) -> dict:
     """Per-axis coordinates of ring `position` on a ring over several mesh axes.
 

@@ -297,7 +297,8 @@ def is_layer(x) -> bool:
     return isinstance(x, eqx.Module) and isinstance(getattr(x, "rule", None), Rule)
 
 
-def _path_str(path) -> str:
+def path_str(path) -> str:
+    """A pytree path as a dotted string (`"blocks.0.mlp.up"`), as plans and errors name it."""
     parts = []
     for k in path:
         if isinstance(k, jax.tree_util.GetAttrKey):
@@ -336,7 +337,7 @@ def param_specs(model) -> Any:
 
     def one(path, x):
         if is_layer(x):
-            return layer_param_specs(x, _path_str(path))
+            return layer_param_specs(x, path_str(path))
         return P() if is_param(x) else None
 
     return jax.tree_util.tree_map_with_path(one, model, is_leaf=is_layer)
@@ -357,7 +358,7 @@ def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
     def one(path, x):
         if not is_layer(x):
             return x
-        where = _path_str(path)
+        where = path_str(path)
         for a in x.rule.axes:
             if a not in sizes:
                 raise ValueError(f"{where}: mesh axis {a!r} is not in the mesh, whose axes "

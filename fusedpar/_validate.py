@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from . import _primitives as prims
 
 
 def operands(op, x, w):
@@ -38,7 +43,7 @@ def axis_size(op, axis_name) -> int:
             "layers, which wrap themselves in shard_map.") from None
 
 
-def dim(op, dim, ndim, what, valid):
+def normalize_dim(op, dim, ndim, what, valid):
     """Normalise a possibly negative `dim` of a rank-`ndim` array; `valid` lists allowed."""
     if not isinstance(dim, int) or isinstance(dim, bool):
         raise TypeError(f"{op}: dim must be an int, got {dim!r}.")
@@ -83,3 +88,46 @@ def ring_size(op, axis_size):
     if not isinstance(axis_size, int) or isinstance(axis_size, bool) or axis_size < 1:
         raise ValueError(f"{op}: axis_size must be a positive int (the size of the mesh "
                          f"axis the op runs over), got {axis_size!r}.")
+
+
+def op_call(op, x, w, n, gather, dim, bidirectional) -> tuple[int, prims.Call]:
+    """Validate one call of a public op on local operands over a ring of `n` devices.
+
+    Returns the normalised `dim` and the `Call` (platform left empty) it becomes.
+    """
+    if op not in prims.OPS:
+        raise ValueError(f"op must be {prims.ALL_GATHER_MATMUL!r} or "
+                         f"{prims.MATMUL_REDUCE_SCATTER!r}, got {op!r}.")
+    operands(op, x, w)
+    flag(op, "bidirectional", bidirectional)
+    xs, ws = tuple(x.shape), tuple(w.shape)
+    if op == prims.ALL_GATHER_MATMUL:
+        if gather not in ("lhs", "rhs"):
+            raise ValueError(f"{op}: gather must be 'lhs' or 'rhs', got {gather!r}.")
+        if gather == "lhs":
+            dim = normalize_dim(op, dim, x.ndim, f"gather='lhs' with x of shape {xs} "
+                                "(a non-contracting dimension of x)", range(x.ndim - 1))
+            contraction(op, xs[-1], ws[0])
+        else:
+            dim = normalize_dim(op, dim, 2, "gather='rhs' (0: w's contracting rows, 1: "
+                                "w's output columns)", range(2))
+            k = ws[0] * n if dim == 0 else ws[0]
+            contraction(op, xs[-1], k, f" (w gathered along dim {dim} over {n} devices "
+                        f"has {k} rows)" if dim == 0 else "")
+    else:
+        dim = normalize_dim(op, dim, x.ndim, f"the result of shape {xs[:-1] + ws[1:]}",
+                            range(x.ndim))
+        contraction(op, xs[-1], ws[0])
+        size = (xs[:-1] + ws[1:])[dim]
+        divisible(op, size, n, f"dim {dim} of the result (shape {xs[:-1] + ws[1:]})",
+                  f"it is scattered over {n} devices")
+    prim = prims.primitive_of(op, gather, dim, x.ndim)
+    call = prims.Call(op, prim, (math.prod(xs[:-1]), xs[-1]), ws, str(np.dtype(x.dtype)), n,
+                      platform="", bidirectional=bidirectional)
+    if bidirectional and call.block_length % 2:
+        what = "rows" if prims.GATHER_AXIS[prim] == 0 else "columns"
+        raise ValueError(
+            f"{op}: bidirectional=True splits each ring block in two, but a block has "
+            f"{call.block_length} {what} (primitive {prim}, x {xs}, w {ws}, {n} devices); "
+            "use bidirectional=False.")
+    return dim, call

@@ -34,7 +34,7 @@ from typing import Mapping, Optional, Union
 
 import numpy as np
 
-from . import _primitives as P
+from . import _primitives as prims, _validate
 
 # -- hardware --------------------------------------------------------------------------
 
@@ -261,19 +261,19 @@ def _matmul_time(hw: Hardware, m, k, n, dtype, out_bytes_per_elem, extra_bytes=0
 
 def _problem(prim, x_shape, w_shape, n, dtype, reduce_dtype):
     """Per-step matmul (m, k, n, out bytes/elem, extra bytes) and the travelling block's bytes."""
-    if prim not in P.PRIMITIVES:
+    if prim not in prims.PRIMITIVES:
         raise ValueError(f"cost_model: unknown primitive {prim!r}; valid: "
-                         f"{', '.join(P.PRIMITIVES)}.")
+                         f"{', '.join(prims.PRIMITIVES)}.")
     (mx, kx), (kw, nw) = x_shape, w_shape
-    m, k, cols = P.step_matmul(prim, x_shape, w_shape, n)
+    m, k, cols = prims.step_matmul(prim, x_shape, w_shape, n)
     b = _itemsize(dtype)
     acc = _itemsize(_acc_dtype(dtype))
     rb = _itemsize(reduce_dtype)
-    if prim == P.AG_ROWS:  # x's row block travels; each step writes a row block of out
+    if prim == prims.AG_ROWS:  # x's row block travels; each step writes a row block of out
         return (m, k, cols, b, 0), mx * kx * b
-    if prim == P.AG_COLS:  # w's column block travels; each step writes a column block
+    if prim == prims.AG_COLS:  # w's column block travels; each step writes a column block
         return (m, k, cols, b, 0), kw * nw * b
-    if prim == P.AG_CONTRACT:  # w's row block travels; each step adds into an f32 (M, n)
+    if prim == prims.AG_CONTRACT:  # w's row block travels; each step adds into an f32 (M, n)
         return (m, k, cols, acc, m * cols * acc), kw * nw * b
     # reduce-scatters: the accumulator of one output segment travels; each step adds into it
     return (m, k, cols, rb, m * cols * rb), m * cols * rb
@@ -293,7 +293,7 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
                                                        reduce_dtype)
     # The step's matmul, whole and per direction of a bidirectional ring (at least 1 x 1).
     step = ((m, k, cols),
-            tuple(max(v, 1) for v in P.step_matmul(prim, x_shape, w_shape, n, 2)))
+            tuple(max(v, 1) for v in prims.step_matmul(prim, x_shape, w_shape, n, 2)))
     sent = (n - 1) * block_bytes
     result = {}
     if "reference" in backends:
@@ -330,39 +330,34 @@ def _step_time(hw, prim, step, dtype, out_b, extra, dirs):
         return _matmul_time(hw, *whole, dtype, out_b, extra)
     # Each direction's piece is half the block; an ag_contract step still adds into the
     # whole (M, n) accumulator per direction.
-    half_extra = extra if prim == P.AG_CONTRACT else extra // 2
+    half_extra = extra if prim == prims.AG_CONTRACT else extra // 2
     return 2 * _matmul_time(hw, *half, dtype, out_b, half_extra)
 
 
 def _full(prim, x_shape, w_shape, n):
     """The reference's single matmul (m, k, n) over the gathered operand / whole product."""
     (mx, kx), (_, nw) = x_shape, w_shape
-    if prim == P.AG_ROWS:
+    if prim == prims.AG_ROWS:
         return n * mx, kx, nw
-    if prim == P.AG_COLS:
+    if prim == prims.AG_COLS:
         return mx, kx, n * nw
     return mx, kx, nw
 
 
 def estimate_call(call, hardware=None, reduce_dtype=None) -> dict[str, Breakdown]:
-    """The model for a dispatch `Call` (`_backends.Call`), with the ring shape auto uses."""
-    from . import _backends
-
-    bidirectional, _ = _backends.ring_shape(call, None)
+    """The model for a `_primitives.Call`, with the ring shape the call runs with."""
     return breakdown(call.prim, call.x_shape, call.w_shape, call.axis_size, call.dtype,
                      get_hardware(hardware, call.platform or None),
-                     bidirectional=bidirectional, reduce_dtype=reduce_dtype)
+                     bidirectional=call.runs_bidirectional, reduce_dtype=reduce_dtype)
 
 
 def _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, platform):
     """Validate an op's local shapes and canonicalise them, as the ops do."""
     import jax
 
-    from . import _ops
-
     x = jax.ShapeDtypeStruct(tuple(x_shape), np.dtype(dtype))
     w = jax.ShapeDtypeStruct(tuple(w_shape), np.dtype(dtype))
-    _, call = _ops._check(op, x, w, int(ring_size), gather, dim, bidirectional)
+    _, call = _validate.op_call(op, x, w, int(ring_size), gather, dim, bidirectional)
     return dataclasses.replace(call, platform=platform)
 
 
@@ -390,11 +385,8 @@ def estimate(op: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
     """
     hw = get_hardware(hardware)
     call = _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, "")
-    from . import _backends
-
-    bi, _ = _backends.ring_shape(call, None)
     result = breakdown(call.prim, call.x_shape, call.w_shape, call.axis_size, call.dtype,
-                       hw, bidirectional=bi, reduce_dtype=reduce_dtype)
+                       hw, bidirectional=call.runs_bidirectional, reduce_dtype=reduce_dtype)
     return result if details else {name: b.seconds for name, b in result.items()}
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import fusedpar
-from fusedpar import _backends, cost_model
-from fusedpar._backends import Call
+from fusedpar import _dispatch, cost_model
+from fusedpar._primitives import Call
 
 AGM, MRS = "all_gather_matmul", "matmul_reduce_scatter"
 
@@ -118,36 +118,36 @@ def _call(prim, x_shape, w_shape, n, platform, dtype="bfloat16"):
 
 def test_auto_follows_the_model_on_gpu():
     big = _call("ag_rows", (2048, 8192), (8192, 8192), 8, "gpu")
-    name, reason = _backends.auto_choice(big)
+    name, reason = _dispatch.auto_choice(big)
     est = cost_model.estimate_call(big, "h100_sxm")
-    assert est["ring"].seconds < _backends.AUTO_MARGIN * est["reference"].seconds
+    assert est["ring"].seconds < _dispatch.AUTO_MARGIN * est["reference"].seconds
     # The GPU kernels' per-step cost is close to the lax ring's: the ring keeps the tie.
-    assert est["pallas"].seconds > _backends.KERNEL_MARGIN * est["ring"].seconds
+    assert est["pallas"].seconds > _dispatch.KERNEL_MARGIN * est["ring"].seconds
     assert name == "ring" and "estimated" in reason and "faster than reference" in reason
     tiny = _call("ag_rows", (16, 64), (64, 64), 8, "gpu")
     est = cost_model.estimate_call(tiny, "h100_sxm")
     assert est["ring"].seconds > est["reference"].seconds
-    name, reason = _backends.auto_choice(tiny)
+    name, reason = _dispatch.auto_choice(tiny)
     assert name == "reference" and "does not pay" in reason
 
 
 def test_auto_follows_the_model_on_tpu_and_uses_set_hardware():
     call = _call("rs_rows", (4096, 4096), (4096, 4096), 4, "tpu")
-    assert _backends.auto_choice(call)[0] == "ring"
+    assert _dispatch.auto_choice(call)[0] == "ring"
     # A machine whose links are so slow that nothing hides keeps the reference.
     slow = dataclasses.replace(cost_model.PRESETS["tpu_v5e"], overlap=0.0)
     cost_model.set_hardware(slow)
     try:
-        name, reason = _backends.auto_choice(call)
+        name, reason = _dispatch.auto_choice(call)
         assert name == "reference" and "TPU v5e" in reason
     finally:
         cost_model.set_hardware(None)
 
 
 def test_auto_stays_on_reference_for_tiny_rings_and_cpu():
-    assert _backends.auto_choice(_call("ag_rows", (2048, 8192), (8192, 8192), 1, "gpu"))[0] \
+    assert _dispatch.auto_choice(_call("ag_rows", (2048, 8192), (8192, 8192), 1, "gpu"))[0] \
         == "reference"
-    assert _backends.auto_choice(_call("ag_rows", (2048, 8192), (8192, 8192), 8, "cpu"))[0] \
+    assert _dispatch.auto_choice(_call("ag_rows", (2048, 8192), (8192, 8192), 8, "cpu"))[0] \
         == "reference"
 
 
@@ -160,8 +160,9 @@ def test_explain_prints_the_estimate():
 
 
 def _fake_pallas(monkeypatch, why_not):
-    monkeypatch.setitem(_backends._REGISTRY, "pallas", _backends.Backend(
-        "pallas", run=None, unavailable=lambda call: why_not))
+    from fusedpar._backends import pallas
+
+    monkeypatch.setattr(pallas, "unavailable", lambda call: why_not)
 
 
 def test_auto_picks_pallas_only_when_it_can_run_and_the_model_says_so(monkeypatch):
@@ -170,20 +171,20 @@ def test_auto_picks_pallas_only_when_it_can_run_and_the_model_says_so(monkeypatc
                              kernel_step_latency=1e-6)
     call = _call("ag_rows", (256, 4096), (4096, 4096), 8, "tpu")
     est = cost_model.estimate_call(call, hw)
-    assert est["pallas"].seconds < _backends.AUTO_MARGIN * est["reference"].seconds
-    assert est["pallas"].seconds < _backends.KERNEL_MARGIN * est["ring"].seconds
+    assert est["pallas"].seconds < _dispatch.AUTO_MARGIN * est["reference"].seconds
+    assert est["pallas"].seconds < _dispatch.KERNEL_MARGIN * est["ring"].seconds
     cost_model.set_hardware(hw)
     try:
         _fake_pallas(monkeypatch, None)
-        assert _backends.auto_choice(call)[0] == "pallas"
+        assert _dispatch.auto_choice(call)[0] == "pallas"
         _fake_pallas(monkeypatch, "no kernel for this shape")
-        name, reason = _backends.auto_choice(call)
+        name, reason = _dispatch.auto_choice(call)
         # Then the model's pick among the rest: this latency-bound ring does not pay.
-        assert est["ring"].seconds > _backends.AUTO_MARGIN * est["reference"].seconds
+        assert est["ring"].seconds > _dispatch.AUTO_MARGIN * est["reference"].seconds
         assert name == "reference" and "pallas cannot run it: no kernel for this shape" in reason
         # Never on CPU, where Pallas is an interpreter, even if it says it can run.
         _fake_pallas(monkeypatch, None)
         cpu = dataclasses.replace(call, platform="cpu")
-        assert _backends.auto_choice(cpu)[0] == "reference"
+        assert _dispatch.auto_choice(cpu)[0] == "reference"
     finally:
         cost_model.set_hardware(None)

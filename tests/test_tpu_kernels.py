@@ -15,8 +15,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
-from fusedpar import _backends
-from fusedpar.kernels import tpu as kernels
+from fusedpar._backends import pallas_tpu
+from fusedpar._primitives import Call
 
 from helpers import assert_close, mesh, normal
 
@@ -158,23 +158,23 @@ def test_check_vma_true_error_names_the_fix():
 def _call(**kw):
     base = dict(op="all_gather_matmul", prim="ag_rows", x_shape=(256, 512), w_shape=(512, 256),
                 dtype="float32", axis_size=4, platform="cpu", bidirectional=False)
-    return _backends.Call(**{**base, **kw})
+    return Call(**{**base, **kw})
 
 
 def test_unavailable_reasons():
-    assert kernels.unavailable(_call()) is None
-    assert kernels.unavailable(_call(platform="tpu", dtype="bfloat16")) is None
-    assert "platform 'gpu'" in kernels.unavailable(_call(platform="gpu"))
-    assert "float16 is not supported" in kernels.unavailable(_call(dtype="float16"))
-    assert kernels.unavailable(_call(w_shape=(512, 200))) is None  # fits VMEM: no tiles
+    assert pallas_tpu.unavailable(_call()) is None
+    assert pallas_tpu.unavailable(_call(platform="tpu", dtype="bfloat16")) is None
+    assert "platform 'gpu'" in pallas_tpu.unavailable(_call(platform="gpu"))
+    assert "float16 is not supported" in pallas_tpu.unavailable(_call(dtype="float16"))
+    assert pallas_tpu.unavailable(_call(w_shape=(512, 200))) is None  # fits VMEM: no tiles
     # Too big for VMEM, and 1000 columns have no tile that is a multiple of 128.
-    why = kernels.unavailable(_call(x_shape=(4096, 8192), w_shape=(8192, 1000)))
+    why = pallas_tpu.unavailable(_call(x_shape=(4096, 8192), w_shape=(8192, 1000)))
     assert "length 1000" in why and "block_n" in why
     # On TPU, ring segments start on tile boundaries (the interpreter does not care).
-    assert kernels.unavailable(_call(x_shape=(24, 512), dtype="bfloat16")) is None
-    why = kernels.unavailable(_call(x_shape=(24, 512), dtype="bfloat16", platform="tpu"))
+    assert pallas_tpu.unavailable(_call(x_shape=(24, 512), dtype="bfloat16")) is None
+    why = pallas_tpu.unavailable(_call(x_shape=(24, 512), dtype="bfloat16", platform="tpu"))
     assert "multiple of 16 rows" in why and "segments of 24" in why
-    why = kernels.unavailable(_call(prim="ag_cols", w_shape=(512, 192), platform="tpu",
+    why = pallas_tpu.unavailable(_call(prim="ag_cols", w_shape=(512, 192), platform="tpu",
                                     bidirectional=True))
     assert "multiple of 128 columns" in why and "segments of 96" in why
 

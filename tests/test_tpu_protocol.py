@@ -22,7 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 from fusedpar import _definition, _primitives as Prim
-from fusedpar.kernels import tpu as kernels
+from fusedpar._backends import pallas_tpu
 
 from helpers import assert_close, mesh, normal
 
@@ -57,7 +57,7 @@ def _functions(prim, n, bidirectional, params, **options):
                       options=tuple(sorted({"interpret_params": params, **options}.items())))
 
     def kernel(x, w):  # gathers also return the gathered operand (its own local DMAs)
-        return kernels.run(prim, cfg, x, w, return_gathered=prim in Prim.GATHERS)
+        return pallas_tpu.run(prim, cfg, x, w, return_gathered=prim in Prim.GATHERS)
 
     out = (P("x"), P("x")) if prim in Prim.GATHERS else P("x")
     m = mesh((n,), ("x",))
@@ -158,4 +158,4 @@ def test_unknown_broken_option_is_rejected():
     cfg = Prim.Config("pallas_tpu", "x", 2, False, True, np.dtype(jnp.float32),
                       np.dtype(jnp.float32), options=(("_broken", "nope"),))
     with pytest.raises(ValueError, match="_broken"):
-        kernels.run("ag_rows", cfg, jnp.zeros((8, 128)), jnp.zeros((128, 128)))
+        pallas_tpu.run("ag_rows", cfg, jnp.zeros((8, 128)), jnp.zeros((128, 128)))

@@ -1,4 +1,4 @@
-"""Drop-in replacements for `eqx.nn.Linear` that shard their weight over a mesh.
+"""The layer family: drop-in replacements for `eqx.nn.Linear` that shard their weight.
 
 ```python
 import equinox as eqx, jax, jax.numpy as jnp
@@ -51,21 +51,14 @@ from equinox import field
 from jax import lax
 from jaxtyping import Array
 
-from . import _backends, _context, _definition, _specs
-from ._ops import all_gather_matmul
+from . import _context, _definition, _dispatch, _specs
+from ._ops import all_gather_matmul, matmul_reduce_scatter
 from ._specs import Rule
 
 
 def _positive_int(where, name, v):
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{where}: {name} must be a positive int, got {v!r}.")
-
-
-def _check_backend(where, backend):
-    valid = (_backends.AUTO,) + _backends.names()
-    if backend not in valid:
-        raise ValueError(f"{where}: unknown backend={backend!r}; valid backends are "
-                         f"{', '.join(repr(n) for n in valid)}.")
 
 
 def _new(cls, **fields):
@@ -94,7 +87,7 @@ class ParallelLinear(eqx.Module):
         where = type(self).__name__
         _positive_int(where, "in_features", in_features)
         _positive_int(where, "out_features", out_features)
-        _check_backend(where, backend)
+        _dispatch.check_backend_name(where, backend)
         # eqx.nn.Linear's initialisation, so one key gives the same weights as it does.
         lin = eqx.nn.Linear(in_features, out_features, use_bias, dtype, key=key)
         self.weight, self.bias = lin.weight, lin.bias
@@ -111,7 +104,7 @@ class ParallelLinear(eqx.Module):
                             f"(or a fusedpar linear layer), got {type(linear).__name__}.")
         for name in ("in_features", "out_features"):
             _positive_int(cls.__name__, name, getattr(linear, name))
-        _check_backend(cls.__name__, backend)
+        _dispatch.check_backend_name(cls.__name__, backend)
         return _new(cls, weight=linear.weight, bias=linear.bias,
                     in_features=linear.in_features, out_features=linear.out_features,
                     use_bias=linear.use_bias, rule=rule, backend=backend)
@@ -188,7 +181,7 @@ class ParallelLinear(eqx.Module):
             layer, manual = self, set(rule.axes)
         fn = jax.shard_map(functools.partial(type(self)._local, rule=rule), mesh=mesh,
                            in_specs=(pspecs, x_spec), out_specs=y_spec, axis_names=manual,
-                           check_vma=_context.check_vma(self.backend))
+                           check_vma=_dispatch.check_vma(self.backend, jax.default_backend()))
         return fn(layer, x)
 
     # --- helpers for `_local` ----------------------------------------------------
@@ -224,10 +217,7 @@ def _check_sequence(where, rule, x):
 
 
 def layer_class(rule: Rule):
-    from ._column import ColumnLinear
-    from ._fsdp import FSDPLinear
-    from ._row import RowLinear
-
+    """The layer class that implements `rule`: Column, Row, or FSDP alone."""
     if isinstance(rule.tp, _specs.Column):
         return ColumnLinear
     if isinstance(rule.tp, _specs.Row):
@@ -262,3 +252,125 @@ def fsdp_matmul(x, w, rule: Rule, backend, out_dtype=None):
         return _definition.matmul(x, w.T).astype(out_dtype or x.dtype)
     return all_gather_matmul(x, w.T, rule.fsdp.axis, gather="rhs", dim=1 - rule.fsdp_dim,
                              backend=backend, preferred_element_type=out_dtype)
+
+
+class ColumnLinear(ParallelLinear):
+    """`eqx.nn.Linear` with its weight `(out_features, in_features)` split over the mesh
+    axis `axis` along `out_features` (and the bias with it).
+
+    The input is replicated over `axis`; the output is sharded on its features (the input
+    a `RowLinear` expects), or whole with `gather_output=True`. With
+    `sequence_parallel=True` the input arrives sharded along its sequence dimension (dim
+    -2) and the layer runs `all_gather_matmul(gather="lhs")`, overlapping the gather with
+    the matmul; without it the forward is a local matmul and the backward sums the input
+    gradient over `axis` (inside `shard_map(check_vma=True)` JAX does this for an input
+    that is invariant over `axis`).
+    """
+
+    def __init__(self, in_features: int, out_features: int, use_bias: bool = True,
+                 dtype=None, *, key, axis: str = "tp", sequence_parallel: bool = False,
+                 gather_output: bool = False, fsdp_axis: Optional[str] = None,
+                 fsdp_dim: Optional[int] = None, backend: str = "auto"):
+        """**Arguments:**
+
+        - `in_features`, `out_features`, `use_bias`, `dtype`, `key`: as `eqx.nn.Linear`
+          (the same key gives the same weights).
+        - `axis`: the mesh axis of the tensor-parallel split.
+        - `sequence_parallel`: the input is sharded over `axis` along dim -2.
+        - `gather_output`: return the whole output instead of its feature shard.
+        - `fsdp_axis`: also shard the weight over this mesh axis (FSDP): along
+          `in_features` by default, or `fsdp_dim` (0 puts it on `out_features` after
+          `axis`); the input's batch dimension (dim 0) is sharded over it.
+        - `backend`: the backend of the collective matmul ops (`"auto"`, `"reference"`,
+          `"ring"`, ...).
+        """
+        rule = _specs.compose(_specs.Column(axis, sequence_parallel, gather_output),
+                              _specs.FSDP(fsdp_axis, fsdp_dim) if fsdp_axis else None,
+                              where="ColumnLinear")
+        self._setup(in_features, out_features, use_bias, dtype, key, rule, backend)
+
+    def _local(self, x, rule):
+        tp = rule.tp
+        w, b, x = self._operands(x, rule, self.in_features)
+        if tp.sequence_parallel:
+            w = gather_fsdp(w, rule)
+            y = all_gather_matmul(x, w.T, tp.axis, gather="lhs", dim=x.ndim - 2,
+                                  backend=self.backend)
+        else:
+            y = fsdp_matmul(x, w, rule, self.backend)
+        y = add_bias(y, b)
+        if tp.gather_output:
+            y = _context.gather_invariant(y, tp.axis, y.ndim - 1)
+        return y
+
+
+class RowLinear(ParallelLinear):
+    """`eqx.nn.Linear` with its weight `(out_features, in_features)` split over the mesh
+    axis `axis` along `in_features`; the bias is replicated.
+
+    The input is sharded on its features (a `ColumnLinear`'s output); each device's
+    partial product is summed over `axis`: `matmul_reduce_scatter` along the sequence
+    dimension (dim -2) with `sequence_parallel=True`, so the output is sharded on it (the
+    input a sequence-parallel `ColumnLinear` expects); a matmul and `psum` without. The
+    bias is added once, after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, use_bias: bool = True,
+                 dtype=None, *, key, axis: str = "tp", sequence_parallel: bool = False,
+                 fsdp_axis: Optional[str] = None, fsdp_dim: Optional[int] = None,
+                 backend: str = "auto"):
+        """**Arguments:**
+
+        - `in_features`, `out_features`, `use_bias`, `dtype`, `key`: as `eqx.nn.Linear`.
+        - `axis`: the mesh axis of the tensor-parallel split.
+        - `sequence_parallel`: reduce-scatter the output along dim -2 instead of psum.
+        - `fsdp_axis`: also shard the weight over this mesh axis (FSDP): along
+          `out_features` by default, or `fsdp_dim` (1 puts it on `in_features` after
+          `axis`); the input's batch dimension (dim 0) is sharded over it.
+        - `backend`: the backend of the collective matmul ops.
+        """
+        rule = _specs.compose(_specs.Row(axis, sequence_parallel),
+                              _specs.FSDP(fsdp_axis, fsdp_dim) if fsdp_axis else None,
+                              where="RowLinear")
+        self._setup(in_features, out_features, use_bias, dtype, key, rule, backend)
+
+    def _local(self, x, rule):
+        tp = rule.tp
+        w, b, x = self._operands(x, rule, self.in_features // lax.axis_size(tp.axis))
+        if tp.sequence_parallel:
+            w = gather_fsdp(w, rule)
+            y = matmul_reduce_scatter(x, w.T, tp.axis, dim=x.ndim - 2, backend=self.backend)
+        else:
+            # Partial sums stay in the accumulation dtype through the psum, as the
+            # reduce-scatter's do.
+            acc = _definition.accumulation_dtype(x.dtype)
+            y = lax.psum(fsdp_matmul(x, w, rule, self.backend, acc), tp.axis).astype(x.dtype)
+        return add_bias(y, b)
+
+
+class FSDPLinear(ParallelLinear):
+    """`eqx.nn.Linear` with its weight `(out_features, in_features)` split over the mesh
+    axis `axis` along `out_features` (fully sharded data parallel); the bias is
+    replicated.
+
+    The input's batch dimension (dim 0) is sharded over `axis`. The forward gathers the
+    weight with `all_gather_matmul(gather="rhs")`, overlapping the gather with the
+    matmul; the op's backward reduce-scatters the weight gradient back to its shard.
+    To combine FSDP with tensor parallelism use `ColumnLinear`/`RowLinear` with
+    `fsdp_axis=`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, use_bias: bool = True,
+                 dtype=None, *, key, axis: str = "fsdp", backend: str = "auto"):
+        """**Arguments:**
+
+        - `in_features`, `out_features`, `use_bias`, `dtype`, `key`: as `eqx.nn.Linear`.
+        - `axis`: the mesh axis the weight (and the input's batch) is sharded over.
+        - `backend`: the backend of the collective matmul op.
+        """
+        rule = _specs.compose(_specs.FSDP(axis), where="FSDPLinear")
+        self._setup(in_features, out_features, use_bias, dtype, key, rule, backend)
+
+    def _local(self, x, rule):
+        w, b, x = self._operands(x, rule, self.in_features)
+        return add_bias(fsdp_matmul(x, w, rule, self.backend), b)

@@ -18,9 +18,21 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _definition, _primitives as P
-from ._vma import as_varying, axis_names, varying_axes
-from ._schedule import Ring, mesh_coordinates
+from .. import _definition, _primitives as prims
+from .._schedule import Ring, mesh_coordinates
+from .._vma import as_varying, axis_names, varying_axes
+
+DESCRIPTION = "ppermute ring schedules in lax, uni- or bidirectional, unrolled or rolled"
+CHECK_VMA = True
+
+
+def options(platform: str) -> frozenset:
+    # no_transfers: a bench-only mode that keeps every block where it is (see `_send`).
+    return frozenset({"no_transfers"})
+
+
+def unavailable(call) -> None:
+    return None  # lax runs everywhere
 
 
 def _loop(cfg, start, stop, body, state):
@@ -154,10 +166,10 @@ def gathered_buffer(cfg, travelling, axis):
 
 def run(prim, cfg, x, w, return_gathered=False):
     """Run primitive `prim` with the lax ring; see `_primitives.py` for shapes."""
-    if prim in P.GATHERS:
+    if prim in prims.GATHERS:
         return _gather(prim, cfg, x, w, return_gathered)
-    rows = prim == P.RS_ROWS
-    out_len = P.out_shape(prim, x.shape, w.shape, cfg.axis_size)[P.GATHER_AXIS[prim]]
+    rows = prim == prims.RS_ROWS
+    out_len = prims.out_shape(prim, x.shape, w.shape, cfg.axis_size)[prims.GATHER_AXIS[prim]]
 
     def accumulate(acc, seg, length):
         if rows:
@@ -167,22 +179,22 @@ def run(prim, cfg, x, w, return_gathered=False):
         part = part.astype(cfg.reduce_dtype)
         return part if acc is None else acc + part
 
-    return ring_reduce_scatter(cfg, accumulate, out_len, P.GATHER_AXIS[prim])
+    return ring_reduce_scatter(cfg, accumulate, out_len, prims.GATHER_AXIS[prim])
 
 
 def _gather(prim, cfg, x, w, return_gathered):
-    axis = P.GATHER_AXIS[prim]
-    travelling = x if P.TRAVELLER[prim] == "x" else w
-    out = jnp.zeros(P.out_shape(prim, x.shape, w.shape, cfg.axis_size), cfg.out_dtype)
-    if prim == P.AG_CONTRACT:
+    axis = prims.GATHER_AXIS[prim]
+    travelling = x if prims.TRAVELLER[prim] == "x" else w
+    out = jnp.zeros(prims.out_shape(prim, x.shape, w.shape, cfg.axis_size), cfg.out_dtype)
+    if prim == prims.AG_CONTRACT:
         out = out.astype(_definition.accumulation_dtype(x.dtype))  # summed over steps
 
     def step_fn(carry, pieces, segs):
         out, gathered = carry
         for piece, seg in zip(pieces, segs):
-            if prim == P.AG_ROWS:
+            if prim == prims.AG_ROWS:
                 out = put(out, _dot(cfg, piece, w), seg, 0)
-            elif prim == P.AG_COLS:
+            elif prim == prims.AG_COLS:
                 out = put(out, _dot(cfg, x, piece), seg, 1)
             else:  # AG_CONTRACT: the piece is rows of w; multiply x's matching columns
                 out = out + _dot(cfg, segment(x, seg, piece.shape[0], 1), piece)

@@ -1,54 +1,38 @@
-"""Backend registry and the one dispatch decision: which backend runs a call, and why.
-
-A backend is a name, a function that runs a primitive (`_primitives.py`), a function
-that says why it cannot run a given call (or None), and the `options` keys it reads.
-`"reference"` runs each primitive as its lax definition (`_reference.py`), `"ring"` as
-ppermute rings (`_ring.py`); `_pallas.py` registers the kernels.
+"""The one dispatch decision: which backend runs a call, with which ring shape, and why.
 
 `choose(call, requested)` is the only place a backend is picked: an explicit request
 that cannot run raises `NotImplementedError` with the reason, and `"auto"` returns its
 choice with a reason a person can read (`fusedpar.explain` shows it; it is also logged
-at DEBUG level on the `"fusedpar"` logger).
+at DEBUG level on the `"fusedpar"` logger). The `"auto"` policy asks the cost model
+(`cost_model.py`); the backends themselves are a static table (`_backends`).
+
+What the layers need to know about a backend (`check_vma`, `check_backend_name`) is
+asked here too, so that no layer reads the table or a backend's name.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Optional
+from typing import Optional
 
-from . import _primitives as P
+from . import _backends, cost_model
+from ._primitives import Call
 
 logger = logging.getLogger("fusedpar")
 
 REFERENCE, RING, PALLAS, AUTO = "reference", "ring", "pallas", "auto"
 
+# Largest ring an unrolled schedule is used for by default: beyond it the rolled
+# fori_loop keeps trace/compile time flat (see bench/test_compile_cost.py).
+UNROLL_UP_TO = 8
+# A ring backend is chosen only when estimated at most this fraction of the reference,
+# and the Pallas kernels over the lax ring only when at most this fraction of the ring.
+AUTO_MARGIN = 0.9
+KERNEL_MARGIN = 0.95
 
-@dataclasses.dataclass(frozen=True)
-class Call:
-    """What a dispatch decision looks at: one primitive call, described statically."""
-
-    op: str  # "all_gather_matmul" or "matmul_reduce_scatter"
-    prim: str  # one of _primitives.PRIMITIVES
-    x_shape: tuple  # canonical 2-D local shapes
-    w_shape: tuple
-    dtype: str
-    axis_size: int
-    platform: str  # "cpu", "gpu", "tpu"
-    bidirectional: Optional[bool] = None  # as requested (None: backend's default)
-
-    @property
-    def block_length(self) -> int:
-        return P.block_length(self.prim, self.x_shape, self.w_shape, self.axis_size)
-
-
-@dataclasses.dataclass(frozen=True)
-class Backend:
-    name: str
-    run: Optional[Callable]  # run(prim, cfg, x, w, return_gathered) -> out | (out, gathered)
-    unavailable: Callable[[Call], Optional[str]]  # why it cannot run `call`, or None
-    description: str = ""
-    options: Callable[[], frozenset] = frozenset  # the `options` keys it reads
+__all__ = ["Call", "Choice", "choose", "auto_choice", "ring_shape", "names",
+           "check_backend_name", "check_options", "check_vma"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,29 +51,39 @@ class Choice:
         return f"{self.backend}{extra}: {self.reason}"
 
 
-_REGISTRY: dict[str, Backend] = {}
+def names() -> tuple[str, ...]:
+    """The backend names `backend=` accepts, besides "auto"."""
+    return _backends.names()
 
 
-def register(backend: Backend) -> None:
-    """Register (or replace) a backend under `backend.name`."""
-    if backend.name == AUTO:
-        raise ValueError("'auto' is not a backend name; it chooses among backends.")
-    _REGISTRY[backend.name] = backend
+def check_backend_name(where: str, backend) -> None:
+    """Raise unless `backend` is "auto" or a backend name (`where` names the caller)."""
+    valid = (AUTO,) + names()
+    if backend not in valid:
+        raise ValueError(f"{where}: unknown backend={backend!r}; valid backends are "
+                         f"{', '.join(repr(n) for n in valid)}.")
 
 
-def get(name: str) -> Backend:
-    return _REGISTRY[name]
+def check_vma(backend: str, platform: str) -> bool:
+    """The `check_vma` of a `shard_map` whose body runs ops on `backend` on `platform`.
+
+    Collective Pallas kernels need `check_vma=False`, so a backend that is one, or that
+    may become one (`"auto"` off CPU), gets it.
+    """
+    if backend == AUTO:
+        return platform == "cpu"
+    return _backends.get(backend).CHECK_VMA
 
 
-def check_options(op: str, options, requested: str, chosen: str) -> None:
+def check_options(op: str, options, requested: str, chosen: str, platform: str) -> None:
     """Reject `options` keys the backend does not read (any backend's, under "auto")."""
     if not options:
         return
     if requested == AUTO:
-        known = frozenset().union(*(b.options() for b in _REGISTRY.values()))
+        known = frozenset().union(*(_backends.get(n).options(platform) for n in names()))
         where = "any backend"
     else:
-        known, where = _REGISTRY[chosen].options(), f"backend {chosen!r}"
+        known, where = _backends.get(chosen).options(platform), f"backend {chosen!r}"
     unknown = sorted(set(options) - known)
     if unknown:
         valid = ", ".join(repr(k) for k in sorted(known)) or "none"
@@ -97,28 +91,23 @@ def check_options(op: str, options, requested: str, chosen: str) -> None:
                          f"{valid}.")
 
 
-def names() -> tuple[str, ...]:
-    """Registered backend names (what `backend=` accepts, besides "auto")."""
-    return tuple(_REGISTRY)
-
-
-# Largest ring an unrolled schedule is used for by default: beyond it the rolled
-# fori_loop keeps trace/compile time flat (see bench/test_compile_cost.py).
-UNROLL_UP_TO = 8
-
-
 def ring_shape(call: Call, unroll: Optional[bool]) -> tuple[bool, bool]:
-    """Default ring shape: bidirectional when it can split blocks and has >2 devices."""
-    bidirectional = call.bidirectional
-    if bidirectional is None:
-        bidirectional = call.axis_size > 2 and call.block_length % 2 == 0
+    """`(bidirectional, unroll)`: as requested, else bidirectional when the ring has more
+    than 2 devices and blocks split evenly, unrolled up to `UNROLL_UP_TO` devices."""
     if unroll is None:
         unroll = call.axis_size <= UNROLL_UP_TO
-    return bool(bidirectional), bool(unroll)
+    return bool(call.runs_bidirectional), bool(unroll)
+
+
+def _pallas_why_not(call: Call) -> Optional[str]:
+    try:
+        return _backends.get(PALLAS).unavailable(call)
+    except Exception as e:  # kernels that fail to import cannot be chosen
+        return f"{type(e).__name__}: {e}"
 
 
 def auto_choice(call: Call) -> tuple[str, str]:
-    """The `"auto"` policy: (backend name, reason), from the cost model (`cost_model.py`).
+    """The `"auto"` policy: (backend name, reason), from the cost model.
 
     A decomposed ring must beat the reference's estimate by `AUTO_MARGIN` (the model is
     rough; a near tie is not worth the extra code path), and the Pallas kernels, when
@@ -126,8 +115,6 @@ def auto_choice(call: Call) -> tuple[str, str]:
     on the reference: its simulated devices share the cores, and Pallas there is an
     interpreter.
     """
-    from . import cost_model
-
     if call.axis_size == 1:
         return REFERENCE, "ring of 1 device: there is no communication to overlap"
     if call.platform == "cpu":
@@ -135,14 +122,10 @@ def auto_choice(call: Call) -> tuple[str, str]:
                            "matmul into ring steps only adds overhead")
     hw = cost_model.get_hardware(None, call.platform)
     est = cost_model.estimate_call(call, hw)
-    candidates, why_not = [RING], ""
-    if PALLAS in _REGISTRY:
-        try:
-            why_not = _REGISTRY[PALLAS].unavailable(call)
-        except Exception as e:  # kernels that fail to import cannot be chosen
-            why_not = f"{type(e).__name__}: {e}"
-        if why_not is None:
-            candidates.append(PALLAS)
+    candidates = [RING]
+    why_not = _pallas_why_not(call)
+    if why_not is None:
+        candidates.append(PALLAS)
     # Simplest first: a kernel backend must beat the lax ring by KERNEL_MARGIN too.
     best = RING
     if PALLAS in candidates and est[PALLAS].seconds < KERNEL_MARGIN * est[RING].seconds:
@@ -158,24 +141,15 @@ def auto_choice(call: Call) -> tuple[str, str]:
                        f"at {fast / ref:.2f}x the reference's time); {summary}")
 
 
-# A ring backend is chosen only when estimated at most this fraction of the reference,
-# and the Pallas kernels over the lax ring only when at most this fraction of the ring.
-AUTO_MARGIN = 0.9
-KERNEL_MARGIN = 0.95
-
-
 def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
     """Pick the backend for `call`: `requested` itself, or the `"auto"` policy's pick."""
     if requested == AUTO:
         name, reason = auto_choice(call)
         reason = "auto: " + reason
-    elif requested in _REGISTRY:
-        name, reason = requested, "requested explicitly"
     else:
-        raise ValueError(
-            f"{call.op}: unknown backend={requested!r}; valid backends are "
-            f"{', '.join(repr(n) for n in (AUTO,) + names())}.")
-    why_not = _REGISTRY[name].unavailable(call)
+        check_backend_name(call.op, requested)
+        name, reason = requested, "requested explicitly"
+    why_not = _backends.get(name).unavailable(call)
     if why_not is not None:
         raise NotImplementedError(f"{call.op}: backend {name!r} cannot run this call: {why_not}")
     bidirectional, unroll = ring_shape(call, unroll)
