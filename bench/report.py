@@ -313,7 +313,7 @@ def main(argv=None):
                   "share the same cores, and a \"transfer\" is a memory copy made by those "
                   "cores, so there is nothing for a ring to overlap: a ratio above 1.00x is "
                   "the cost of decomposing the matmul into ring steps. Speed-ups need real "
-                  "interconnects (GPU/TPU); see the cost model in the README for what to "
+                  "interconnects (GPU/TPU); see docs/cost_model.md for what to "
                   "expect there.", ""]
     if args.note:
         lines += [args.note, ""]

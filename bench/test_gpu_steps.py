@@ -1,4 +1,4 @@
-"""The GPU ring-step kernels side by side with `jnp.dot` (issue 5).
+"""The GPU ring-step kernels side by side with `jnp.dot`.
 
 Three sections, each a pytest-benchmark group per row of its table:
 

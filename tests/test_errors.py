@@ -1,4 +1,4 @@
-"""Bad input everywhere in the public API: one test per row of the README's error table.
+"""Bad input everywhere in the public API: one test per row of docs/errors.md.
 
 Each row is (API, the bad input, a call that makes it, the exception, fragments its
 message must contain). The fragments are what a user needs: the argument, the shapes or
@@ -6,7 +6,7 @@ axis sizes involved, and what is valid. Nothing here compiles or runs a collecti
 errors come at trace time, under `jax.eval_shape`), so the whole table takes seconds.
 
 `python tests/test_errors.py` prints the table as Markdown, with the actual messages,
-for the README.
+for docs/errors.md.
 """
 
 from __future__ import annotations
@@ -441,8 +441,13 @@ def test_error(row):
         assert fragment in message, f"{fragment!r} not in the message: {message}"
 
 
+def test_docs_table_is_the_raised_messages():
+    """docs/errors.md shows what the code raises (regenerate: python tests/test_errors.py)."""
+    assert markdown() in (ROOT / "docs" / "errors.md").read_text()
+
+
 def markdown() -> str:
-    """The README table: each row's API, case and the error it actually raises."""
+    """The docs/errors.md table: each row's API, case and the error it actually raises."""
     lines = ["| API | Bad input | Error |", "|---|---|---|"]
     for row in ROWS:
         try:
