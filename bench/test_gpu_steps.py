@@ -10,9 +10,11 @@ Three sections, each a pytest-benchmark group per row of its table:
   for the `ring` and `pallas_gpu` backends against `reference` (the cost of the machinery
   when there is nothing to overlap).
 - `decomp`: the compute cost of cutting one `S x S x S` matmul into N = 2, 4, 8 ring steps:
-  the backend's own ring run with `options["no_transfers"]` (the ppermutes left out, so
-  the N step kernels run back to back on one device) over a ring that believes it has N
-  devices, as a ratio to one `jnp.dot` of the whole problem.
+  the backend's own step function (`gather_step` / `scatter_step`, what its ring runs at
+  every step) called N times back to back on one device, with no transfers, as a ratio to
+  one `jnp.dot` of the whole problem. Every step multiplies a DISTINCT block (its own
+  input array, or its own rows of `x`): XLA merges identical dots, so steps that reused
+  one block would time fewer matmuls than the ring runs.
 
 `FUSEDPAR_BENCH_SIZES=cpu` (default): tiny shapes, Pallas interpret mode on CPU (a smoke
 test of the bench itself; the numbers mean nothing). `accelerator`: S = 1024..8192 in
@@ -38,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 import fusedpar
 from fusedpar import _backends, _primitives as prims
+from fusedpar._backends import ring as ring_backend
 from fusedpar._primitives import Config
 
 SIZES = os.environ.get("FUSEDPAR_BENCH_SIZES", "cpu")  # validated in bench/conftest.py
@@ -159,43 +162,79 @@ def test_ring1(benchmark, timed, make_mesh, s, dtype, op, backend):
 # -- decomp: N ring steps back to back vs one matmul --------------------------------------
 
 
-DECOMP_PRIMS = {  # per-device operands of one S x S x S problem cut into N ring steps
-    prims.AG_ROWS: lambda s, n: ((s // n, s), (s, s)),
-    prims.RS_ROWS: lambda s, n: ((s, s), (s, s)),
-}
+DECOMP_PRIMS = (prims.AG_ROWS, prims.RS_ROWS)
 
 
-def _ring_program(prim, backend, n, bidirectional, dtype, mesh):
+def _decomposed(prim, backend, n, bidirectional, dtype, s):
+    """(program, args): the N steps of `backend`'s ring for one S x S x S problem."""
+    module = _backends.get(backend)
     cfg = Config(backend=backend, axis_name="x", axis_size=n, bidirectional=bidirectional,
                  unroll=True, out_dtype=np.dtype(dtype), reduce_dtype=np.dtype(jnp.float32),
-                 options=tuple(sorted({**(OPTIONS if backend == "pallas_gpu" else {}),
-                                       "no_transfers": True}.items())))
-    run = _backends.get(backend).run
-    # The ring reads only `lax.axis_index` of the mesh: on one device every step is
-    # computed as device 0 would, which is all the compute there is to time.
-    return jax.jit(jax.shard_map(lambda x, w: run(prim, cfg, x, w), mesh=mesh,
-                                 in_specs=(P(), P()), out_specs=P(), check_vma=False))
+                 options=tuple(sorted((OPTIONS if backend == "pallas_gpu" else {}).items())))
+    ring = fusedpar.Ring(n, bidirectional)
+    me = 0  # the steps device 0 runs; every device runs the same work
+    if prim == prims.AG_ROWS:
+        # The gathered x arrives as N * directions distinct pieces of (S / N / dirs, S).
+        pieces = _inputs(s, dtype, *[(s // n // ring.num_directions, s)] * ring.num_segments)
+        (w,) = _inputs(s, dtype, (s, s))
+
+        def program(pieces, w):
+            step = module.gather_step(prim, cfg, pieces[0], w)
+            out = ring_backend.gather_out(prim, cfg, jnp.zeros((s // n, s), dtype), w)
+            for i in range(n):
+                segs = tuple(ring.gather_segment(me, i, r) for r in ring.directions)
+                out = step(out, tuple(pieces[g] for g in segs),
+                           tuple(jnp.int32(g) for g in segs))
+            return out.astype(dtype)
+
+        def want(pieces, w):  # the gathered x is the pieces in segment order
+            return jnp.dot(jnp.concatenate(pieces), w, preferred_element_type=jnp.float32)
+
+        return jax.jit(program), (tuple(pieces), w), want
+    # rs_rows: every step multiplies its own rows of x (distinct by construction).
+    x, w = _inputs(s, dtype, (s, s), (s, s))
+    length = s // n // ring.num_directions
+
+    def program(x, w):
+        accumulate = module.scatter_step(prim, cfg, x, w)
+        accs = [None] * ring.num_directions
+        for i in range(n):
+            accs = [accumulate(acc, jnp.int32(ring.scatter_segment(me, i, r)), length)
+                    for r, acc in zip(ring.directions, accs)]
+        return jnp.concatenate(accs).astype(dtype)
+
+    def want(x, w):  # each direction's accumulator sums its segments' rows of x @ w
+        parts = [sum(jnp.dot(x[g * length:(g + 1) * length], w,
+                             preferred_element_type=jnp.float32)
+                     for g in (ring.scatter_segment(me, i, r) for i in range(n)))
+                 for r in ring.directions]
+        return jnp.concatenate(parts)
+
+    return jax.jit(program), (x, w), want
 
 
 DECOMP_CASES = [("jnp.dot", 1, False)] + [
     (b, n, bidi) for n in RINGS for b, bidi in
-    (("ring", False), ("pallas_gpu", False), ("pallas_gpu", True))]
+    (("ring", False), ("ring", True), ("pallas_gpu", False), ("pallas_gpu", True))]
 
 
 @pytest.mark.parametrize("backend,n,bidirectional", DECOMP_CASES,
                          ids=[f"{b}{'-bidi' if d else ''}-{n}" for b, n, d in DECOMP_CASES])
-@pytest.mark.parametrize("prim", list(DECOMP_PRIMS))
+@pytest.mark.parametrize("prim", DECOMP_PRIMS)
 @pytest.mark.parametrize("s,dtype", DECOMP, ids=_id)
-def test_decomp(benchmark, timed, make_mesh, s, dtype, prim, backend, n, bidirectional):
+def test_decomp(benchmark, timed, s, dtype, prim, backend, n, bidirectional):
     if backend == "jnp.dot":
         fn = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)
                      .astype(dtype))
-        x, w = _inputs(s, dtype, (s, s), (s, s))
+        args = _inputs(s, dtype, (s, s), (s, s))
     else:
-        fn = _ring_program(prim, backend, n, bidirectional, dtype, make_mesh(1))
-        x, w = _inputs(s, dtype, *DECOMP_PRIMS[prim](s, n))
+        fn, args, want = _decomposed(prim, backend, n, bidirectional, dtype, s)
+        # The steps compute what they stand for (a bench that times wrong work is no bench).
+        got, ref = fn(*args).astype(jnp.float32), want(*args)
+        err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+        assert err < 2e-2, f"{backend} steps differ from the dot they decompose: {err:.3g}"
     label = backend + ("-bidi" if bidirectional else "")
-    timed(benchmark, fn, x, w, group=f"decomp {prim} {_name(dtype)} {s}^3", budget=BUDGET,
+    timed(benchmark, fn, *args, group=f"decomp {prim} {_name(dtype)} {s}^3", budget=BUDGET,
           section="decomp",
           prim=prim, backend=label, steps=n, dtype=_name(dtype), size=s, flops=2 * s ** 3)
 

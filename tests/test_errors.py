@@ -203,7 +203,7 @@ OPS = [
     Row("ops", "an option the backend does not read",
         in_shard_map(lambda x, w: AGM(x, w, "x", backend="ring", options={"tile_mm": 3})),
         ValueError, ("options ['tile_mm'] are not read by backend 'ring'",
-                     "valid keys: 'no_transfers'")),
+                     "valid keys: none")),
     Row("ops", "explain: axis_size not a positive int",
         lambda: fusedpar.explain("matmul_reduce_scatter", S((4, 8), jnp.float32),
                                  S((8, 12), jnp.float32), 0), ValueError,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .. import _batching, _definition, _primitives as prims
+from .. import _batching, _primitives as prims
 from . import ring
 
 DESCRIPTION = "a lax ppermute ring whose per-step compute is Pallas GPU kernels"
@@ -40,8 +40,8 @@ def _kernels():
 
 
 def options(platform: str) -> frozenset:
-    # Tile overrides, `interpret`, and the ring's bench-only `no_transfers`.
-    return frozenset(_kernels().TILE_OPTIONS) | {"interpret", "no_transfers"}
+    # Tile overrides, and `interpret` (force or forbid Pallas interpret mode).
+    return frozenset(_kernels().TILE_OPTIONS) | {"interpret"}
 
 
 def _interpret(cfg) -> bool:
@@ -69,54 +69,44 @@ def unavailable(call):
     return None
 
 
-def _run(prim, cfg, x, w, return_gathered=False):
-    """Run primitive `prim` (`_primitives.py`) on the lax ring with GPU step kernels."""
-    gpu = _kernels()
-    kw = dict(precision=cfg.precision, options=_kernel_options(cfg),
-              interpret=_interpret(cfg))
-    if prim in prims.GATHERS:
-        return _gather(gpu, prim, cfg, x, w, return_gathered, kw)
-    rows = prim == prims.RS_ROWS
-    axis = prims.GATHER_AXIS[prim]
-    out_len = prims.out_shape(prim, x.shape, w.shape, cfg.axis_size)[axis]
+def _kernel_args(cfg):
+    return dict(precision=cfg.precision, options=_kernel_options(cfg),
+                interpret=_interpret(cfg))
+
+
+def gather_step(prim, cfg, x, w):
+    """One all-gather step: every direction's piece in one kernel launch."""
+    gpu, kw = _kernels(), _kernel_args(cfg)
+
+    def step(out, pieces, segs):
+        if prim == prims.AG_CONTRACT:  # x's columns matching each row block of w in hand
+            k = pieces[0].shape[0]
+            terms = [gpu.Term(x, p, k, a_col=s * k) for p, s in zip(pieces, segs)]
+            return gpu.matmul_acc(out, terms, out.shape, out.dtype, **kw)
+        resident = w if prim == prims.AG_ROWS else x
+        return gpu.matmul_into(out, pieces, resident, jnp.stack(segs),
+                               axis=prims.GATHER_AXIS[prim], **kw)
+
+    return step
+
+
+def scatter_step(prim, cfg, x, w):
+    """One reduce-scatter step: `acc + x_block @ w` (or `x @ w_block`) in one pass."""
+    gpu, kw = _kernels(), _kernel_args(cfg)
 
     def accumulate(acc, seg, length):
-        if rows:
+        if prim == prims.RS_ROWS:
             term, shape = gpu.Term(x, w, x.shape[1], a_row=seg * length), (length, w.shape[1])
         else:
             term, shape = gpu.Term(x, w, x.shape[1], b_col=seg * length), (x.shape[0], length)
         return gpu.matmul_acc(acc, [term], shape, cfg.reduce_dtype, **kw)
 
-    return ring.ring_reduce_scatter(cfg, accumulate, out_len, axis)
+    return accumulate
 
 
-def _gather(gpu, prim, cfg, x, w, return_gathered, kw):
-    axis = prims.GATHER_AXIS[prim]
-    travelling = x if prims.TRAVELLER[prim] == "x" else w
-    out_dtype = cfg.out_dtype
-    if prim == prims.AG_CONTRACT:  # summed over the steps: keep it in float32 until the end
-        out_dtype = _definition.accumulation_dtype(x.dtype)
-    out = jnp.zeros(prims.out_shape(prim, x.shape, w.shape, cfg.axis_size), out_dtype)
-
-    def step_fn(carry, pieces, segs):
-        # Every direction's piece of a step goes to one launch.
-        out, gathered = carry
-        if return_gathered:
-            for piece, seg in zip(pieces, segs):
-                gathered = ring.put(gathered, piece, seg, axis)
-        if prim == prims.AG_CONTRACT:  # x's columns matching each row block of w in hand
-            k = pieces[0].shape[0]
-            terms = [gpu.Term(x, p, k, a_col=s * k) for p, s in zip(pieces, segs)]
-            return gpu.matmul_acc(out, terms, out.shape, out.dtype, **kw), gathered
-        resident = w if prim == prims.AG_ROWS else x
-        return (gpu.matmul_into(out, pieces, resident, jnp.stack(segs), axis=axis, **kw),
-                gathered)
-
-    gathered = ring.gathered_buffer(cfg, travelling, axis) if return_gathered else None
-    out, gathered = ring.ring_gather(cfg, travelling, axis, step_fn, (out, gathered),
-                                     inputs=(x, w))
-    out = out.astype(cfg.out_dtype)
-    return (out, gathered) if return_gathered else out
+def _run(prim, cfg, x, w, return_gathered=False):
+    """Run primitive `prim` (`_primitives.py`) on the lax ring with GPU step kernels."""
+    return ring.run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered)
 
 
 # pallas_call cannot be batched by jax.vmap on these 2-D layouts: fold the mapped

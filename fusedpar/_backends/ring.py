@@ -3,8 +3,11 @@
 Two loops do all the work. `ring_gather` moves a block round the ring and hands each
 piece a device holds to a step function; `ring_reduce_scatter` moves accumulators round
 the ring and lets each device add its partial product for the block the accumulator is
-for. Which block is where comes from `Ring` (`_schedule.py`); the five primitives
-(`_primitives.py`) are step functions on top of these loops.
+for. Which block is where comes from `Ring` (`_schedule.py`). `run_steps` runs the five
+primitives (`_primitives.py`) on these loops with a backend's two step functions:
+`gather_step` (what a step of an all-gather does with the pieces in hand) and
+`scatter_step` (what a step of a reduce-scatter adds). This module's own are lax dots;
+`pallas_gpu.py` passes Pallas kernels.
 
 Each step's `ppermute` depends only on the block in hand, not on the step's matmul, so
 XLA's latency-hiding scheduler can run the transfer of the next block while the current
@@ -27,8 +30,7 @@ CHECK_VMA = True
 
 
 def options(platform: str) -> frozenset:
-    # no_transfers: a bench-only mode that keeps every block where it is (see `_send`).
-    return frozenset({"no_transfers"})
+    return frozenset()
 
 
 def unavailable(call) -> None:
@@ -80,10 +82,6 @@ def _ppermute_index(axis_name):
 
 
 def _send(cfg, ring, pieces):
-    # options["no_transfers"]: a bench-only mode that keeps every block where it is, so
-    # the per-step compute can be timed alone on one device (results are then wrong).
-    if cfg.option("no_transfers", False):
-        return pieces
     index = _ppermute_index(cfg.axis_name)
     return tuple(lax.ppermute(p, cfg.axis_name,
                               [(index(s), index(d)) for s, d in ring.permutation(r)])
@@ -151,11 +149,7 @@ def ring_reduce_scatter(cfg, accumulate, out_len, axis):
     return jnp.concatenate(accs, axis=axis).astype(cfg.out_dtype)
 
 
-# -- the five primitives as step functions ------------------------------------------------
-
-
-def _dot(cfg, a, b):
-    return _definition.matmul(a, b, precision=cfg.precision)
+# -- the five primitives on the loops, given a backend's step functions -------------------
 
 
 def gathered_buffer(cfg, travelling, axis):
@@ -164,33 +158,54 @@ def gathered_buffer(cfg, travelling, axis):
     return jnp.zeros(shape, travelling.dtype)
 
 
-def run(prim, cfg, x, w, return_gathered=False):
-    """Run primitive `prim` with the lax ring; see `_primitives.py` for shapes."""
-    if prim in prims.GATHERS:
-        return _gather(prim, cfg, x, w, return_gathered)
-    rows = prim == prims.RS_ROWS
-    out_len = prims.out_shape(prim, x.shape, w.shape, cfg.axis_size)[prims.GATHER_AXIS[prim]]
-
-    def accumulate(acc, seg, length):
-        if rows:
-            part = _dot(cfg, segment(x, seg, length, 0), w)
-        else:
-            part = _dot(cfg, x, segment(w, seg, length, 1))
-        part = part.astype(cfg.reduce_dtype)
-        return part if acc is None else acc + part
-
-    return ring_reduce_scatter(cfg, accumulate, out_len, prims.GATHER_AXIS[prim])
+def gather_out(prim, cfg, x, w):
+    """The zero output an all-gather's steps fill in (`ag_contract` sums in f32)."""
+    dtype = cfg.out_dtype
+    if prim == prims.AG_CONTRACT:  # summed over the steps: keep it in f32 until the end
+        dtype = _definition.accumulation_dtype(x.dtype)
+    return jnp.zeros(prims.out_shape(prim, x.shape, w.shape, cfg.axis_size), dtype)
 
 
-def _gather(prim, cfg, x, w, return_gathered):
+def run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered=False):
+    """Run primitive `prim` on the ring with a backend's step functions.
+
+    `gather_step(prim, cfg, x, w)` returns `step(out, pieces, segs) -> out`: one
+    all-gather step, every direction's piece with its segment index (one launch for a
+    bidirectional step, if the backend likes). `scatter_step(prim, cfg, x, w)` returns
+    `accumulate(acc, seg, length) -> acc` (see `ring_reduce_scatter`).
+    """
     axis = prims.GATHER_AXIS[prim]
+    if prim not in prims.GATHERS:
+        out_len = prims.out_shape(prim, x.shape, w.shape, cfg.axis_size)[axis]
+        return ring_reduce_scatter(cfg, scatter_step(prim, cfg, x, w), out_len, axis)
     travelling = x if prims.TRAVELLER[prim] == "x" else w
-    out = jnp.zeros(prims.out_shape(prim, x.shape, w.shape, cfg.axis_size), cfg.out_dtype)
-    if prim == prims.AG_CONTRACT:
-        out = out.astype(_definition.accumulation_dtype(x.dtype))  # summed over steps
+    step = gather_step(prim, cfg, x, w)
 
     def step_fn(carry, pieces, segs):
         out, gathered = carry
+        if return_gathered:
+            for piece, seg in zip(pieces, segs):
+                gathered = put(gathered, piece, seg, axis)
+        return step(out, pieces, segs), gathered
+
+    gathered = gathered_buffer(cfg, travelling, axis) if return_gathered else None
+    out, gathered = ring_gather(cfg, travelling, axis, step_fn,
+                                (gather_out(prim, cfg, x, w), gathered), inputs=(x, w))
+    out = out.astype(cfg.out_dtype)
+    return (out, gathered) if return_gathered else out
+
+
+# -- this backend's steps: lax dots --------------------------------------------------------
+
+
+def _dot(cfg, a, b):
+    return _definition.matmul(a, b, precision=cfg.precision)
+
+
+def gather_step(prim, cfg, x, w):
+    """One all-gather step in lax: each piece's product into (or onto) its segment."""
+
+    def step(out, pieces, segs):
         for piece, seg in zip(pieces, segs):
             if prim == prims.AG_ROWS:
                 out = put(out, _dot(cfg, piece, w), seg, 0)
@@ -198,11 +213,25 @@ def _gather(prim, cfg, x, w, return_gathered):
                 out = put(out, _dot(cfg, x, piece), seg, 1)
             else:  # AG_CONTRACT: the piece is rows of w; multiply x's matching columns
                 out = out + _dot(cfg, segment(x, seg, piece.shape[0], 1), piece)
-            if return_gathered:
-                gathered = put(gathered, piece, seg, axis)
-        return out, gathered
+        return out
 
-    gathered = gathered_buffer(cfg, travelling, axis) if return_gathered else None
-    out, gathered = ring_gather(cfg, travelling, axis, step_fn, (out, gathered), (x, w))
-    out = out.astype(cfg.out_dtype)
-    return (out, gathered) if return_gathered else out
+    return step
+
+
+def scatter_step(prim, cfg, x, w):
+    """One reduce-scatter step in lax: this device's part of segment `seg`, added in."""
+
+    def accumulate(acc, seg, length):
+        if prim == prims.RS_ROWS:
+            part = _dot(cfg, segment(x, seg, length, 0), w)
+        else:
+            part = _dot(cfg, x, segment(w, seg, length, 1))
+        part = part.astype(cfg.reduce_dtype)
+        return part if acc is None else acc + part
+
+    return accumulate
+
+
+def run(prim, cfg, x, w, return_gathered=False):
+    """Run primitive `prim` with the lax ring; see `_primitives.py` for shapes."""
+    return run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered)
