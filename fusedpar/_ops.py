@@ -18,7 +18,7 @@ def _platform() -> str:
 
 
 def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
-            bidirectional=None, unroll=None, platform=None) -> Choice:
+            bidirectional=None, unroll=None, precision=None, platform=None) -> Choice:
     """Which backend (and ring shape) `op` would use for these local operands, and why.
 
     `x` and `w` may be arrays or `jax.ShapeDtypeStruct`s with per-device shapes;
@@ -31,7 +31,7 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     _validate.ring_size("explain", axis_size)
     _validate.flag("explain", "unroll", unroll)
     _, call = _validate.op_call(op, x, w, axis_size, gather, dim, bidirectional)
-    call = dataclasses.replace(call, platform=platform or _platform())
+    call = dataclasses.replace(call, platform=platform or _platform(), precision=precision)
     return _dispatch.choose(call, backend, unroll)
 
 
@@ -58,8 +58,9 @@ def _run(op, x, w, axis_name, gather, dim, s: _Settings):
     out_dtype = _validate.float_dtype(op, "preferred_element_type", s.preferred_element_type)
     reduce_dtype = _validate.float_dtype(op, "reduce_dtype", s.reduce_dtype)
     platform = _platform()
-    choice = _dispatch.choose(dataclasses.replace(call, platform=platform), s.backend,
-                              s.unroll)
+    choice = _dispatch.choose(
+        dataclasses.replace(call, platform=platform, precision=s.precision), s.backend,
+        s.unroll)
     _dispatch.check_options(op, s.options, s.backend, choice.backend, platform)
     cfg = Config(
         backend=choice.backend, axis_name=axis_name, axis_size=n,

@@ -56,7 +56,8 @@ class Call:
 
     `x_shape`, `w_shape` are the canonical 2-D local shapes; `platform` is "cpu", "gpu"
     or "tpu" ("" when unknown); `bidirectional` is the ring shape as requested (None: the
-    default, `_schedule.prefers_bidirectional`).
+    default, `_schedule.prefers_bidirectional`); `precision` is the matmuls' (some
+    kernels cannot compute every precision).
     """
 
     op: str
@@ -67,6 +68,7 @@ class Call:
     axis_size: int
     platform: str
     bidirectional: Optional[bool] = None
+    precision: Any = None
 
     @property
     def block_length(self) -> int:

@@ -1,4 +1,4 @@
-"""The GPU step kernels lower for CUDA (Triton) at real sizes, without a GPU.
+"""The Triton GPU step kernels lower for CUDA at real sizes, without a GPU.
 
 `jit(f).trace(...).lower(lowering_platforms=("cuda",))` runs the Pallas Triton lowering:
 it checks block shapes (powers of 2), the kernels' indexing and the Triton IR they emit.
@@ -36,7 +36,7 @@ def test_matmul_into_lowers_for_cuda(axis, num_pieces, dtype):
     else:  # ag_cols: x times column blocks of w
         pieces, other = [S((K, N // num_pieces), dtype)] * num_pieces, S((M, K), dtype)
         out = S((M, 4 * N), dtype)
-    f = functools.partial(gpu.matmul_into, axis=axis, interpret=False)
+    f = functools.partial(gpu.triton.matmul_into, axis=axis, interpret=False)
     text = _cuda(f, out, pieces, other, S((num_pieces,), jnp.int32))
     assert text.count(TRITON) == 1  # both halves of a bidirectional step: one launch
 
@@ -57,26 +57,27 @@ def test_matmul_acc_lowers_for_cuda(case, dtype):
         else:
             terms = [gpu.Term(x, w, K, a_row=i * M if case == "rs_rows" else 0,
                               b_col=i * N if case == "rs_cols" else 0)]
-        return gpu.matmul_acc(None if case == "first_step" else acc, terms, (M, N),
-                              jnp.float32, interpret=False)
+        return gpu.triton.matmul_acc(None if case == "first_step" else acc, terms, (M, N),
+                                     jnp.float32, interpret=False)
 
     assert _cuda(f, acc, x, w, i).count(TRITON) == 1
 
 
 def test_lowering_catches_what_triton_cannot_run(monkeypatch):
     # Without fusedpar's own check, Triton's lowering rejects a block of 48 columns.
-    from fusedpar.kernels.gpu import _tiles
+    from fusedpar.kernels.gpu.triton import _tile_config
 
-    monkeypatch.setattr(_tiles, "_check_block", lambda *a: None)
-    f = functools.partial(gpu.matmul_into, axis=0, interpret=False,
-                          options={"block_n": 48})
+    monkeypatch.setattr(_tile_config, "_check_block", lambda *a: None)
+    f = functools.partial(gpu.triton.matmul_into, axis=0, interpret=False,
+                          config={"block_n": 48})
     with pytest.raises(ValueError, match="power of 2"):
         _cuda(f, S((128, 96), jnp.bfloat16), [S((32, 64), jnp.bfloat16)],
               S((64, 96), jnp.bfloat16), S((1,), jnp.int32))
 
 
 # The ops through backend="pallas_gpu" over 4 devices, forward and backward, lowered for
-# CUDA with the Triton kernels (options={"interpret": False}) and the ring's ppermutes.
+# CUDA with the Triton kernels (options={"kernels": "triton", "interpret": False}) and the
+# ring's ppermutes.
 # Per device: x (1024, 2048) bf16; the number of Triton launches per op shows one launch
 # per ring step (both directions of a bidirectional all-gather step in one).
 OPS = {
@@ -108,7 +109,7 @@ def test_ops_lower_for_cuda_with_triton_steps(prim, bidirectional):
         pytest.skip("a ring of 4 needs 4 devices (run with tests/conftest.py's 8 CPU devices)")
     op, specs, xs, ws = OPS[prim]
     kw = dict(backend="pallas_gpu", bidirectional=bidirectional,
-              options={"interpret": False})
+              options={"kernels": "triton", "interpret": False})
     f = jax.shard_map(functools.partial(op, **kw), mesh=mesh((4,), ("x",)),
                       in_specs=specs, out_specs=P("x"))
     args = (S(xs, jnp.bfloat16), S(ws, jnp.bfloat16))

@@ -13,8 +13,13 @@ kernel (`fusedpar.kernels.gpu`):
 | `rs_rows`     | `acc += x[rows of seg] @ w`                        | `matmul_acc`   |
 | `rs_cols`     | `acc += x @ w[:, cols of seg]`                     | `matmul_acc`   |
 
-On CPU the kernels run in Pallas interpret mode; `options={"interpret": False}` forces
-the GPU lowering (used to lower for CUDA on a machine without a GPU).
+Two kernel families compute these steps (option `kernels`): `"mosaic"` (Mosaic GPU:
+TMA, wgmma, warp specialisation), the default on Hopper and newer (compute capability
+9.0+); `"triton"` (Pallas Triton, deprecated by jax 0.11 in favour of Mosaic GPU), the
+default before Hopper, where wgmma and TMA do not exist, and on CPU, where Pallas
+interpret mode runs it at any small shape. On CPU the kernels run in interpret mode;
+`options={"interpret": False}` forces the GPU lowering (to lower for CUDA on a machine
+without a GPU).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ DESCRIPTION = "a lax ppermute ring whose per-step compute is Pallas GPU kernels"
 # The kernels type their results for shard_map's varying-axes check, but a layer wraps
 # every Pallas backend in shard_map(check_vma=False), as it always has.
 CHECK_VMA = False
+MOSAIC, TRITON = "mosaic", "triton"
 _DTYPES = ("float32", "bfloat16", "float16")
+_GPU_PLATFORMS = ("gpu", "cuda")
 
 
 def _kernels():
@@ -39,67 +46,122 @@ def _kernels():
     return gpu
 
 
+def _family_options(family):
+    gpu = _kernels()
+    return frozenset(gpu.mosaic.CONFIG_OPTIONS if family == MOSAIC
+                     else gpu.triton.TILE_OPTIONS)
+
+
 def options(platform: str) -> frozenset:
-    # Tile overrides, and `interpret` (force or forbid Pallas interpret mode).
-    return frozenset(_kernels().TILE_OPTIONS) | {"interpret"}
+    # `kernels` (the family), `interpret`, and either family's tile settings (checked
+    # against the family that runs, when the kernels are built).
+    return _family_options(MOSAIC) | _family_options(TRITON) | {"kernels", "interpret"}
 
 
-def _interpret(cfg) -> bool:
-    interpret = cfg.option("interpret")
-    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+def _compute_capability():
+    """`(major, minor)` of the first GPU, or None if it does not say (not NVIDIA)."""
+    try:
+        cc = jax.devices("gpu")[0].compute_capability
+    except (RuntimeError, AttributeError):
+        return None
+    return tuple(int(v) for v in str(cc).split(".")[:2])
 
 
-def _kernel_options(cfg):
-    return tuple((k, v) for k, v in cfg.options if k in _kernels().TILE_OPTIONS)
+def default_family(platform: str) -> str:
+    """The kernels that run on `platform` unless `options["kernels"]` says otherwise."""
+    if platform in _GPU_PLATFORMS:
+        cc = _compute_capability()
+        return MOSAIC if cc is not None and cc >= (9, 0) else TRITON
+    return TRITON  # CPU: Pallas interpret mode
+
+
+def _family(cfg) -> str:
+    family = cfg.option("kernels")
+    if family is None:
+        return default_family(jax.default_backend())
+    if family not in (MOSAIC, TRITON):
+        raise ValueError(f"options['kernels'] must be {MOSAIC!r} or {TRITON!r}, got "
+                         f"{family!r}.")
+    return family
 
 
 def unavailable(call):
-    """Why the GPU step kernels cannot run `call`, or None."""
-    if call.platform not in ("cpu", "gpu", "cuda"):
+    """Why the GPU step kernels cannot run `call` with their default family, or None."""
+    if call.platform not in ("cpu",) + _GPU_PLATFORMS:
         return (f"the Pallas GPU kernels run on NVIDIA GPUs (and interpreted on CPU), "
                 f"not on {call.platform!r}")
+    if call.platform in _GPU_PLATFORMS and _compute_capability() is None:
+        return "the Pallas GPU kernels need an NVIDIA GPU (no compute capability found)"
     if call.dtype not in _DTYPES:
         return f"dtype {call.dtype} is not supported (only {', '.join(_DTYPES)})"
     rows, k, cols = prims.step_matmul(call.prim, call.x_shape, call.w_shape,
                                       call.axis_size, 2 if call.runs_bidirectional else 1)
+    gpu = _kernels()
+    if default_family(call.platform) == MOSAIC:
+        why = gpu.mosaic.unsupported_reason(call.dtype, call.precision)
+        if why is not None:
+            return why
+        try:
+            gpu.mosaic.choose_config(rows, cols, (k,), call.dtype, "float32")
+        except ValueError as e:
+            return (f"{e}; options={{'kernels': 'triton'}} runs the Triton kernels, "
+                    "backend='ring' the lax ring")
+        return None
     try:
-        _kernels().choose_tiles(rows, cols, k, call.dtype)
+        gpu.triton.choose_tiles(rows, cols, k, call.dtype)
     except ValueError as e:
         return str(e)
     return None
 
 
-def _kernel_args(cfg):
-    return dict(precision=cfg.precision, options=_kernel_options(cfg),
-                interpret=_interpret(cfg))
+def _step_kernels(cfg):
+    """The kernel module of the family that runs `cfg`, and the arguments it takes."""
+    family = _family(cfg)
+    own = _family_options(family)
+    other = sorted(k for k in dict(cfg.options) if k in _family_options(
+        TRITON if family == MOSAIC else MOSAIC) and k not in own)
+    if other:
+        raise ValueError(
+            f"options {other} set the {TRITON if family == MOSAIC else MOSAIC} kernels' "
+            f"tiles, but this call runs the {family} kernels (its settings: "
+            f"{', '.join(sorted(own))}; options={{'kernels': ...}} picks the family).")
+    interpret = cfg.option("interpret")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    config = tuple((k, v) for k, v in cfg.options if k in own)
+    gpu = _kernels()
+    module = gpu.mosaic if family == MOSAIC else gpu.triton
+    return module, dict(precision=cfg.precision, config=config, interpret=bool(interpret))
 
 
 def gather_step(prim, cfg, x, w):
     """One all-gather step: every direction's piece in one kernel launch."""
-    gpu, kw = _kernels(), _kernel_args(cfg)
+    kernels, kw = _step_kernels(cfg)
+    Term = _kernels().Term
 
     def step(out, pieces, segs):
         if prim == prims.AG_CONTRACT:  # x's columns matching each row block of w in hand
             k = pieces[0].shape[0]
-            terms = [gpu.Term(x, p, k, a_col=s * k) for p, s in zip(pieces, segs)]
-            return gpu.matmul_acc(out, terms, out.shape, out.dtype, **kw)
+            terms = [Term(x, p, k, a_col=s * k) for p, s in zip(pieces, segs)]
+            return kernels.matmul_acc(out, terms, out.shape, out.dtype, **kw)
         resident = w if prim == prims.AG_ROWS else x
-        return gpu.matmul_into(out, pieces, resident, jnp.stack(segs),
-                               axis=prims.GATHER_AXIS[prim], **kw)
+        return kernels.matmul_into(out, pieces, resident, jnp.stack(segs),
+                                   axis=prims.GATHER_AXIS[prim], **kw)
 
     return step
 
 
 def scatter_step(prim, cfg, x, w):
     """One reduce-scatter step: `acc + x_block @ w` (or `x @ w_block`) in one pass."""
-    gpu, kw = _kernels(), _kernel_args(cfg)
+    kernels, kw = _step_kernels(cfg)
+    Term = _kernels().Term
 
     def accumulate(acc, seg, length):
         if prim == prims.RS_ROWS:
-            term, shape = gpu.Term(x, w, x.shape[1], a_row=seg * length), (length, w.shape[1])
+            term, shape = Term(x, w, x.shape[1], a_row=seg * length), (length, w.shape[1])
         else:
-            term, shape = gpu.Term(x, w, x.shape[1], b_col=seg * length), (x.shape[0], length)
-        return gpu.matmul_acc(acc, [term], shape, cfg.reduce_dtype, **kw)
+            term, shape = Term(x, w, x.shape[1], b_col=seg * length), (x.shape[0], length)
+        return kernels.matmul_acc(acc, [term], shape, cfg.reduce_dtype, **kw)
 
     return accumulate
 

@@ -1,10 +1,11 @@
-"""The GPU ring-step kernels (`fusedpar.kernels.gpu`), run in Pallas interpret mode on CPU.
+"""The Triton GPU step kernels (`fusedpar.kernels.gpu.triton`), in Pallas interpret mode.
 
-Two levels: each kernel against its lax reference (`*_reference`, beside it), and every
-primitive through `backend="pallas_gpu"` inside `jit(shard_map)` against the reference
-backend, values and gradients, for rings of 1, 2, 4, 8 devices, one or two directions,
-float32 and bfloat16. Shapes are small (interpret mode is slow) and blocks of 16 keep
-several tiles per step, so tiling and offsets are exercised.
+Two levels: each kernel against its lax reference (`fusedpar.kernels.gpu.*_reference`),
+and every primitive through `backend="pallas_gpu"` with `kernels="triton"` inside
+`jit(shard_map)` against the reference backend, values and gradients, for rings of 1, 2,
+4, 8 devices, one or two directions, float32 and bfloat16. Shapes are small (interpret
+mode is slow) and blocks of 16 keep several tiles per step, so tiling and offsets are
+exercised. (The Mosaic GPU kernels: tests/test_gpu_mosaic.py.)
 """
 
 import functools
@@ -23,6 +24,7 @@ from helpers import assert_close, mesh, normal
 pytestmark = pytest.mark.timeout(120)
 
 SMALL = {"block_m": 16, "block_n": 16, "block_k": 16}
+TRITON = {"kernels": "triton", **SMALL}  # the backend's options: this family, small tiles
 # Interpret mode on CPU; on a GPU (bench/test_gpu_steps.py's GPU command) the real kernels.
 INTERPRET = jax.default_backend() == "cpu"
 # float32 through the MXU/tensor cores would be TF32 on a GPU; ask for full precision so
@@ -47,8 +49,8 @@ def test_matmul_into(axis, num_pieces, dtype):
         other, out = normal(9, (m, k), dtype), normal(8, (m, segments * n), dtype)
     segs = jnp.array([3, 0][:num_pieces], jnp.int32)
     prec = PRECISION[dtype]
-    got = jax.jit(functools.partial(gpu.matmul_into, axis=axis, precision=prec,
-                                    options=dict(SMALL, group_m=2), interpret=INTERPRET))(
+    got = jax.jit(functools.partial(gpu.triton.matmul_into, axis=axis, precision=prec,
+                                    config=dict(SMALL, group_m=2), interpret=INTERPRET))(
         out, pieces, other, segs)
     want = gpu.matmul_into_reference(out, pieces, other, segs, axis=axis, precision=prec)
     assert_close(got, want, dtype, "matmul_into")
@@ -63,11 +65,15 @@ def test_matmul_into(axis, num_pieces, dtype):
 @pytest.mark.parametrize("tiles_m,tiles_n,group_m", [(5, 3, 2), (16, 4, 8), (3, 7, 8),
                                                      (9, 9, 4), (1, 5, 8), (12, 1, 8)])
 def test_tile_order_visits_every_tile_once(tiles_m, tiles_n, group_m):
-    from fusedpar.kernels.gpu._matmul import tile_of
+    from fusedpar.kernels.gpu._tile_order import tile_of
 
-    i, j = tile_of(np.arange(tiles_m * tiles_n), tiles_m, tiles_n, group_m)
-    assert sorted(zip(np.asarray(i).tolist(), np.asarray(j).tolist())) == [
-        (a, b) for a in range(tiles_m) for b in range(tiles_n)]
+    for groups in (1, 2):
+        t = tile_of(np.arange(groups * tiles_m * tiles_n, dtype=np.int32), tiles_m=tiles_m,
+                    tiles_n=tiles_n, group_m=group_m, num_groups=groups)
+        visited = zip(*(np.broadcast_to(np.asarray(v), (groups * tiles_m * tiles_n,)).tolist()
+                        for v in (t.group, t.i, t.j)))
+        assert sorted(visited) == [(g, a, b) for g in range(groups) for a in range(tiles_m)
+                                   for b in range(tiles_n)]
 
 
 @pytest.mark.parametrize("with_acc,dtype", [(False, jnp.bfloat16), (True, jnp.float32)])
@@ -82,8 +88,8 @@ def test_matmul_acc(with_acc, dtype):
     prec = PRECISION[dtype]
 
     def f(acc, terms):
-        return gpu.matmul_acc(acc, terms, (32, 32), jnp.float32, precision=prec,
-                              options=SMALL, interpret=INTERPRET)
+        return gpu.triton.matmul_acc(acc, terms, (32, 32), jnp.float32, precision=prec,
+                                     config=SMALL, interpret=INTERPRET)
 
     got = jax.jit(f)(acc, terms)
     want = gpu.matmul_acc_reference(acc, terms, (32, 32), jnp.float32, precision=prec)
@@ -91,36 +97,38 @@ def test_matmul_acc(with_acc, dtype):
 
 
 def test_tiles_heuristic_and_overrides():
-    t = gpu.choose_tiles(4096, 4096, 8192, jnp.bfloat16)
+    t = gpu.triton.choose_tiles(4096, 4096, 8192, jnp.bfloat16)
     assert (t.block_m, t.block_n, t.block_k, t.num_warps) == (128, 256, 64, 8)
-    t = gpu.choose_tiles(4096, 4096, 8192, jnp.float32)
+    t = gpu.triton.choose_tiles(4096, 4096, 8192, jnp.float32)
     assert (t.block_m, t.block_n, t.block_k) == (128, 128, 32)
-    t = gpu.choose_tiles(512, 512, 512, jnp.bfloat16)  # 16 tiles of 128x128: shrink
+    t = gpu.triton.choose_tiles(512, 512, 512, jnp.bfloat16)  # 16 tiles of 128x128: shrink
     assert t.block_m * t.block_n < 128 * 256
-    t = gpu.choose_tiles(96, 48, 80, jnp.float32)  # largest power-of-2 divisors
+    t = gpu.triton.choose_tiles(96, 48, 80, jnp.float32)  # largest power-of-2 divisors
     assert (t.block_m, t.block_n, t.block_k) == (32, 16, 16)
-    t = gpu.choose_tiles(4096, 4096, 4096, jnp.bfloat16,
+    t = gpu.triton.choose_tiles(4096, 4096, 4096, jnp.bfloat16,
                          (("block_n", 64), ("num_stages", 4), ("num_warps", 2)))
     assert (t.block_n, t.num_stages, t.num_warps) == (64, 4, 2)
     with pytest.raises(ValueError, match=r"options\['block_k'\]=48 must be a power of 2"):
-        gpu.choose_tiles(64, 64, 96, jnp.float32, (("block_k", 48),))
+        gpu.triton.choose_tiles(64, 64, 96, jnp.float32, (("block_k", 48),))
     with pytest.raises(ValueError, match=r"options\['block_m'\]=64 does not divide m=32"):
-        gpu.choose_tiles(32, 64, 64, jnp.float32, (("block_m", 64),))
+        gpu.triton.choose_tiles(32, 64, 64, jnp.float32, (("block_m", 64),))
     with pytest.raises(ValueError, match="n=40 is not a multiple of 16"):
-        gpu.choose_tiles(32, 40, 64, jnp.float32)
+        gpu.triton.choose_tiles(32, 40, 64, jnp.float32)
 
 
 def test_unavailable_says_why():
+    # On CPU (where these tests run) pallas_gpu's kernels are the Triton ones.
     x = jax.ShapeDtypeStruct((40, 64), jnp.float32)
     w = jax.ShapeDtypeStruct((64, 32), jnp.float32)
     with pytest.raises(NotImplementedError, match="m=40 is not a multiple of 16"):
         fusedpar.explain("all_gather_matmul", x, w, 4, backend="pallas_gpu",
-                         bidirectional=False)
+                         bidirectional=False, platform="cpu")
     x = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="not on 'tpu'"):
         fusedpar.explain("all_gather_matmul", x, w, 4, backend="pallas_gpu", platform="tpu")
-    choice = fusedpar.explain("all_gather_matmul", x, w, 4, backend="pallas_gpu")
+    choice = fusedpar.explain("all_gather_matmul", x, w, 4, backend="pallas_gpu",
+                              platform="cpu")
     assert choice.backend == "pallas_gpu" and choice.bidirectional
 
 
@@ -155,7 +163,7 @@ def _apply(n, backend, bidirectional, dtypes):
         kw = dict(backend=backend, precision=PRECISION[dtype])
         if backend != "reference":
             # Unrolled rings for 1 and 2 devices, rolled (fori_loop) for 4 and 8.
-            kw.update(bidirectional=bidirectional, unroll=n <= 2, options=SMALL)
+            kw.update(bidirectional=bidirectional, unroll=n <= 2, options=TRITON)
         agm, mrs = fusedpar.all_gather_matmul, fusedpar.matmul_reduce_scatter
         return (agm(x0, w0, "x", **kw), agm(x1, w1, "x", gather="rhs", dim=1, **kw),
                 agm(x2, w2, "x", gather="rhs", dim=0, **kw), mrs(x3, w0, "x", dim=0, **kw),
@@ -218,7 +226,7 @@ def test_ring_over_one_axis_of_a_2d_mesh():
     # typed as varying over "dp" too (check_vma).
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices")
-    kw = dict(unroll=False, bidirectional=True, options=SMALL,
+    kw = dict(unroll=False, bidirectional=True, options=TRITON,
               precision=lax.Precision.HIGHEST)
 
     def body(backend):

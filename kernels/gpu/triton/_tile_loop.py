@@ -1,4 +1,4 @@
-"""Pieces shared by the two step kernels: the program-to-tile map and the tile loop.
+"""What the two Triton step kernels share: the tile loop, precision, launch.
 
 Both kernels take whole (un-blocked) refs and address them with dynamic offsets read
 inside the kernel: where a step's block lies in the output (or in a resident operand)
@@ -8,49 +8,23 @@ backend has no scalar prefetch).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fusedpar._vma import varying_axes
-
-
-def tile_of(pid, tiles_m: int, tiles_n: int, group_m: int):
-    """`(i, j)` output tile of program `pid` of a 1-D launch, in groups of `group_m` rows.
-
-    Consecutive programs walk down `group_m` tile rows before moving one tile column
-    right, so the programs running at once share the columns of the right operand (and
-    rows of the left) in L2 instead of each streaming its own.
-    """
-    group_m = min(group_m, tiles_m)
-    per_group = group_m * tiles_n
-    first_m = (pid // per_group) * group_m
-    rows = jnp.minimum(tiles_m - first_m, group_m)
-    local = pid % per_group
-    return first_m + local % rows, local // rows
-
-
-_FROM_CONFIG = {"highest": lax.Precision.HIGHEST, "float32": lax.Precision.HIGHEST}
+from .._precision import is_highest
 
 
 def dot_precision(precision, dtype):
     """The `pl.dot` precision matching `jnp.dot(..., precision=precision)` on GPU.
 
     XLA multiplies float32 on tensor cores in TF32 unless asked for HIGHEST; Triton's
-    default is full float32 (IEEE), 3-8x slower, so map None/DEFAULT/HIGH to TF32.
+    default is full float32 (IEEE), 3-8x slower, so map everything else to TF32.
     """
     if jnp.dtype(dtype) != jnp.float32:
         return None
-    if isinstance(precision, (tuple, list)):
-        precision = max(precision, key=lambda p: lax.Precision(p).value)
-    if precision is None:  # what jnp.dot would use: the global default, if one is set
-        default = getattr(jax.config, "jax_default_matmul_precision", None)
-        precision = _FROM_CONFIG.get(str(default).lower())
-    if precision is not None and lax.Precision(precision) == lax.Precision.HIGHEST:
-        return lax.Precision.HIGHEST
-    return lax.Precision.DEFAULT
+    return lax.Precision.HIGHEST if is_highest(precision) else lax.Precision.DEFAULT
 
 
 def tile_product(acc, a_ref, a_rows, a_cols, b_ref, b_rows, b_cols, *, k, block_k,
@@ -75,18 +49,6 @@ def tile_product(acc, a_ref, a_rows, a_cols, b_ref, b_rows, b_cols, *, k, block_
     if k == block_k:  # no loop to pipeline (and a cheaper program in interpret mode)
         return body(0, acc)
     return lax.fori_loop(0, k // block_k, body, acc)
-
-
-def out_struct(shape, dtype, *operands):
-    """`ShapeDtypeStruct` of a kernel result, varying over every mesh axis its operands do.
-
-    Inside `shard_map(check_vma=True)` pallas_call needs to be told how its result varies.
-    """
-    varying = frozenset().union(*(varying_axes(o) for o in operands))
-    mat = getattr(jax.sharding, "ManualAxisType", None)
-    if mat is None:  # earlier JAX spelling
-        return jax.ShapeDtypeStruct(shape, dtype, vma=varying)
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat(varying=varying))
 
 
 def compiler_params(tiles):

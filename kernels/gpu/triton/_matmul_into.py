@@ -1,4 +1,4 @@
-"""All-gather step kernel: multiply the block in hand, write the product into its slice.
+"""All-gather step kernel (Pallas Triton): multiply the block in hand, write the product into its slice.
 
 `out` is the gathered result being filled in, aliased in place (`input_output_aliases`):
 each step writes only its own rows (`ag_rows`) or columns (`ag_cols`) and the rest of
@@ -14,7 +14,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from . import _matmul, _tiles
+from .._result_type import result_type
+from .._tile_order import tile_of
+from . import _tile_config, _tile_loop
 
 
 def _kernel(segs_ref, *refs, axis, num_pieces, tiles_m, tiles_n, k, tiles, precision,
@@ -23,7 +25,8 @@ def _kernel(segs_ref, *refs, axis, num_pieces, tiles_m, tiles_n, k, tiles, preci
     bm, bn = tiles.block_m, tiles.block_n
     pid = pl.program_id(0)
     per_piece = tiles_m * tiles_n
-    i, j = _matmul.tile_of(pid % per_piece, tiles_m, tiles_n, tiles.group_m)
+    tile = tile_of(pid % per_piece, tiles_m=tiles_m, tiles_n=tiles_n, group_m=tiles.group_m)
+    i, j = tile.i, tile.j
 
     def piece(p):
         # Offset of this piece's product in `out`, along `axis`, from its segment index.
@@ -33,7 +36,7 @@ def _kernel(segs_ref, *refs, axis, num_pieces, tiles_m, tiles_n, k, tiles, preci
         else:  # other (m, k) @ piece (k, np) -> columns of out
             a_ref, b_ref, rows, cols = other_ref, piece_refs[p], i * bm, start + j * bn
         acc = jnp.zeros((bm, bn), jnp.float32)
-        acc = _matmul.tile_product(acc, a_ref, i * bm, 0, b_ref, 0, j * bn, k=k,
+        acc = _tile_loop.tile_product(acc, a_ref, i * bm, 0, b_ref, 0, j * bn, k=k,
                                    block_k=tiles.block_k, precision=precision, widen=widen)
         out_ref[pl.ds(pl.multiple_of(rows, bm), bm),
                 pl.ds(pl.multiple_of(cols, bn), bn)] = acc.astype(out_ref.dtype)
@@ -44,7 +47,7 @@ def _kernel(segs_ref, *refs, axis, num_pieces, tiles_m, tiles_n, k, tiles, preci
         lax.cond(pid < per_piece, lambda: piece(0), lambda: piece(1))
 
 
-def matmul_into(out, pieces, other, segs, *, axis, precision=None, options=(),
+def matmul_into(out, pieces, other, segs, *, axis, precision=None, config=(),
                 interpret=False):
     """`out` with each product written at its segment along `axis`, in place.
 
@@ -56,7 +59,8 @@ def matmul_into(out, pieces, other, segs, *, axis, precision=None, options=(),
       `(k, np)` of the right operand.
     - `other`: the resident operand, `(k, C)` for `axis=0`, `(R, k)` for `axis=1`.
     - `segs`: int32 `(len(pieces),)` segment indices (units of a product along `axis`).
-    - `precision`: as for `jnp.dot`; `options`: tile overrides (`_tiles.OPTIONS`);
+    - `precision`: as for `jnp.dot`; `config`: tile overrides (a mapping or pairs of
+      `_tile_config.OPTIONS` fields);
       `interpret`: run in Pallas interpret mode (CPU).
 
     **Returns:** `out` with rows `[s*mp, (s+1)*mp)` (axis 0) or columns `[s*np, (s+1)*np)`
@@ -70,33 +74,22 @@ def matmul_into(out, pieces, other, segs, *, axis, precision=None, options=(),
         m = mp
     else:
         m, (k, n) = other.shape[0], piece.shape
-    tiles = _tiles.choose(m, n, k, piece.dtype, options)
+    tiles = _tile_config.choose(m, n, k, piece.dtype, config)
     tiles_m, tiles_n = m // tiles.block_m, n // tiles.block_n
     kernel = functools.partial(
         _kernel, axis=axis, num_pieces=len(pieces), tiles_m=tiles_m, tiles_n=tiles_n, k=k,
-        tiles=tiles, precision=_matmul.dot_precision(precision, piece.dtype),
+        tiles=tiles, precision=_tile_loop.dot_precision(precision, piece.dtype),
         widen=bool(interpret))
     out_index = 1 + len(pieces) + 1  # segs, pieces..., other, out
     segs = jnp.asarray(segs, jnp.int32)
-    out_shape = _matmul.out_struct(out.shape, out.dtype, segs, *pieces, other, out)
+    out_shape = result_type(out.shape, out.dtype, segs, *pieces, other, out)
     call = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(len(pieces) * tiles_m * tiles_n,),
         input_output_aliases={out_index: 0},
-        compiler_params=_matmul.compiler_params(tiles),
+        compiler_params=_tile_loop.compiler_params(tiles),
         interpret=interpret,
         name=f"fusedpar_matmul_into_{'rows' if axis == 0 else 'cols'}",
     )
-    return _matmul.launch(call, out_shape, interpret, segs, *pieces, other, out)
-
-
-def matmul_into_reference(out, pieces, other, segs, *, axis, precision=None):
-    """What `matmul_into` computes, in lax (the test oracle)."""
-    for p, s in zip(pieces, segs):
-        prod = (jnp.matmul(p, other, precision=precision, preferred_element_type=jnp.float32)
-                if axis == 0 else
-                jnp.matmul(other, p, precision=precision, preferred_element_type=jnp.float32))
-        out = lax.dynamic_update_slice_in_dim(out, prod.astype(out.dtype),
-                                              s * prod.shape[axis], axis)
-    return out
+    return _tile_loop.launch(call, out_shape, interpret, segs, *pieces, other, out)

@@ -1,4 +1,4 @@
-"""Reduce-scatter step kernel: `acc_out = acc_in + sum_t a_t[window] @ b_t[window]`.
+"""Reduce-scatter step kernel (Pallas Triton): `acc_out = acc_in + sum_t a_t[window] @ b_t[window]`.
 
 One pass over the accumulator: each program loads its float32 tile of `acc_in` once,
 adds the products into it in registers and stores it once, in place (the result aliases
@@ -13,44 +13,21 @@ adds the products into it in registers and stores it once, in place (the result 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any
 
-import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
-from . import _matmul, _tiles
-
-
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=("a", "b", "a_row", "a_col", "b_row", "b_col"),
-                   meta_fields=("k",))
-@dataclasses.dataclass(frozen=True)
-class Term:
-    """`a[a_row:+m, a_col:+k] @ b[b_row:+k, b_col:+n]`; offsets may be traced int32.
-
-    `k` is the contraction length of the window; `m` and `n` are the accumulator's.
-    """
-
-    a: Any
-    b: Any
-    k: int
-    a_row: Any = 0
-    a_col: Any = 0
-    b_row: Any = 0
-    b_col: Any = 0
-
-    def offsets(self):
-        return (self.a_row, self.a_col, self.b_row, self.b_col)
+from .._result_type import result_type
+from .._tile_order import tile_of
+from . import _tile_config, _tile_loop
 
 
 def _kernel(offs_ref, *refs, ks, has_acc, tiles_m, tiles_n, tiles, precision, widen):
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     operand_refs, out_ref = refs[:2 * len(ks)], refs[-1]
-    i, j = _matmul.tile_of(pl.program_id(0), tiles_m, tiles_n, tiles.group_m)
+    tile = tile_of(pl.program_id(0), tiles_m=tiles_m, tiles_n=tiles_n, group_m=tiles.group_m)
+    i, j = tile.i, tile.j
     tile = (pl.ds(pl.multiple_of(i * bm, bm), bm), pl.ds(pl.multiple_of(j * bn, bn), bn))
     if has_acc:  # refs[-2] is acc_in, the same buffer as out_ref
         acc = refs[-2][tile].astype(jnp.float32)
@@ -60,7 +37,7 @@ def _kernel(offs_ref, *refs, ks, has_acc, tiles_m, tiles_n, tiles, precision, wi
         # Every window offset is a multiple of the block along its axis (the window
         # lengths are), which lets Triton vectorise the loads.
         a_row, a_col, b_row, b_col = (offs_ref[4 * t + c] for c in range(4))
-        acc = _matmul.tile_product(
+        acc = _tile_loop.tile_product(
             acc, operand_refs[2 * t], pl.multiple_of(a_row + i * bm, bm),
             pl.multiple_of(a_col, bk), operand_refs[2 * t + 1], pl.multiple_of(b_row, bk),
             pl.multiple_of(b_col + j * bn, bn), k=k, block_k=bk, precision=precision,
@@ -68,7 +45,7 @@ def _kernel(offs_ref, *refs, ks, has_acc, tiles_m, tiles_n, tiles, precision, wi
     out_ref[tile] = acc.astype(out_ref.dtype)
 
 
-def matmul_acc(acc, terms, out_shape, out_dtype, *, precision=None, options=(),
+def matmul_acc(acc, terms, out_shape, out_dtype, *, precision=None, config=(),
                interpret=False):
     """`acc + sum(term products)` (or the sum alone when `acc` is None), in one pass.
 
@@ -80,7 +57,7 @@ def matmul_acc(acc, terms, out_shape, out_dtype, *, precision=None, options=(),
       dtype. Window offsets must be multiples of the block along their axis (they are
       multiples of the window length in the ring).
     - `out_shape`, `out_dtype`: the accumulator's shape and dtype (e.g. float32).
-    - `precision`, `options`, `interpret`: as for `matmul_into`.
+    - `precision`, `config`, `interpret`: as for `matmul_into`.
 
     **Returns:** the new accumulator, summed in float32 and stored as `out_dtype`.
     """
@@ -92,13 +69,13 @@ def matmul_acc(acc, terms, out_shape, out_dtype, *, precision=None, options=(),
                          "result updates acc in place).")
     dtype = terms[0].a.dtype
     ks = tuple(t.k for t in terms)
-    tiles = _tiles.choose(m, n, min(ks), dtype, options)
+    tiles = _tile_config.choose(m, n, min(ks), dtype, config)
     tiles_m, tiles_n = m // tiles.block_m, n // tiles.block_n
     for k in ks:  # the block chosen for the shortest window must divide the others too
-        _tiles.choose(m, n, k, dtype, {**dict(options), "block_k": tiles.block_k})
+        _tile_config.choose(m, n, k, dtype, {**dict(config), "block_k": tiles.block_k})
     kernel = functools.partial(
         _kernel, ks=ks, has_acc=acc is not None, tiles_m=tiles_m, tiles_n=tiles_n,
-        tiles=tiles, precision=_matmul.dot_precision(precision, dtype),
+        tiles=tiles, precision=_tile_loop.dot_precision(precision, dtype),
         widen=bool(interpret))
     offs = jnp.stack([jnp.asarray(o, jnp.int32) for t in terms for o in t.offsets()])
     operands = [x for t in terms for x in (t.a, t.b)]
@@ -106,26 +83,14 @@ def matmul_acc(acc, terms, out_shape, out_dtype, *, precision=None, options=(),
     if acc is not None:
         operands.append(acc)
         extra["input_output_aliases"] = {len(operands): 0}  # offs is input 0
-    out_struct = _matmul.out_struct(out_shape, out_dtype, offs, *operands)
+    out_struct = result_type(out_shape, out_dtype, offs, *operands)
     call = pl.pallas_call(
         kernel,
         out_shape=out_struct,
         grid=(tiles_m * tiles_n,),
-        compiler_params=_matmul.compiler_params(tiles),
+        compiler_params=_tile_loop.compiler_params(tiles),
         interpret=interpret,
         name="fusedpar_matmul_acc",
         **extra,
     )
-    return _matmul.launch(call, out_struct, interpret, offs, *operands)
-
-
-def matmul_acc_reference(acc, terms, out_shape, out_dtype, *, precision=None):
-    """What `matmul_acc` computes, in lax (the test oracle)."""
-    m, n = out_shape
-    total = jnp.zeros(out_shape, jnp.float32) if acc is None else acc.astype(jnp.float32)
-    for t in terms:
-        a = lax.dynamic_slice(t.a, (t.a_row, t.a_col), (m, t.k))
-        b = lax.dynamic_slice(t.b, (t.b_row, t.b_col), (t.k, n))
-        total = total + jnp.matmul(a, b, precision=precision,
-                                   preferred_element_type=jnp.float32)
-    return total.astype(out_dtype)
+    return _tile_loop.launch(call, out_struct, interpret, offs, *operands)
