@@ -88,15 +88,16 @@ def tiles(dims, in_dtype, out_dtype, targets):
     return got, None
 
 
-def tile_bytes(t, in_dtype, out_dtype) -> int:
-    """VMEM of one step's pipeline: a, b, out (and a prior sum) tiles double-buffered,
-    plus the f32 accumulator."""
+def tile_bytes(t, in_dtype, out_dtype, accumulates=False) -> int:
+    """VMEM of one step's pipeline: the a, b and out tiles double-buffered (and the prior
+    f32 sum's, when the step `accumulates`), plus the f32 accumulator."""
     bm, bk, bn = t
     isz, osz = np.dtype(in_dtype).itemsize, np.dtype(out_dtype).itemsize
-    return 2 * (bm * bk + bk * bn) * isz + 2 * 2 * bm * bn * max(osz, 4) + bm * bn * 4
+    prior = 2 * bm * bn * 4 if accumulates else 0
+    return 2 * (bm * bk + bk * bn) * isz + 2 * bm * bn * osz + prior + bm * bn * 4
 
 
-def plan(launch, dims, in_dtype, out_dtype, buffers, candidates):
+def plan(launch, dims, in_dtype, out_dtype, buffers, candidates, accumulates=False):
     """A `(StepLayout, None)`, or `(None, reason)` when no tiling fits.
 
     - `launch`: the kernel's `_launch.RingLaunch` (its chip, and the `vmem` and
@@ -107,6 +108,7 @@ def plan(launch, dims, in_dtype, out_dtype, buffers, candidates):
     - `buffers`: `(shape, dtype)` of every buffer of the call (the all-in-VMEM decision).
     - `candidates`: `(name, shape, dtype)` of buffers that may stay resident, most reused
       first.
+    - `accumulates`: each step adds the prior f32 sum (all-gather-contract).
     """
     chip, vmem = launch.chip, launch.vmem
     if vmem is None:
@@ -117,9 +119,10 @@ def plan(launch, dims, in_dtype, out_dtype, buffers, candidates):
     t, why = tiles(dims, in_dtype, out_dtype, targets)
     if t is None:
         return None, why
-    free = chip.budget_bytes - tile_bytes(t, in_dtype, out_dtype)
+    need = tile_bytes(t, in_dtype, out_dtype, accumulates)
+    free = chip.budget_bytes - need
     if free < 0:
-        return None, (f"tiles {t} need {tile_bytes(t, in_dtype, out_dtype) / 2**20:.1f} MiB "
+        return None, (f"tiles {t} need {need / 2**20:.1f} MiB "
                       f"of VMEM, more than the {chip.budget_bytes / 2**20:.0f} MiB a "
                       f"TPU {chip.name} kernel plans with; pass smaller block_m/block_k/"
                       f"block_n options")

@@ -224,7 +224,7 @@ def plan(params: AllGatherMatmulParams, x, w):
     if params.gather == CONTRACTION:
         candidates.append(("acc", sh.out, jnp.float32))
     layout, why = _tile_plan.plan(params.launch, sh.step, x.dtype, params.out_dtype, buffers,
-                                  candidates)
+                                  candidates, accumulates=params.gather == CONTRACTION)
     return sh, layout, why
 
 
