@@ -99,6 +99,43 @@ def test_tiles_are_aligned_for_the_dtypes_they_cut():
     assert layout.tiles == chip.tiles and layout.resident == {"w_resident"}
 
 
+def _resident(prim, chip, m, k, c, n=4):
+    """What the plan keeps in VMEM for `prim` at per-device sizes (m, k, c), bf16."""
+    import jax
+
+    from fusedpar._backends import pallas_tpu
+
+    shapes = {"ag_rows": ((m, k), (k, c)), "ag_cols": ((m, k), (k, c // n)),
+              "ag_contract": ((m, k), (k // n, c)), "rs_rows": ((m, k), (k, c)),
+              "rs_cols": ((m, k), (k, c))}[prim]
+    module, params = pallas_tpu._params(
+        prim, axis_name=None, axis_size=n, bidirectional=True, out_dtype="bfloat16",
+        reduce_dtype="float32", return_gathered=False, platform="cpu", get={"chip": chip}.get)
+    x, w = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes)
+    return {name.replace("_resident", "") for name in module.plan(params, x, w)[1].resident}
+
+
+PRIMS = ("ag_rows", "ag_cols", "ag_contract", "rs_rows", "rs_cols")
+STATIONARY = {"ag_rows": "w", "ag_cols": "x", "ag_contract": "x", "rs_rows": "w",
+              "rs_cols": "x"}
+
+
+def test_resident_buffers_at_the_layer_size():
+    """docs/tpu.md: what stays in VMEM at 4096 x 8192 x 4096 bf16 per device, ring of 4."""
+    got = {chip: {p: _resident(p, chip, 4096, 8192, 4096) for p in PRIMS}
+           for chip in _chips.NAMES}
+    assert got["v5e"] == {p: {STATIONARY[p]} for p in PRIMS}
+    assert got["v6e"] == {"ag_rows": set(), "ag_cols": {"x"}, "ag_contract": set(),
+                          "rs_rows": {"stage"}, "rs_cols": {"x"}}
+    assert got["v5p"] == {"ag_rows": set(), "ag_cols": set(), "ag_contract": set(),
+                          "rs_rows": {"stage"}, "rs_cols": {"stage"}}
+    assert got["v4"] == {p: set() for p in PRIMS}
+    for chip in ("v5e", "v5p", "v6e"):  # at half the size
+        for p in PRIMS:
+            want = {STATIONARY[p]} | ({"stage"} if p.startswith("rs") else set())
+            assert want <= _resident(p, chip, 2048, 4096, 2048), (chip, p)
+
+
 def test_small_problems_stay_in_vmem():
     chip = _chips.chip("v5e")
     small = [((256, 256), np.float32)] * 4

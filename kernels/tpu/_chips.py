@@ -12,7 +12,7 @@ operands) are planned against `budget_bytes`, 7/8 of that limit.
 Tile presets `(bm, bk, bn)` for the tiled HBM path make a step's matmul compute-bound
 from HBM. Per k-step a tile loads `bm*bk + bk*bn` elements and does `2*bm*bk*bn` flops,
 so its intensity in bfloat16 is `bm*bn / (bm + bn)` flop/byte; it must exceed the chip's
-peak / HBM bandwidth: v4 275 TFLOP/s / 1.2 TB/s = 224, v5e 197 / 0.82 = 240, v5p
+peak / HBM bandwidth: v4 275 TFLOP/s / 1.23 TB/s = 224, v5e 197 / 0.82 = 240, v5p
 459 / 2.77 = 166, v6e 918 / 1.64 = 560. 512 x 512 gives 256 (enough on v4),
 512 x 1024 gives 341 (v5e, v5p), 1024 x 2048 gives 683 (v6e). Every preset is a multiple
 of the MXU width (128 up to v5p, 256 on v6e). Their VMEM in bfloat16 (a, b and out tiles
