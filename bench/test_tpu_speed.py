@@ -21,34 +21,21 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
-from test_op_speed import DTYPE, OPS, RINGS, SHAPES, _inputs, _program
+from test_op_speed import DTYPE, _cases, _inputs, _program
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(jax.default_backend() != "tpu",
                                  reason="the fused TPU kernels are timed on a TPU only")]
 
-# (bidirectional): the label in the tables.
-KERNELS = {"pallas_tpu": False, "pallas_tpu-bidi": True}
+# (backend, bidirectional): the label in the tables.
+KERNELS = {"pallas_tpu": ("pallas_tpu", False), "pallas_tpu-bidi": ("pallas_tpu", True)}
 STEP_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 8192, 1024)]
 
 
-def _cases():
-    for op in OPS:
-        for mode in ("fwd", "fwd+bwd"):
-            for shape in SHAPES:
-                for n in RINGS:
-                    for label, bi in KERNELS.items():
-                        if bi and n <= 2:
-                            continue  # a bidirectional ring of 2 is the same ring twice
-                        yield pytest.param(op, mode, shape, n, label,
-                                           id=f"{op}-{mode}-{'x'.join(map(str, shape))}"
-                                              f"-N{n}-{label}")
-
-
-@pytest.mark.parametrize("op,mode,shape,n,label", list(_cases()))
+@pytest.mark.parametrize("op,mode,shape,n,label", list(_cases(KERNELS)))
 def test_op(benchmark, timed, make_mesh, op, mode, shape, n, label):
     mesh = make_mesh(n)
-    fn = _program(op, mesh, "pallas_tpu", KERNELS[label], mode, check_vma=False)
+    fn = _program(op, mesh, *KERNELS[label], mode, check_vma=False)
     x, w = _inputs(op, mesh, shape)
     m, k, n_out = shape
     timed(benchmark, fn, x, w, group=f"{op} {mode} {m}x{k}x{n_out} N={n}", op=op, mode=mode,

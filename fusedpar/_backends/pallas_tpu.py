@@ -51,14 +51,14 @@ def options(platform: str) -> frozenset:
 
 
 def _kernel_of(prim):
-    """(kernel module, its params class, the layout argument) of primitive `prim`."""
+    """(kernel module, its name, the layout it runs) of primitive `prim`."""
     tpu = _kernels()
     agm, mrs = tpu.all_gather_matmul, tpu.matmul_reduce_scatter
-    return {
-        prims.AG_ROWS: (agm, agm.ROWS), prims.AG_COLS: (agm, agm.COLUMNS),
-        prims.AG_CONTRACT: (agm, agm.CONTRACTION),
-        prims.RS_ROWS: (mrs, mrs.ROWS), prims.RS_COLS: (mrs, mrs.COLUMNS),
-    }[prim]
+    gathers = {prims.AG_ROWS: agm.ROWS, prims.AG_COLS: agm.COLUMNS,
+               prims.AG_CONTRACT: agm.CONTRACTION}
+    if prim in gathers:
+        return agm, "all_gather_matmul", gathers[prim]
+    return mrs, "matmul_reduce_scatter", {prims.RS_ROWS: mrs.ROWS, prims.RS_COLS: mrs.COLUMNS}[prim]
 
 
 def _chip(platform, chip=None, cores=None):
@@ -108,7 +108,7 @@ def _params(prim, *, axis_name, axis_size, bidirectional, out_dtype, reduce_dtyp
     Without `axis_name` (a dispatch check, outside any shard_map) there is no collective
     id."""
     tpu = _kernels()
-    module, layout = _kernel_of(prim)
+    module, kernel_name, layout = _kernel_of(prim)
     ring = Ring(axis_size, bidirectional)
     if get("cores") not in (None, 1, 2):
         raise ValueError(f"{prim}: options['cores']={get('cores')!r} must be 1 or 2 (the "
@@ -120,7 +120,6 @@ def _params(prim, *, axis_name, axis_size, bidirectional, out_dtype, reduce_dtyp
         raise ValueError(f"{prim}: options['chip']={get('chip')!r}: {e}") from None
     broken = get("_broken")
     targets = tuple(int(get(f"block_{name}", preset)) for name, preset in zip("mkn", chip.tiles))
-    kernel_name = module.__name__.rsplit(".", 1)[-1]
     launch = tpu.RingLaunch(
         axis_name=axis_name, ring=ring,
         collective_id=(_collective_id(kernel_name, axis_name, broken)

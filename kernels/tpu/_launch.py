@@ -63,6 +63,12 @@ class RingLaunch:
         return self.interpret is False
 
 
+def one_of(name: str, value, valid: tuple) -> None:
+    """Check a kernel parameter that takes one of a few values."""
+    if value not in valid:
+        raise ValueError(f"{name} must be one of {valid}, got {value!r}")
+
+
 def register_cpu_chip():
     """Let `pltpu.emit_pipeline` run (interpret mode) or lower (for TPU) on a CPU host.
 
@@ -139,3 +145,14 @@ def operand(refs: dict, name: str):
         return refs[name]
     pltpu.sync_copy(refs[name], resident)
     return resident
+
+
+def ring_of(refs: dict, launch: RingLaunch, layout):
+    """`(Link, Cores)` of a kernel: the ring over its slots and semaphores, and the
+    TensorCores sharing its steps."""
+    link = _protocol.Link(launch.ring, launch.axis_name, refs["slots"], refs["send"],
+                          refs["recv"], refs["local"], refs["credit"], refs["done"],
+                          launch.broken)
+    cores = _protocol.Cores(layout.cores, refs.get("ready"), refs.get("computed"),
+                            launch.broken)
+    return link, cores

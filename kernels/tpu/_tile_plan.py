@@ -92,9 +92,9 @@ def tile_bytes(t, in_dtype, out_dtype, accumulates=False) -> int:
     """VMEM of one step's pipeline: the a, b and out tiles double-buffered (and the prior
     f32 sum's, when the step `accumulates`), plus the f32 accumulator."""
     bm, bk, bn = t
-    isz, osz = np.dtype(in_dtype).itemsize, np.dtype(out_dtype).itemsize
+    in_size, out_size = np.dtype(in_dtype).itemsize, np.dtype(out_dtype).itemsize
     prior = 2 * bm * bn * 4 if accumulates else 0
-    return 2 * (bm * bk + bk * bn) * isz + 2 * bm * bn * osz + prior + bm * bn * 4
+    return 2 * (bm * bk + bk * bn) * in_size + 2 * bm * bn * out_size + prior + bm * bn * 4
 
 
 def plan(launch, dims, in_dtype, out_dtype, buffers, candidates, accumulates=False):

@@ -61,12 +61,11 @@ class AllGatherMatmulParams:
     launch: _launch.RingLaunch
 
     def __post_init__(self):
-        if self.gather not in GATHERS:
-            raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}")
+        _launch.one_of("gather", self.gather, GATHERS)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Shapes:
+class _Geometry:
     """The geometry of one call: which operand travels and how a step cuts it."""
 
     travelling: str  # "x" or "w"
@@ -77,33 +76,31 @@ class _Shapes:
     stationary: str  # the operand every step reads whole ("x" or "w")
 
 
-def shapes(params: AllGatherMatmulParams, x_shape, w_shape) -> _Shapes:
+def shapes(params: AllGatherMatmulParams, x_shape, w_shape) -> _Geometry:
     """The geometry of `params` on local operands of these shapes (ValueError if a
     bidirectional ring cannot halve a block)."""
     ring = params.launch.ring
     (m, k), (kw, n) = x_shape, w_shape
     if params.gather == ROWS:
         half = ring.split_size(m, "the travelling block")
-        return _Shapes("x", 0, (half, k), (ring.size * m, n), (half, k, n), "w")
+        return _Geometry("x", 0, (half, k), (ring.size * m, n), (half, k, n), "w")
     if params.gather == COLUMNS:
         half = ring.split_size(n, "the travelling block")
-        return _Shapes("w", 1, (kw, half), (m, ring.size * n), (m, k, half), "x")
+        return _Geometry("w", 1, (kw, half), (m, ring.size * n), (m, k, half), "x")
     half = ring.split_size(kw, "the travelling block")
-    return _Shapes("w", 0, (half, n), (m, n), (m, half, n), "x")
+    return _Geometry("w", 0, (half, n), (m, n), (m, half, n), "x")
 
 
-def _kernel(refs, *, params, sh, layout):
+def _kernel(refs, *, params, geometry, layout):
     launch = params.launch
     ring, n, nd = launch.ring, launch.ring.size, launch.ring.num_directions
     enforce, tiles, cores_n = launch.for_mosaic, layout.tiles, layout.cores
-    x, w, out = refs["x"], refs["w"], refs["out"]
-    stationary = _launch.operand(refs, sh.stationary)
-    travelling = x if sh.travelling == "x" else w
-    length = sh.piece[sh.axis]
-    link = _protocol.Link(ring, launch.axis_name, refs["slots"], refs["send"], refs["recv"],
-                          refs["local"], refs["credit"], refs["done"], launch.broken)
-    cores = _protocol.Cores(cores_n, refs.get("ready"), refs.get("computed"), launch.broken)
-    me, acc, outbox = link.me, refs.get("acc"), refs.get("outbox")
+    x, w, out, acc, outbox = (refs.get(k) for k in ("x", "w", "out", "acc", "outbox"))
+    stationary = _launch.operand(refs, geometry.stationary)
+    travelling = refs[geometry.travelling]
+    length = geometry.piece[geometry.axis]
+    link, cores = _launch.ring_of(refs, launch, layout)
+    me = link.me
     late = launch.broken == _protocol.BROKEN_READ_BEFORE_WAIT
 
     def cut(ref, index, axis, name):
@@ -130,14 +127,14 @@ def _kernel(refs, *, params, sh, layout):
 
     def step(s, first, last):
         if first:
-            pieces = [cut(travelling, h, sh.axis, sh.travelling) for h in range(nd)]
+            pieces = [cut(travelling, h, geometry.axis, geometry.travelling) for h in range(nd)]
             outgoing = pieces if outbox is None else [outbox.at[h] for h in range(nd)]
         else:
             pieces = outgoing = [link.received(h, s - 1) for h in range(nd)]
 
         def gathered_copy(h):  # piece h into its place in the gathered operand
             seg = ring.gather_segment(me, s, ring.directions[h])
-            return link.local_copy(h, pieces[h], cut(refs["gathered"], seg, sh.axis,
+            return link.local_copy(h, pieces[h], cut(refs["gathered"], seg, geometry.axis,
                                                       "the gathered operand"))
 
         def start():
@@ -176,38 +173,38 @@ def _kernel(refs, *, params, sh, layout):
 def windows(params: AllGatherMatmulParams, x, w) -> list:
     """Every ring-segment window the kernel cuts (`_layout.Window`s), for the layout check
     before it is built (its pipeline tiles are chosen aligned, and checked as built)."""
-    sh = shapes(params, x.shape, w.shape)
-    length = sh.piece[sh.axis]
-    travelling = x if sh.travelling == "x" else w
-    cut = [(sh.travelling, travelling.shape, travelling.dtype, sh.axis)]
+    geometry = shapes(params, x.shape, w.shape)
+    length = geometry.piece[geometry.axis]
+    travelling = x if geometry.travelling == "x" else w
+    cut = [(geometry.travelling, travelling.shape, travelling.dtype, geometry.axis)]
     if params.gather == CONTRACTION:
         cut.append(("x", x.shape, x.dtype, 1))
     else:
-        cut.append(("out", sh.out, params.out_dtype, sh.axis))
+        cut.append(("out", geometry.out, params.out_dtype, geometry.axis))
     if params.return_gathered:
-        g = _outputs(params, sh, travelling)["gathered"]
-        cut.append(("the gathered operand", g.shape, g.dtype, sh.axis))
+        g = _outputs(params, geometry, travelling)["gathered"]
+        cut.append(("the gathered operand", g.shape, g.dtype, geometry.axis))
     return _layout.segments(cut, length)
 
 
-def _outputs(params, sh, travelling):
+def _outputs(params, geometry, travelling):
     """The kernel's results (the product, and the gathered operand if asked for)."""
-    out = {"out": jax.ShapeDtypeStruct(sh.out, params.out_dtype)}
+    out = {"out": jax.ShapeDtypeStruct(geometry.out, params.out_dtype)}
     if params.return_gathered:
         g = list(travelling.shape)
-        g[sh.axis] *= params.launch.ring.size
+        g[geometry.axis] *= params.launch.ring.size
         out["gathered"] = jax.ShapeDtypeStruct(tuple(g), travelling.dtype)
     return out
 
 
-def _ring_buffers(params, sh, travelling):
+def _ring_buffers(params, geometry, travelling):
     """Receive slots; the outbox of a bidirectional COLUMNS ring; the f32 running sum."""
     ring = params.launch.ring
-    buffers = {"slots": ((ring.num_directions, 2, *sh.piece), travelling.dtype)}
+    buffers = {"slots": ((ring.num_directions, 2, *geometry.piece), travelling.dtype)}
     if params.gather == COLUMNS and ring.bidirectional and ring.size > 1:
-        buffers["outbox"] = ((ring.num_directions, *sh.piece), travelling.dtype)
+        buffers["outbox"] = ((ring.num_directions, *geometry.piece), travelling.dtype)
     if params.gather == CONTRACTION and ring.num_segments > 1:
-        buffers["acc"] = (sh.out, jnp.float32)
+        buffers["acc"] = (geometry.out, jnp.float32)
     return buffers
 
 
@@ -215,34 +212,34 @@ def _ring_buffers(params, sh, travelling):
 def plan(params: AllGatherMatmulParams, x, w):
     """`(shapes, StepLayout, reason)`: how the kernel would run on `x`, `w` (arrays or
     `ShapeDtypeStruct`s); the layout is None (with the reason) when no tiling fits."""
-    sh = shapes(params, x.shape, w.shape)
+    geometry = shapes(params, x.shape, w.shape)
     operands = {"x": x, "w": w}
-    travelling, stationary = operands[sh.travelling], operands[sh.stationary]
-    buffers = [(a.shape, a.dtype) for a in (x, w, *_outputs(params, sh, travelling).values())]
-    buffers += list(_ring_buffers(params, sh, travelling).values())
-    candidates = [(sh.stationary + "_resident", stationary.shape, stationary.dtype)]
+    travelling, stationary = operands[geometry.travelling], operands[geometry.stationary]
+    buffers = [(a.shape, a.dtype) for a in (x, w, *_outputs(params, geometry, travelling).values())]
+    buffers += list(_ring_buffers(params, geometry, travelling).values())
+    candidates = [(geometry.stationary + "_resident", stationary.shape, stationary.dtype)]
     if params.gather == CONTRACTION:
-        candidates.append(("acc", sh.out, jnp.float32))
-    layout, why = _tile_plan.plan(params.launch, sh.step, x.dtype, params.out_dtype, buffers,
+        candidates.append(("acc", geometry.out, jnp.float32))
+    layout, why = _tile_plan.plan(params.launch, geometry.step, x.dtype, params.out_dtype, buffers,
                                   candidates, accumulates=params.gather == CONTRACTION)
-    return sh, layout, why
+    return geometry, layout, why
 
 
 def all_gather_matmul(x, w, params: AllGatherMatmulParams):
     """The fused kernel on local operands `x`, `w` (see the module docstring): the product,
     and with `params.return_gathered` also the gathered travelling operand."""
-    sh, layout, why = plan(params, x, w)
+    geometry, layout, why = plan(params, x, w)
     if layout is None:
         raise _tile_plan.PlanError(why)
     operands = {"x": x, "w": w}
-    travelling = operands[sh.travelling]
+    travelling = operands[geometry.travelling]
     results, scratch = _launch.place(layout, operands,
-                                     _ring_buffers(params, sh, travelling),
+                                     _ring_buffers(params, geometry, travelling),
                                      params.launch.ring)
-    outputs = {**_outputs(params, sh, travelling), **results}
+    outputs = {**_outputs(params, geometry, travelling), **results}
     results = _launch.call(
         f"all_gather_matmul_{params.gather}",
-        functools.partial(_kernel, params=params, sh=sh, layout=layout), params.launch,
+        functools.partial(_kernel, params=params, geometry=geometry, layout=layout), params.launch,
         layout, operands, outputs, scratch)
     if params.return_gathered:
         return results["out"], results["gathered"]

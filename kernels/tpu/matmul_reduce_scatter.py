@@ -56,12 +56,11 @@ class MatmulReduceScatterParams:
     launch: _launch.RingLaunch
 
     def __post_init__(self):
-        if self.scatter not in SCATTERS:
-            raise ValueError(f"scatter must be one of {SCATTERS}, got {self.scatter!r}")
+        _launch.one_of("scatter", self.scatter, SCATTERS)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Shapes:
+class _Geometry:
     axis: int  # the output axis cut into segments
     segment: tuple  # one direction's output segment
     out: tuple  # this device's result
@@ -69,36 +68,32 @@ class _Shapes:
     stationary: str  # the operand every step reads whole ("x" or "w")
 
 
-def shapes(params: MatmulReduceScatterParams, x_shape, w_shape) -> _Shapes:
+def shapes(params: MatmulReduceScatterParams, x_shape, w_shape) -> _Geometry:
     """The geometry of `params` on local operands of these shapes (ValueError if the
     result does not split into equal segments)."""
     ring = params.launch.ring
     (m, k), (_, n) = x_shape, w_shape
     if params.scatter == ROWS:
         rows = ring.split_size(m // ring.size, "each output block")
-        return _Shapes(0, (rows, n), (m // ring.size, n), (rows, k, n), "w")
+        return _Geometry(0, (rows, n), (m // ring.size, n), (rows, k, n), "w")
     cols = ring.split_size(n // ring.size, "each output block")
-    return _Shapes(1, (m, cols), (m, n // ring.size), (m, k, cols), "x")
+    return _Geometry(1, (m, cols), (m, n // ring.size), (m, k, cols), "x")
 
 
-def _kernel(refs, *, params, sh, layout):
+def _kernel(refs, *, params, geometry, layout):
     launch = params.launch
     ring, n, nd = launch.ring, launch.ring.size, launch.ring.num_directions
-    enforce, tiles, cores_n = launch.for_mosaic, layout.tiles, layout.cores
-    x, w, out = refs["x"], refs["w"], refs["out"]
-    stationary = _launch.operand(refs, sh.stationary)
-    sendbuf, stage = refs["sendbuf"], refs["stage"]
-    length = sh.segment[sh.axis]
-    link = _protocol.Link(ring, launch.axis_name, refs["slots"], refs["send"], refs["recv"],
-                          refs["local"], refs["credit"], refs["done"], launch.broken)
-    cores = _protocol.Cores(cores_n, refs.get("ready"), refs.get("computed"), launch.broken)
-    me = link.me
+    x, w, out, sendbuf, stage = (refs[k] for k in ("x", "w", "out", "sendbuf", "stage"))
+    stationary = _launch.operand(refs, geometry.stationary)
+    length = geometry.segment[geometry.axis]
+    link, cores = _launch.ring_of(refs, launch, layout)
+    enforce, tiles, me = launch.for_mosaic, layout.tiles, link.me
     late = launch.broken == _protocol.BROKEN_READ_BEFORE_WAIT
     add_tiles = None if tiles is None else (tiles[0], tiles[2])
-    kw = dict(cores=cores_n, enforce=enforce)
+    kw = dict(cores=layout.cores, enforce=enforce)
 
     def cut(ref, index, name):
-        return segment(ref, index, length, sh.axis, name, enforce)
+        return segment(ref, index, length, geometry.axis, name, enforce)
 
     def partial(s, h, dst):
         seg = ring.scatter_segment(me, s, ring.directions[h])
@@ -157,47 +152,47 @@ def _kernel(refs, *, params, sh, layout):
 def windows(params: MatmulReduceScatterParams, x, w) -> list:
     """Every ring-segment window the kernel cuts (`_layout.Window`s), for the layout check
     before it is built (its pipeline tiles are chosen aligned, and checked as built)."""
-    sh = shapes(params, x.shape, w.shape)
-    length = sh.segment[sh.axis]
+    geometry = shapes(params, x.shape, w.shape)
+    length = geometry.segment[geometry.axis]
     operand = ("x", x.shape, x.dtype) if params.scatter == ROWS else ("w", w.shape, w.dtype)
-    cut = [(*operand, sh.axis), ("out", sh.out, params.out_dtype, sh.axis)]
+    cut = [(*operand, geometry.axis), ("out", geometry.out, params.out_dtype, geometry.axis)]
     return _layout.segments(cut, length)
 
 
-def _ring_buffers(params, sh):
+def _ring_buffers(params, geometry):
     nd = params.launch.ring.num_directions
-    return {"slots": ((nd, 2, *sh.segment), params.reduce_dtype),
-            "sendbuf": ((nd, 2, *sh.segment), params.reduce_dtype),
-            "stage": ((nd, *sh.segment), params.reduce_dtype)}
+    return {"slots": ((nd, 2, *geometry.segment), params.reduce_dtype),
+            "sendbuf": ((nd, 2, *geometry.segment), params.reduce_dtype),
+            "stage": ((nd, *geometry.segment), params.reduce_dtype)}
 
 
 def plan(params: MatmulReduceScatterParams, x, w):
     """`(shapes, StepLayout, reason)`: how the kernel would run on `x`, `w` (arrays or
     `ShapeDtypeStruct`s); the layout is None (with the reason) when no tiling fits."""
-    sh = shapes(params, x.shape, w.shape)
-    ring_buffers = _ring_buffers(params, sh)
-    buffers = [(x.shape, x.dtype), (w.shape, w.dtype), (sh.out, params.out_dtype),
+    geometry = shapes(params, x.shape, w.shape)
+    ring_buffers = _ring_buffers(params, geometry)
+    buffers = [(x.shape, x.dtype), (w.shape, w.dtype), (geometry.out, params.out_dtype),
                *ring_buffers.values()]
-    stationary = {"x": x, "w": w}[sh.stationary]
-    candidates = [(sh.stationary + "_resident", stationary.shape, stationary.dtype),
+    stationary = {"x": x, "w": w}[geometry.stationary]
+    candidates = [(geometry.stationary + "_resident", stationary.shape, stationary.dtype),
                   ("stage", *ring_buffers["stage"])]
-    layout, why = _tile_plan.plan(params.launch, sh.step, x.dtype, params.reduce_dtype,
+    layout, why = _tile_plan.plan(params.launch, geometry.step, x.dtype, params.reduce_dtype,
                                   buffers, candidates)
-    return sh, layout, why
+    return geometry, layout, why
 
 
 def matmul_reduce_scatter(x, w, params: MatmulReduceScatterParams):
     """The fused kernel on local operands `x`, `w`: this device's reduced block."""
-    sh, layout, why = plan(params, x, w)
+    geometry, layout, why = plan(params, x, w)
     if layout is None:
         raise _tile_plan.PlanError(why)
     operands = {"x": x, "w": w}
-    results, scratch = _launch.place(layout, operands, _ring_buffers(params, sh),
+    results, scratch = _launch.place(layout, operands, _ring_buffers(params, geometry),
                                      params.launch.ring)
-    outputs = {"out": jax.ShapeDtypeStruct(sh.out, params.out_dtype), **results}
+    outputs = {"out": jax.ShapeDtypeStruct(geometry.out, params.out_dtype), **results}
     return _launch.call(
         f"matmul_reduce_scatter_{params.scatter}",
-        functools.partial(_kernel, params=params, sh=sh, layout=layout), params.launch,
+        functools.partial(_kernel, params=params, geometry=geometry, layout=layout), params.launch,
         layout, operands, outputs, scratch)["out"]
 
 
