@@ -73,9 +73,12 @@ def test_presets_rest_on_the_documented_numbers(name):
         assert bf16 + 8 * MiB > chip.default_scoped_vmem_bytes * 7 // 8
 
 
-def test_unknown_generation_is_refused():
+def test_unknown_generation_and_missing_cores_are_refused():
     with pytest.raises(ValueError, match="unknown TPU generation 'v9'"):
         _chips.chip("v9")
+    with pytest.raises(ValueError, match="a TPU v5e device has 1 TensorCore"):
+        _chips.chip("v5e", cores=2)  # the two programs would run one after the other
+    assert _chips.chip("v5p", cores=1).cores == 1  # split mode
 
 
 class _Launch:

@@ -117,7 +117,8 @@ def _params(prim, *, axis_name, axis_size, bidirectional, out_dtype, reduce_dtyp
     try:
         chip = _chip(platform, get("chip"), get("cores"))
     except ValueError as e:
-        raise ValueError(f"{prim}: options['chip']={get('chip')!r}: {e}") from None
+        raise ValueError(f"{prim}: options['chip']={get('chip')!r}, "
+                         f"options['cores']={get('cores')!r}: {e}") from None
     broken = get("_broken")
     targets = tuple(int(get(f"block_{name}", preset)) for name, preset in zip("mkn", chip.tiles))
     launch = tpu.RingLaunch(

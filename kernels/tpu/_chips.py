@@ -85,6 +85,11 @@ def chip(name: str, cores: int | None = None) -> Chip:
         valid = ", ".join(v.value for v in pltpu.ChipVersion)
         raise ValueError(f"unknown TPU generation {name!r}; JAX knows {valid}") from None
     default_scoped, megacore, tiles = _PRESETS.get(name, _OTHER)
+    if cores is not None and not 1 <= cores <= megacore:
+        # A grid axis of 2 "parallel" programs on one TensorCore runs them one after the
+        # other: the first would wait forever for the second at its first hand-over.
+        raise ValueError(f"a TPU {name} device has {megacore} TensorCore(s) to split a "
+                         f"step between, not {cores}")
     cores = megacore if cores is None else cores
     info = pltpu.get_tpu_info_for_chip(version, 1)
     return Chip(name, info.vmem_capacity_bytes, default_scoped, cores, tiles)

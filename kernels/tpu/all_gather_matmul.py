@@ -94,8 +94,8 @@ def shapes(params: AllGatherMatmulParams, x_shape, w_shape) -> _Geometry:
 def _kernel(refs, *, params, geometry, layout):
     launch = params.launch
     ring, n, nd = launch.ring, launch.ring.size, launch.ring.num_directions
-    enforce, tiles, cores_n = launch.for_mosaic, layout.tiles, layout.cores
-    x, w, out, acc, outbox = (refs.get(k) for k in ("x", "w", "out", "acc", "outbox"))
+    enforce, tiles = launch.for_mosaic, layout.tiles
+    w, out, acc, outbox = (refs.get(k) for k in ("w", "out", "acc", "outbox"))
     stationary = _launch.operand(refs, geometry.stationary)
     travelling = refs[geometry.travelling]
     length = geometry.piece[geometry.axis]
@@ -116,14 +116,14 @@ def _kernel(refs, *, params, geometry, layout):
         cores.ring(fill_outbox)
 
     def compute(piece, seg, first, last):
-        kw = dict(precision=launch.precision, cores=cores_n, enforce=enforce)
+        how = dict(precision=launch.precision, cores=layout.cores, enforce=enforce)
         if params.gather == ROWS:
-            _step_compute.matmul(piece, stationary, cut(out, seg, 0, "out"), tiles, **kw)
+            _step_compute.matmul(piece, stationary, cut(out, seg, 0, "out"), tiles, **how)
         elif params.gather == COLUMNS:
-            _step_compute.matmul(stationary, piece, cut(out, seg, 1, "out"), tiles, **kw)
+            _step_compute.matmul(stationary, piece, cut(out, seg, 1, "out"), tiles, **how)
         else:  # the f32 sum over segments lives in `acc`; the last one writes `out`
             _step_compute.matmul(cut(stationary, seg, 1, "x"), piece, out if last else acc,
-                                 tiles, prev=None if first else acc, **kw)
+                                 tiles, prev=None if first else acc, **how)
 
     def step(s, first, last):
         if first:
@@ -210,7 +210,7 @@ def _ring_buffers(params, geometry, travelling):
 
 
 def plan(params: AllGatherMatmulParams, x, w):
-    """`(shapes, StepLayout, reason)`: how the kernel would run on `x`, `w` (arrays or
+    """`(geometry, StepLayout, reason)`: how the kernel would run on `x`, `w` (arrays or
     `ShapeDtypeStruct`s); the layout is None (with the reason) when no tiling fits."""
     geometry = shapes(params, x.shape, w.shape)
     operands = {"x": x, "w": w}

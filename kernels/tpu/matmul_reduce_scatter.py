@@ -90,7 +90,7 @@ def _kernel(refs, *, params, geometry, layout):
     enforce, tiles, me = launch.for_mosaic, layout.tiles, link.me
     late = launch.broken == _protocol.BROKEN_READ_BEFORE_WAIT
     add_tiles = None if tiles is None else (tiles[0], tiles[2])
-    kw = dict(cores=layout.cores, enforce=enforce)
+    how = dict(cores=layout.cores, enforce=enforce)
 
     def cut(ref, index, name):
         return segment(ref, index, length, geometry.axis, name, enforce)
@@ -101,7 +101,7 @@ def _kernel(refs, *, params, geometry, layout):
             a, b = cut(x, seg, "x"), stationary
         else:
             a, b = stationary, cut(w, seg, "w")
-        _step_compute.matmul(a, b, dst, tiles, precision=launch.precision, **kw)
+        _step_compute.matmul(a, b, dst, tiles, precision=launch.precision, **how)
 
     def mine(h):  # this device's output: segment me * nd + h, i.e. half h of `out`
         return cut(out, h, "out")
@@ -131,7 +131,7 @@ def _kernel(refs, *, params, geometry, layout):
         cores.hand_over()
         for h in range(nd):
             _step_compute.add(stage.at[h], link.received(h, s - 1),
-                              mine(h) if last else sendbuf.at[h, s % 2], add_tiles, **kw)
+                              mine(h) if last else sendbuf.at[h, s % 2], add_tiles, **how)
         cores.join()
 
         def finish():
@@ -146,7 +146,6 @@ def _kernel(refs, *, params, geometry, layout):
         cores.ring(finish)
 
     _protocol.run_ring(link, cores, n, step)
-
 
 
 def windows(params: MatmulReduceScatterParams, x, w) -> list:
@@ -167,7 +166,7 @@ def _ring_buffers(params, geometry):
 
 
 def plan(params: MatmulReduceScatterParams, x, w):
-    """`(shapes, StepLayout, reason)`: how the kernel would run on `x`, `w` (arrays or
+    """`(geometry, StepLayout, reason)`: how the kernel would run on `x`, `w` (arrays or
     `ShapeDtypeStruct`s); the layout is None (with the reason) when no tiling fits."""
     geometry = shapes(params, x.shape, w.shape)
     ring_buffers = _ring_buffers(params, geometry)
