@@ -48,10 +48,10 @@ def _op(prim, n, m, k, c):
     }[prim]
 
 
-def _lower(prim, bidirectional, sizes=LAYER, options=None):
+def _lower(prim, bidirectional, sizes=LAYER, options=None, **op_kw):
     op, xs, ws = _op(prim, N, *sizes)
     kw = dict(backend="pallas_tpu", bidirectional=bidirectional,
-              options={"interpret": False, **(options or {})})
+              options={"interpret": False, **(options or {})}, **op_kw)
 
     def loss(x, w):
         return jnp.sum(op(x, w, **kw).astype(jnp.float32))
@@ -115,6 +115,15 @@ def test_misaligned_ring_halves_are_refused_before_lowering():
     with pytest.raises(NotImplementedError, match="window of 32 along dimension 1 of w "
                                                   r"\(512, 64\) bfloat16"):
         _lower("ag_cols", True, (256, 512, 256))
+
+
+def test_backward_windows_are_checked_too():
+    """rs_rows at 256 x 1024 x 1024: its forward and its keep_gathered backward lower,
+    but the keep_gathered=False backward gathers x.T's columns in halves of 32 lanes."""
+    _lower_checked("rs_rows", True, SMALL)
+    with pytest.raises(NotImplementedError, match=r"ag_contract: .* window of 32 along "
+                                                  r"dimension 1 of x \(1024, 256\)"):
+        _lower("rs_rows", True, SMALL, keep_gathered=False)
 
 
 def test_lowers_with_tile_options():
