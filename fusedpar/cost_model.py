@@ -101,9 +101,23 @@ PRESETS: dict[str, Hardware] = {
         "H200 SXM", _GPU_FLOPS, efficiency=0.7, hbm_bandwidth=4.8 * _T,
         link_bandwidth=450 * _G, egress_bandwidth=450 * _G, step_latency=10e-6,
         kernel_step_latency=8e-6, hop_latency=3e-6, launch_overhead=5e-6, overlap=0.9),
+    # TPUs. Numbers per chip (one JAX device; a v4/v5p chip's two TensorCores together in
+    # megacore mode) from Google's spec sheets; ICI links one way each. float32 matmuls
+    # run as bf16 passes at the default precision. The fused kernel's step is a DMA start
+    # and a semaphore wait (`kernel_step_latency`), the lax ring's a ppermute launch.
+    # `efficiency` is what the fused kernels' step matmuls are expected to reach: their
+    # tile presets (kernels/tpu/_chips.py) are compute-bound from HBM on every generation,
+    # with the most headroom on v5e/v5p (tile intensity 341 flop/byte against 240/166
+    # needed) and the least on v6e (683 against 560, 256-wide MXUs), hence 0.8 and 0.75.
+    # Calibrate with a measured step (bench/test_tpu_speed.py) when a TPU is available.
+    # TPU v4: 275 TFLOP/s bf16, 1.2 TB/s HBM2, 6 ICI links of 50 GB/s (3-D torus).
+    "tpu_v4": Hardware(
+        "TPU v4", {"bfloat16": 275 * _T, "float32": 275 * _T}, efficiency=0.8,
+        hbm_bandwidth=1200 * _G, link_bandwidth=50 * _G, egress_bandwidth=300 * _G,
+        step_latency=5e-6, kernel_step_latency=1.5e-6, hop_latency=1e-6,
+        launch_overhead=2e-6, overlap=1.0),
     # TPU v5e: 197 TFLOP/s bf16, 819 GB/s HBM2, ICI 400 GB/s both ways per chip over 4
-    # links (2-D torus) = 50 GB/s one way per link. float32 matmuls run as bf16 passes at
-    # the default precision. The fused kernel's step is a DMA start and a semaphore wait.
+    # links (2-D torus) = 50 GB/s one way per link.
     "tpu_v5e": Hardware(
         "TPU v5e", {"bfloat16": 197 * _T, "float32": 197 * _T}, efficiency=0.8,
         hbm_bandwidth=819 * _G, link_bandwidth=50 * _G, egress_bandwidth=200 * _G,
@@ -116,6 +130,13 @@ PRESETS: dict[str, Hardware] = {
         hbm_bandwidth=2765 * _G, link_bandwidth=100 * _G, egress_bandwidth=600 * _G,
         step_latency=5e-6, kernel_step_latency=1.5e-6, hop_latency=1e-6,
         launch_overhead=2e-6, overlap=1.0),
+    # TPU v6e (Trillium): 918 TFLOP/s bf16, 1640 GB/s HBM, ICI 3584 Gbit/s one way per
+    # chip over 4 links (2-D torus) = 112 GB/s one way per link.
+    "tpu_v6e": Hardware(
+        "TPU v6e", {"bfloat16": 918 * _T, "float32": 918 * _T}, efficiency=0.75,
+        hbm_bandwidth=1640 * _G, link_bandwidth=112 * _G, egress_bandwidth=448 * _G,
+        step_latency=5e-6, kernel_step_latency=1.5e-6, hop_latency=1e-6,
+        launch_overhead=2e-6, overlap=1.0),
     # One of 8 simulated devices on a 2-core CPU (rough, fitted by eye to bench/RESULTS.md:
     # ~200 GFLOP/s f32 for the two cores together, shared by the 8 devices). The devices
     # share the cores and a "transfer" is a copy made by those cores, so nothing overlaps.
@@ -125,7 +146,8 @@ PRESETS: dict[str, Hardware] = {
         link_bandwidth=4 * _G, egress_bandwidth=4 * _G, step_latency=150e-6,
         kernel_step_latency=150e-6, hop_latency=20e-6, launch_overhead=20e-6, overlap=0.0),
 }
-_ALIASES = {"h100": "h100_sxm", "h200_sxm": "h200", "v5e": "tpu_v5e", "v5p": "tpu_v5p"}
+_ALIASES = {"h100": "h100_sxm", "h200_sxm": "h200", "v4": "tpu_v4", "v5e": "tpu_v5e",
+            "v5p": "tpu_v5p", "v6e": "tpu_v6e"}
 
 _default: Optional[Hardware] = None
 
@@ -181,7 +203,8 @@ def _guess_from_device_kind(platform: str) -> Optional[Hardware]:
     except Exception:  # no backend initialised for that platform
         return None
     for needle, key in (("h200", "h200"), ("h100", "h100_sxm"), ("v5 lite", "tpu_v5e"),
-                        ("v5e", "tpu_v5e"), ("v5p", "tpu_v5p"), ("tpu v5", "tpu_v5p")):
+                        ("v5e", "tpu_v5e"), ("v5p", "tpu_v5p"), ("tpu v5", "tpu_v5p"),
+                        ("v6 lite", "tpu_v6e"), ("v6e", "tpu_v6e"), ("tpu v4", "tpu_v4")):
         if needle in kind:
             return PRESETS[key]
     return None
@@ -375,8 +398,8 @@ def estimate(op: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
     - `ring_size`: the size of the mesh axis the op runs over.
     - `dtype`: the inputs' dtype. `reduce_dtype`: the reduce-scatter accumulator's dtype
       (default float32 for 16-bit inputs, as the op's default).
-    - `hardware`: a preset name (`PRESETS`: "h100_sxm", "h200", "tpu_v5e", "tpu_v5p",
-      "cpu") or a `Hardware` (e.g. from `calibrate`).
+    - `hardware`: a preset name (`PRESETS`: "h100_sxm", "h200", "tpu_v4", "tpu_v5e",
+      "tpu_v5p", "tpu_v6e", "cpu") or a `Hardware` (e.g. from `calibrate`).
     - `bidirectional`: the ring shape (default: what the op would use).
     - `details`: return `Breakdown`s (per-step compute/transfer, bytes) instead of seconds.
 

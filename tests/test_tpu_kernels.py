@@ -124,8 +124,9 @@ def test_mixed_precision_and_tile_options():
     n, mm = 4, mesh((4,), ("x",))
     x = normal(0, (n * 32, 256), jnp.bfloat16)
     w = normal(1, (256, n * 256), jnp.bfloat16)
-    # vmem=False: operands stay in HBM and every step is an emit_pipeline over 4-16 tiles.
-    opts = {"vmem": False, "block_m": 8, "block_k": 128, "block_n": 128}
+    # vmem=False: operands stay in HBM and every step is an emit_pipeline over 2-8 tiles
+    # (16 rows: the bfloat16 tile).
+    opts = {"vmem": False, "block_m": 16, "block_k": 128, "block_n": 128}
 
     def f(x, w, backend):
         kw = {} if backend == "reference" else {"backend": backend, "options": opts}
@@ -167,16 +168,26 @@ def test_unavailable_reasons():
     assert "platform 'gpu'" in pallas_tpu.unavailable(_call(platform="gpu"))
     assert "float16 is not supported" in pallas_tpu.unavailable(_call(dtype="float16"))
     assert pallas_tpu.unavailable(_call(w_shape=(512, 200))) is None  # fits VMEM: no tiles
-    # Too big for VMEM, and 1000 columns have no tile that is a multiple of 128.
-    why = pallas_tpu.unavailable(_call(x_shape=(4096, 8192), w_shape=(8192, 1000)))
-    assert "length 1000" in why and "block_n" in why
+    # Too big for VMEM, and 2000 columns (over the v5e preset of 1024) have no tile that
+    # is a multiple of 128; 1000 would be one whole-dimension tile.
+    assert pallas_tpu.unavailable(_call(x_shape=(4096, 8192), w_shape=(8192, 1000))) is None
+    why = pallas_tpu.unavailable(_call(x_shape=(4096, 8192), w_shape=(8192, 2000)))
+    assert "length 2000" in why and "block_n=1024" in why
     # On TPU, ring segments start on tile boundaries (the interpreter does not care).
     assert pallas_tpu.unavailable(_call(x_shape=(24, 512), dtype="bfloat16")) is None
     why = pallas_tpu.unavailable(_call(x_shape=(24, 512), dtype="bfloat16", platform="tpu"))
-    assert "multiple of 16 rows" in why and "segments of 24" in why
+    assert "window of 24 along dimension 0 of out (96, 256) bfloat16" in why
+    assert "multiple of 16 sublanes" in why
     why = pallas_tpu.unavailable(_call(prim="ag_cols", w_shape=(512, 192), platform="tpu",
                                     bidirectional=True))
-    assert "multiple of 128 columns" in why and "segments of 96" in why
+    assert "window of 96 along dimension 1 of w (512, 192)" in why
+    assert "multiple of 128 lanes" in why and "bidirectional halves" in why
+    # The direction dispatch resolves is the one checked: 128 columns per block are whole
+    # tiles, but a ring of 4 defaults to bidirectional, whose halves of 64 are not.
+    cols = dict(prim="ag_cols", w_shape=(512, 128), platform="tpu")
+    assert pallas_tpu.unavailable(_call(**cols, bidirectional=False)) is None
+    why = pallas_tpu.unavailable(_call(**cols, bidirectional=None))
+    assert "window of 64 along dimension 1 of w (512, 128)" in why
 
 
 def test_explicit_request_raises_the_reason():

@@ -9,8 +9,12 @@ option `_broken`, same kernel code otherwise) show that every one of these check
 when the protocol is wrong.
 
 Coverage: every primitive bidirectional (both directions' slots, semaphores and credits)
-at ring sizes 2, 4 and 8; the unidirectional ring (same code, one direction) and the
-tiled HBM path (emit_pipeline, vmem=False) for ag_rows, ag_contract and rs_rows at size 4.
+at ring sizes 2, 4 and 8, all in VMEM (ring buffers as scratch); the unidirectional ring
+(same code, one direction) and the tiled HBM path (emit_pipeline, vmem=False) for
+ag_rows, ag_contract and rs_rows at size 4, with the stationary operand, the partial
+product and the f32 sum resident in VMEM, and again on a chip too small for them (every
+buffer in HBM); the megacore split (two TensorCores per device, interpreted as two
+cores: core 0 runs the ring, both compute) for ag_rows, ag_contract and rs_rows.
 """
 
 import jax
@@ -23,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from fusedpar import _definition, _primitives as Prim
 from fusedpar._backends import pallas_tpu
+from fusedpar.kernels.tpu import Chip, _tile_plan
 
 from helpers import assert_close, mesh, normal
 
@@ -117,13 +122,52 @@ def test_protocol_clean_unidirectional(prim, capfd):
 @pytest.mark.parametrize("prim", ["ag_rows", "ag_contract", "rs_rows"])
 def test_protocol_clean_tiled_hbm_path(prim, capfd):
     """Operands in HBM, each step an emit_pipeline over several row tiles (ag_contract:
-    its f32 running sum is read and rewritten in place, tile by tile)."""
+    its f32 running sum is read and rewritten in place, tile by tile). The default chip's
+    VMEM holds the stationary operand, the staging buffer and the sum resident."""
+    layout = _layout(prim, 4, vmem=False, block_m=8)
+    assert layout.resident and layout.tiles[0] == 8, layout
     _assert_clean(prim, 4, False, capfd, [("on_wait", 2)], vmem=False, block_m=8)
 
 
-def _broken(prim, n, broken, mode, capfd):
+def _chip_without_room(prim, n):
+    """A made-up generation whose VMEM budget holds the pipeline's tiles for `prim` and
+    4 KiB more: no resident buffer (8 KiB and up at these shapes) fits."""
+    tiles = _layout(prim, n, vmem=False).tiles
+    need = _tile_plan.tile_bytes(tiles, jnp.float32, jnp.float32, prim == "ag_contract")
+    # budget = 7/8 of the limit = 7/8 * 3/4 of VMEM (the default scoped limit set to 0)
+    return Chip("small", vmem_bytes=(need + 4096) * 32 // 21 + 64,
+                default_scoped_vmem_bytes=0, cores=1, tiles=tiles)
+
+
+@pytest.mark.parametrize("prim", ["ag_contract", "rs_rows"])
+def test_protocol_clean_tiled_without_resident_buffers(prim, capfd):
+    """Every buffer in HBM: the stationary operand read by each step's pipeline, the
+    partial product and the f32 sum written to and read back from HBM."""
+    chip = _chip_without_room(prim, 4)
+    assert not _layout(prim, 4, vmem=False, chip=chip).resident
+    _assert_clean(prim, 4, False, capfd, [("on_wait", 1)], vmem=False, chip=chip)
+
+
+@pytest.mark.parametrize("prim,n", [("ag_rows", 2), ("ag_contract", 2), ("rs_rows", 2)])
+def test_protocol_clean_megacore(prim, n, capfd):
+    """Two TensorCores per device (TPU v5p): each step's tiles split between them."""
+    assert _layout(prim, n, vmem=False, chip="v5p", block_m=8).cores == 2
+    _assert_clean(prim, n, True, capfd, [("on_wait", 1)], vmem=False, chip="v5p", block_m=8)
+
+
+def _layout(prim, n, **options):
+    """The StepLayout `pallas_tpu` plans for `prim` on this file's shapes."""
+    module, params = pallas_tpu._params(
+        prim, axis_name=None, axis_size=n, bidirectional=False, out_dtype="float32",
+        reduce_dtype="float32", return_gathered=False, platform="cpu", get=options.get)
+    xs, ws = _shapes(prim, n)
+    return module.plan(params, jax.ShapeDtypeStruct(xs, jnp.float32),
+                       jax.ShapeDtypeStruct(ws, jnp.float32))[1]
+
+
+def _broken(prim, n, broken, mode, capfd, **options):
     params = pltpu.InterpretParams(dma_execution_mode=mode, detect_races=True)
-    f, definition = _functions(prim, n, False, params, _broken=broken)
+    f, definition = _functions(prim, n, False, params, _broken=broken, **options)
     args = _inputs(prim, n)
     got, races, text = _run_checked(f, args, capfd)
     leaves = [np.asarray(a) for a in jax.tree.leaves(got)]
@@ -152,6 +196,13 @@ def test_a_semaphore_left_non_zero_is_caught(capfd):
     races, nan, wrong, text = _broken("rs_rows", 4, "stray_credit", "on_wait", capfd)
     assert "non-zero count" in text
     assert not (nan or wrong)  # only the semaphore check sees this one
+
+
+def test_megacore_without_hand_over_is_caught(capfd):
+    """The second core computes with a slot before core 0 has waited for its DMA."""
+    races, _, _, text = _broken("ag_rows", 2, "no_hand_over", "on_wait", capfd,
+                                vmem=False, chip="v5p", block_m=8)
+    assert races and "RACE DETECTED" in text
 
 
 def test_unknown_broken_option_is_rejected():

@@ -5,27 +5,37 @@ while the MXU multiplies the block in hand. On TPU they compile with Mosaic; on 
 run in TPU interpret mode, which simulates every device, DMA and semaphore (a correctness
 simulator: slow).
 
+This module is the one place that maps the package's primitives and options to the
+kernels' typed parameters (`_params`): which kernel and layout a primitive is, the ring's
+direction as dispatch resolved it, the collective id of the (kernel, mesh axes) pair, the
+TPU generation it is planned for, tiles and interpret mode.
+
 These are collective kernels: the enclosing `jax.shard_map` must use `check_vma=False`.
 
 Options (`options={...}` of the public ops): `block_m`, `block_n`, `block_k` (tile
-targets), `vmem` (force every buffer into VMEM, or force the tiled HBM path),
-`interpret` (bool: force or forbid interpret mode; lowering for TPU from a CPU host needs
-False), `interpret_params` (a `pltpu.InterpretParams`), and `_broken` (a deliberately
-broken protocol variant, for the tests that prove the checks can fail).
+targets; default: the chip's presets), `vmem` (force every buffer into VMEM, or force the
+tiled HBM path), `chip` (the TPU generation to plan for: "v4", "v5e", "v5p", "v6e",
+or a `fusedpar.kernels.tpu.Chip`; default: the local TPU's, "v5e" where there is none),
+`cores` (TensorCores per device to
+split the tiled steps between; default: 2 on megacore chips), `interpret` (bool: force
+or forbid interpret mode; lowering for TPU from a CPU host needs False),
+`interpret_params` (a `pltpu.InterpretParams`), and `_broken` (a deliberately broken
+protocol variant, for the tests that prove the checks can fail).
 """
 
 from __future__ import annotations
 
-import jax
-import numpy as np
+import dataclasses
 
-from .. import _batching, _primitives as prims
+import jax
+
+from .. import _batching, _primitives as prims, _vma
 from .._schedule import Ring
 
 DESCRIPTION = "one fused Pallas TPU kernel per op: the ring runs inside it with remote DMAs"
 CHECK_VMA = False
 _DTYPES = ("float32", "bfloat16")
-_OPTIONS = frozenset({"block_m", "block_n", "block_k", "vmem", "interpret",
+_OPTIONS = frozenset({"block_m", "block_n", "block_k", "vmem", "chip", "cores", "interpret",
                       "interpret_params", "_broken"})
 
 
@@ -40,13 +50,98 @@ def options(platform: str) -> frozenset:
     return _OPTIONS
 
 
-class _DefaultOptions:
-    """Stands in for a Config: `unavailable` checks the default tiles (options are
-    checked when the kernel is built, with a message naming the option)."""
+def _kernel_of(prim):
+    """(kernel module, its name, the layout it runs) of primitive `prim`."""
+    tpu = _kernels()
+    agm, mrs = tpu.all_gather_matmul, tpu.matmul_reduce_scatter
+    gathers = {prims.AG_ROWS: agm.ROWS, prims.AG_COLS: agm.COLUMNS,
+               prims.AG_CONTRACT: agm.CONTRACTION}
+    if prim in gathers:
+        return agm, "all_gather_matmul", gathers[prim]
+    return mrs, "matmul_reduce_scatter", {prims.RS_ROWS: mrs.ROWS, prims.RS_COLS: mrs.COLUMNS}[prim]
 
-    @staticmethod
-    def option(name, default=None):
-        return default
+
+def _chip(platform, chip=None, cores=None):
+    """The `Chip` to plan for: `chip` (a name, or a `Chip` for another or a made-up
+    generation) if given, else the local TPU's, else the default generation."""
+    tpu = _kernels()
+    if isinstance(chip, tpu.Chip):
+        return chip if cores is None else dataclasses.replace(chip, cores=cores)
+    if chip is None and platform == "tpu":
+        try:
+            local = tpu.local_chip()
+        except Exception:  # planning for TPU from a host without one (explain, lowering)
+            local = None
+        if local is not None:
+            return local if cores is None else tpu.chip(local.name, cores)
+    return tpu.chip(chip or tpu.DEFAULT_CHIP, cores)
+
+
+def _interpret(option, params):
+    """The `interpret` of the kernels: False (compile with Mosaic) or InterpretParams.
+
+    Default: interpret on CPU, compile on TPU; `interpret_params` implies interpret mode.
+    """
+    from jax.experimental.pallas import tpu as pltpu
+
+    interpret = option
+    if interpret is None:
+        interpret = params is not None or jax.default_backend() == "cpu"
+    if not interpret:
+        return False
+    return params if params is not None else pltpu.InterpretParams()
+
+
+def _collective_id(kernel_name, axis_name, broken):
+    """The (kernel, mesh axes) pair's collective id, from the mesh of the shard_map."""
+    tpu = _kernels()
+    if broken == tpu.BROKEN_SHARED_COLLECTIVE_ID:
+        return 0
+    ring_axes = _vma.axis_names(axis_name)
+    mesh_axes = tuple(jax.sharding.get_abstract_mesh().axis_names) or ring_axes
+    return tpu.collective_id(kernel_name, ring_axes, mesh_axes)
+
+
+def _params(prim, *, axis_name, axis_size, bidirectional, out_dtype, reduce_dtype,
+            return_gathered, platform, get=lambda name, default=None: default):
+    """The kernel parameters of primitive `prim`; `get(name, default)` reads an option.
+    Without `axis_name` (a dispatch check, outside any shard_map) there is no collective
+    id."""
+    tpu = _kernels()
+    module, kernel_name, layout = _kernel_of(prim)
+    ring = Ring(axis_size, bidirectional)
+    if get("cores") not in (None, 1, 2):
+        raise ValueError(f"{prim}: options['cores']={get('cores')!r} must be 1 or 2 (the "
+                         "TensorCores a TPU device splits a step between; 2 on megacore "
+                         "chips, v4 and v5p)")
+    try:
+        chip = _chip(platform, get("chip"), get("cores"))
+    except ValueError as e:
+        raise ValueError(f"{prim}: options['chip']={get('chip')!r}, "
+                         f"options['cores']={get('cores')!r}: {e}") from None
+    broken = get("_broken")
+    targets = tuple(int(get(f"block_{name}", preset)) for name, preset in zip("mkn", chip.tiles))
+    launch = tpu.RingLaunch(
+        axis_name=axis_name, ring=ring,
+        collective_id=(_collective_id(kernel_name, axis_name, broken)
+                       if ring.size > 1 and axis_name is not None else None),
+        chip=chip, interpret=_interpret(get("interpret"), get("interpret_params")),
+        vmem=get("vmem"), tile_targets=targets, precision=get("precision"), broken=broken)
+    if module is tpu.all_gather_matmul:
+        return module, module.AllGatherMatmulParams(layout, out_dtype, return_gathered, launch)
+    return module, module.MatmulReduceScatterParams(layout, out_dtype, reduce_dtype, launch)
+
+
+def _misaligned(module, params, x, w):
+    """Why Mosaic would refuse a window the kernel cuts (None if every one is aligned)."""
+    for window in module.windows(params, x, w):
+        why = window.problem()
+        if why is not None:
+            ring = params.launch.ring
+            return (f"{why} (x {tuple(x.shape)}, w {tuple(w.shape)} over "
+                    f"{ring.size} devices{', bidirectional halves' if ring.bidirectional else ''}"
+                    f"); pad the operands, or use backend='ring'")
+    return None
 
 
 def unavailable(call):
@@ -56,42 +151,23 @@ def unavailable(call):
                 f"platform {call.platform!r}")
     if call.dtype not in _DTYPES:
         return f"dtype {call.dtype} is not supported (supported: {', '.join(_DTYPES)})"
-    tpu = _kernels()
-    ring = Ring(call.axis_size, call.runs_bidirectional)
     x = jax.ShapeDtypeStruct(call.x_shape, call.dtype)
     w = jax.ShapeDtypeStruct(call.w_shape, call.dtype)
-    try:  # the largest variant: f32 results, gathered operand returned
-        if call.prim in prims.GATHERS:
-            module = tpu.all_gather_matmul
-            out = module.buffers(call.prim, ring, x, w, "float32", True)
-        else:
-            module = tpu.matmul_reduce_scatter
-            out = module.buffers(call.prim, ring, x, w, "float32", "float32")
-        _, _, dims = module.shapes(call.prim, ring.size, ring.bidirectional,
-                                   call.x_shape, call.w_shape)
+    # Results in the inputs' dtype (the strictest tiles), f32 accumulators, the gathered
+    # operand returned: every buffer and window a call of the op can have.
+    module, params = _params(
+        call.prim, axis_name=None, axis_size=call.axis_size,
+        bidirectional=call.runs_bidirectional, out_dtype=call.dtype, reduce_dtype="float32",
+        return_gathered=True, platform=call.platform)
+    try:
+        _, layout, why = module.plan(params, x, w)
     except ValueError as e:
         return str(e)
-    if call.platform == "tpu":
-        why = _aligned(call, ring)
-        if why is not None:
-            return why
-    vmem, why = tpu.plan(_DefaultOptions, dims, tpu.nbytes([x, w, *out]))
-    return why if vmem is None else None
-
-
-def _aligned(call, ring):
-    """On TPU every ring segment starts at a traced offset: keep it on (sublane, lane)
-    tile boundaries (8 rows of 32 bits, i.e. 16 for bf16; 128 columns). The interpreter
-    does not need this, so it is only checked for platform "tpu"."""
-    length = call.block_length // ring.num_directions
-    cols = prims.GATHER_AXIS[call.prim] == 1 or call.prim == prims.AG_CONTRACT
-    align = 128 if cols else 8 * 4 // np.dtype(call.dtype).itemsize
-    if length % align:
-        what = "columns" if cols else "rows"
-        return (f"on TPU each ring segment must be a multiple of {align} {what} (TPU "
-                f"tiles), but {call.prim} with x {call.x_shape}, w {call.w_shape} over "
-                f"{call.axis_size} devices has segments of {length}"
-                f"{' (bidirectional halves)' if ring.bidirectional else ''}")
+    if layout is None:
+        return why
+    if call.platform == "tpu":  # the interpreter does not need Mosaic's tiles
+        why = _misaligned(module, params, x, w)
+        return None if why is None else f"on TPU {why}"
     return None
 
 
@@ -100,10 +176,23 @@ def _run(prim, cfg, x, w, return_gathered=False):
     tpu = _kernels()
     if cfg.option("_broken") not in tpu.BROKEN:
         raise ValueError(f"unknown _broken option {cfg.option('_broken')!r}")
+    get = dict(cfg.options, precision=cfg.precision).get
+    module, params = _params(
+        prim, axis_name=cfg.axis_name, axis_size=cfg.axis_size,
+        bidirectional=cfg.bidirectional, out_dtype=cfg.out_dtype,
+        reduce_dtype=cfg.reduce_dtype, return_gathered=return_gathered,
+        platform=jax.default_backend(), get=get)
+    if params.launch.for_mosaic:  # forward and backward calls alike, before lowering
+        why = _misaligned(module, params, x, w)
+        if why is not None:
+            raise NotImplementedError(f"{prim}: backend 'pallas_tpu' cannot build this "
+                                      f"call for TPU: {why}")
     try:
         if prim in prims.GATHERS:
-            return tpu.all_gather_matmul.all_gather_matmul(prim, cfg, x, w, return_gathered)
-        return tpu.matmul_reduce_scatter.matmul_reduce_scatter(prim, cfg, x, w)
+            return module.all_gather_matmul(x, w, params)
+        return module.matmul_reduce_scatter(x, w, params)
+    except tpu.PlanError as e:
+        raise NotImplementedError(f"{prim}: {e}") from None
     except ValueError as e:  # JAX's vma message suggests a fix that is not enough
         if "vma" in str(e):
             raise type(e)(f"{e}\n\n{tpu.CHECK_VMA_HINT}") from e

@@ -1,126 +1,260 @@
-"""Fused all-gather + matmul as one Pallas TPU kernel (primitives ag_rows, ag_cols, ag_contract).
+"""Fused all-gather + matmul as one Pallas TPU kernel.
 
 One operand travels round the ring inside the kernel (`pltpu.make_async_remote_copy`);
 at each step a device starts sending the block in hand to its neighbour, then multiplies
 that block while the DMA is in flight (and the neighbour's block arrives in its slot).
 Which block a device holds at each step comes from `Ring.gather_segment`; the protocol
-(barrier, two slots per direction, one DMA semaphore per slot, credits) is `_common.Link`.
+(barrier, two slots per direction, one DMA semaphore per slot, credits) is
+`_protocol.Link`.
 
-| primitive     | travels              | each step                                  |
+| `gather`      | travels              | each step                                  |
 |---------------|----------------------|--------------------------------------------|
-| `ag_rows`     | x row blocks (m, K)  | out[seg rows] = piece @ w                  |
-| `ag_cols`     | w col blocks (K, n)  | out[:, seg cols] = x @ piece               |
-| `ag_contract` | w row blocks (k, n)  | out += x[:, seg cols] @ piece (f32 buffer) |
+| `ROWS`        | x row blocks (m, K)  | out[seg rows] = piece @ w                  |
+| `COLUMNS`     | w col blocks (K, n)  | out[:, seg cols] = x @ piece               |
+| `CONTRACTION` | w row blocks (k, n)  | out += x[:, seg cols] @ piece (f32 sum)    |
 
 All three run natively (no transposes): column segments are strided windows of the refs.
-Buffers are all in VMEM for small problems and in HBM, with each step's matmul tiled by
-`emit_pipeline`, otherwise (`_tiling.plan`). `return_gathered` also copies every piece
-into the gathered operand with a local DMA that runs beside the matmul.
+A bidirectional `COLUMNS` ring first copies this device's two column halves into a
+contiguous buffer (`outbox`) with local DMAs, so every remote DMA sends a contiguous
+block. Buffers are all in VMEM for small problems (ring slots and the f32 sum as scratch)
+and in HBM otherwise, each step's matmul tiled by `emit_pipeline` (`_tile_plan`), with
+the stationary operand (w for `ROWS`, x otherwise) and the f32 sum kept in VMEM when they
+fit. `return_gathered` also copies every piece into the gathered operand with a local DMA
+that runs beside the matmul.
 
-Collective kernel: call it inside `jax.shard_map(..., check_vma=False)`.
+`reference` is the same computation in lax. Collective kernel: call it inside
+`jax.shard_map(..., check_vma=False)`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from fusedpar import _primitives as P
-from fusedpar._schedule import Ring
+from . import _launch, _layout, _protocol, _step_compute, _tile_plan
+from ._protocol import segment
 
-from . import _common, _tiling
-
-
-def shapes(prim, n, bidirectional, x_shape, w_shape):
-    """(piece shape, travelling axis, matmul dims (rows, contraction, cols)) of one step."""
-    ring = Ring(n, bidirectional)
-    axis = P.GATHER_AXIS[prim]
-    piece = list(x_shape if P.TRAVELLER[prim] == "x" else w_shape)
-    piece[axis] = ring.split_size(piece[axis], "the travelling block")
-    return tuple(piece), axis, P.step_matmul(prim, x_shape, w_shape, n,
-                                             ring.num_directions)
+ROWS, COLUMNS, CONTRACTION = "rows", "columns", "contraction"
+GATHERS = (ROWS, COLUMNS, CONTRACTION)
 
 
-def _kernel(x, w, out, *rest, prim, ring, axis_name, tile, return_gathered, precision,
-            broken):
-    rest = list(rest)
-    gathered = rest.pop(0) if return_gathered else None
-    slots = rest.pop(0)
-    acc = rest.pop(0) if prim == P.AG_CONTRACT and ring.num_segments > 1 else None
-    send, recv, local, credit, done = rest
-    travelling = x if P.TRAVELLER[prim] == "x" else w
-    axis = P.GATHER_AXIS[prim]
-    length = slots.shape[2 + axis]
-    link = _common.Link(ring, axis_name, slots, send, recv, local, credit, done, broken)
-    me, nd, n = link.me, ring.num_directions, ring.size
-    late = broken == _common.BROKEN_READ_BEFORE_WAIT
+@dataclasses.dataclass(frozen=True)
+class AllGatherMatmulParams:
+    """Parameters of one fused all-gather + matmul.
+
+    - `gather`: `ROWS` (x's row blocks travel, `out = all_gather(x) @ w`), `COLUMNS`
+      (w's column blocks, `out = x @ all_gather(w, axis=1)`) or `CONTRACTION` (w's row
+      blocks, `out = x @ all_gather(w, axis=0)`).
+    - `out_dtype`: the result's dtype (products accumulate in float32).
+    - `return_gathered`: also return the gathered travelling operand.
+    - `launch`: the ring, chip and compilation settings (`_launch.RingLaunch`).
+    """
+
+    gather: str
+    out_dtype: Any
+    return_gathered: bool
+    launch: _launch.RingLaunch
+
+    def __post_init__(self):
+        _launch.one_of("gather", self.gather, GATHERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    """The geometry of one call: which operand travels and how a step cuts it."""
+
+    travelling: str  # "x" or "w"
+    axis: int  # the travelling operand's axis cut into ring blocks
+    piece: tuple  # one direction's piece of a block
+    out: tuple  # the result
+    step: tuple  # (rows, contraction, cols) of one direction's step matmul
+    stationary: str  # the operand every step reads whole ("x" or "w")
+
+
+def shapes(params: AllGatherMatmulParams, x_shape, w_shape) -> _Geometry:
+    """The geometry of `params` on local operands of these shapes (ValueError if a
+    bidirectional ring cannot halve a block)."""
+    ring = params.launch.ring
+    (m, k), (kw, n) = x_shape, w_shape
+    if params.gather == ROWS:
+        half = ring.split_size(m, "the travelling block")
+        return _Geometry("x", 0, (half, k), (ring.size * m, n), (half, k, n), "w")
+    if params.gather == COLUMNS:
+        half = ring.split_size(n, "the travelling block")
+        return _Geometry("w", 1, (kw, half), (m, ring.size * n), (m, k, half), "x")
+    half = ring.split_size(kw, "the travelling block")
+    return _Geometry("w", 0, (half, n), (m, n), (m, half, n), "x")
+
+
+def _kernel(refs, *, params, geometry, layout):
+    launch = params.launch
+    ring, n, nd = launch.ring, launch.ring.size, launch.ring.num_directions
+    enforce, tiles = launch.for_mosaic, layout.tiles
+    w, out, acc, outbox = (refs.get(k) for k in ("w", "out", "acc", "outbox"))
+    stationary = _launch.operand(refs, geometry.stationary)
+    travelling = refs[geometry.travelling]
+    length = geometry.piece[geometry.axis]
+    link, cores = _launch.ring_of(refs, launch, layout)
+    me = link.me
+    late = launch.broken == _protocol.BROKEN_READ_BEFORE_WAIT
+
+    def cut(ref, index, axis, name):
+        return segment(ref, index, length, axis, name, enforce)
+
+    if outbox is not None:  # contiguous copies of this device's column halves, to send
+        def fill_outbox():
+            for h in range(nd):
+                copy = link.local_copy(h, cut(w, h, 1, "w"), outbox.at[h])
+                copy.start()
+                copy.wait()
+
+        cores.ring(fill_outbox)
 
     def compute(piece, seg, first, last):
-        if prim == P.AG_ROWS:
-            _tiling.matmul(piece, w, _common.segment(out, seg, length, 0), tile,
-                           precision=precision)
-        elif prim == P.AG_COLS:
-            _tiling.matmul(x, piece, _common.segment(out, seg, length, 1), tile,
-                           precision=precision)
+        how = dict(precision=launch.precision, cores=layout.cores, enforce=enforce)
+        if params.gather == ROWS:
+            _step_compute.matmul(piece, stationary, cut(out, seg, 0, "out"), tiles, **how)
+        elif params.gather == COLUMNS:
+            _step_compute.matmul(stationary, piece, cut(out, seg, 1, "out"), tiles, **how)
         else:  # the f32 sum over segments lives in `acc`; the last one writes `out`
-            _tiling.matmul(_common.segment(x, seg, length, 1), piece,
-                           out if last else acc, tile,
-                           prev=None if first else acc, precision=precision)
+            _step_compute.matmul(cut(stationary, seg, 1, "x"), piece, out if last else acc,
+                                 tiles, prev=None if first else acc, **how)
 
     def step(s, first, last):
-        pieces = [_common.segment(travelling, h, length, axis) if first
-                  else link.received(h, s - 1) for h in range(nd)]
-        if not first and not late:
+        if first:
+            pieces = [cut(travelling, h, geometry.axis, geometry.travelling) for h in range(nd)]
+            outgoing = pieces if outbox is None else [outbox.at[h] for h in range(nd)]
+        else:
+            pieces = outgoing = [link.received(h, s - 1) for h in range(nd)]
+
+        def gathered_copy(h):  # piece h into its place in the gathered operand
+            seg = ring.gather_segment(me, s, ring.directions[h])
+            return link.local_copy(h, pieces[h], cut(refs["gathered"], seg, geometry.axis,
+                                                      "the gathered operand"))
+
+        def start():
+            if not first and not late:
+                for h in range(nd):
+                    link.wait_recv(h, s - 1)
             for h in range(nd):
-                link.wait_recv(h, s - 1)
-        if not last:  # forward the block in hand before multiplying it
+                if not last:  # forward the block in hand before multiplying it
+                    link.start_send(h, s, outgoing[h])
+                if params.return_gathered:
+                    gathered_copy(h).start()
+
+        def finish():
             for h in range(nd):
-                link.start_send(h, s, pieces[h])
-        copies = []
+                if not first and late:
+                    link.wait_recv(h, s - 1)
+                if params.return_gathered:
+                    gathered_copy(h).wait()
+                if not last:
+                    link.wait_send(h, s, outgoing[h])
+                if not first:  # the slot has been multiplied and forwarded
+                    link.release(h, s - 1)
+
+        cores.ring(start)
+        if not first:
+            cores.hand_over()
         for h, r in enumerate(ring.directions):
-            seg = ring.gather_segment(me, s, r)
-            if return_gathered:
-                copies.append(link.local_copy(h, pieces[h],
-                                              _common.segment(gathered, seg, length, axis)))
-                copies[-1].start()
-            compute(pieces[h], seg, first and h == 0, last and h == nd - 1)
-        if not first and late:
-            for h in range(nd):
-                link.wait_recv(h, s - 1)
-        for c in copies:
-            c.wait()
-        if not last:
-            for h in range(nd):
-                link.wait_send(h, s, pieces[h])
-        if not first:  # the slot has been multiplied and forwarded
-            for h in range(nd):
-                link.release(h, s - 1)
+            compute(pieces[h], ring.gather_segment(me, s, r), first and h == 0,
+                    last and h == nd - 1)
+        cores.join()
+        cores.ring(finish)
 
-    _common.run_ring(link, n, step)
+    _protocol.run_ring(link, cores, n, step)
 
 
-def buffers(prim, ring, x, w, out_dtype, return_gathered):
-    """Result shapes of the pallas_call: out, [gathered], slots, [f32 sum for ag_contract]."""
-    piece, axis, _ = shapes(prim, ring.size, ring.bidirectional, x.shape, w.shape)
-    travelling = x if P.TRAVELLER[prim] == "x" else w
-    out_shape = P.out_shape(prim, x.shape, w.shape, ring.size)
-    result = [jax.ShapeDtypeStruct(out_shape, out_dtype)]
-    if return_gathered:
+def windows(params: AllGatherMatmulParams, x, w) -> list:
+    """Every ring-segment window the kernel cuts (`_layout.Window`s), for the layout check
+    before it is built (its pipeline tiles are chosen aligned, and checked as built)."""
+    geometry = shapes(params, x.shape, w.shape)
+    length = geometry.piece[geometry.axis]
+    travelling = x if geometry.travelling == "x" else w
+    cut = [(geometry.travelling, travelling.shape, travelling.dtype, geometry.axis)]
+    if params.gather == CONTRACTION:
+        cut.append(("x", x.shape, x.dtype, 1))
+    else:
+        cut.append(("out", geometry.out, params.out_dtype, geometry.axis))
+    if params.return_gathered:
+        g = _outputs(params, geometry, travelling)["gathered"]
+        cut.append(("the gathered operand", g.shape, g.dtype, geometry.axis))
+    return _layout.segments(cut, length)
+
+
+def _outputs(params, geometry, travelling):
+    """The kernel's results (the product, and the gathered operand if asked for)."""
+    out = {"out": jax.ShapeDtypeStruct(geometry.out, params.out_dtype)}
+    if params.return_gathered:
         g = list(travelling.shape)
-        g[axis] *= ring.size
-        result.append(jax.ShapeDtypeStruct(tuple(g), travelling.dtype))
-    result.append(jax.ShapeDtypeStruct((ring.num_directions, 2, *piece), travelling.dtype))
-    if prim == P.AG_CONTRACT and ring.num_segments > 1:
-        result.append(jax.ShapeDtypeStruct(out_shape, jnp.float32))
-    return result
+        g[geometry.axis] *= params.launch.ring.size
+        out["gathered"] = jax.ShapeDtypeStruct(tuple(g), travelling.dtype)
+    return out
 
 
-def all_gather_matmul(prim, cfg, x, w, return_gathered=False):
-    """Run `prim` (ag_rows, ag_cols or ag_contract) as one fused kernel; see module doc."""
-    ring = Ring(cfg.axis_size, cfg.bidirectional)
-    _, _, dims = shapes(prim, ring.size, ring.bidirectional, x.shape, w.shape)
-    out_shapes = buffers(prim, ring, x, w, cfg.out_dtype, return_gathered)
-    results = _common.launch(_kernel, prim, ring, cfg, dims, out_shapes, x, w,
-                             return_gathered=return_gathered)
-    return (results[0], results[1]) if return_gathered else results[0]
+def _ring_buffers(params, geometry, travelling):
+    """Receive slots; the outbox of a bidirectional COLUMNS ring; the f32 running sum."""
+    ring = params.launch.ring
+    buffers = {"slots": ((ring.num_directions, 2, *geometry.piece), travelling.dtype)}
+    if params.gather == COLUMNS and ring.bidirectional and ring.size > 1:
+        buffers["outbox"] = ((ring.num_directions, *geometry.piece), travelling.dtype)
+    if params.gather == CONTRACTION and ring.num_segments > 1:
+        buffers["acc"] = (geometry.out, jnp.float32)
+    return buffers
+
+
+
+def plan(params: AllGatherMatmulParams, x, w):
+    """`(geometry, StepLayout, reason)`: how the kernel would run on `x`, `w` (arrays or
+    `ShapeDtypeStruct`s); the layout is None (with the reason) when no tiling fits."""
+    geometry = shapes(params, x.shape, w.shape)
+    operands = {"x": x, "w": w}
+    travelling, stationary = operands[geometry.travelling], operands[geometry.stationary]
+    buffers = [(a.shape, a.dtype) for a in (x, w, *_outputs(params, geometry, travelling).values())]
+    buffers += list(_ring_buffers(params, geometry, travelling).values())
+    candidates = [(geometry.stationary + "_resident", stationary.shape, stationary.dtype)]
+    if params.gather == CONTRACTION:
+        candidates.append(("acc", geometry.out, jnp.float32))
+    layout, why = _tile_plan.plan(params.launch, geometry.step, x.dtype, params.out_dtype, buffers,
+                                  candidates, accumulates=params.gather == CONTRACTION)
+    return geometry, layout, why
+
+
+def all_gather_matmul(x, w, params: AllGatherMatmulParams):
+    """The fused kernel on local operands `x`, `w` (see the module docstring): the product,
+    and with `params.return_gathered` also the gathered travelling operand."""
+    geometry, layout, why = plan(params, x, w)
+    if layout is None:
+        raise _tile_plan.PlanError(why)
+    operands = {"x": x, "w": w}
+    travelling = operands[geometry.travelling]
+    results, scratch = _launch.place(layout, operands,
+                                     _ring_buffers(params, geometry, travelling),
+                                     params.launch.ring)
+    outputs = {**_outputs(params, geometry, travelling), **results}
+    results = _launch.call(
+        f"all_gather_matmul_{params.gather}",
+        functools.partial(_kernel, params=params, geometry=geometry, layout=layout), params.launch,
+        layout, operands, outputs, scratch)
+    if params.return_gathered:
+        return results["out"], results["gathered"]
+    return results["out"]
+
+
+def reference(x, w, params: AllGatherMatmulParams):
+    """What the kernel computes, in lax (inside `shard_map` over `params.launch.axis_name`)."""
+    axis = params.launch.axis_name
+    if params.gather == ROWS:
+        gathered = lax.all_gather(x, axis, axis=0, tiled=True)
+        out = jnp.dot(gathered, w, preferred_element_type=jnp.float32)
+    else:
+        gathered = lax.all_gather(w, axis, axis=1 if params.gather == COLUMNS else 0,
+                                  tiled=True)
+        out = jnp.dot(x, gathered, preferred_element_type=jnp.float32)
+    out = out.astype(params.out_dtype)
+    return (out, gathered) if params.return_gathered else out

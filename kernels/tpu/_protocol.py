@@ -1,10 +1,12 @@
-"""What every TPU ring kernel shares: interpret-mode settings and the ring protocol.
+"""The ring protocol every TPU ring kernel follows, and the split of a step between cores.
 
 The protocol (one `Link` per kernel, both directions of a bidirectional ring):
 
 - *Barrier.* On entry every device signals both neighbours on the barrier semaphore and
   waits for both signals, so no DMA or signal reaches a device that has not entered the
-  kernel (its buffers may still belong to the previous op).
+  kernel (its buffers may still belong to the previous op). The barrier semaphore is the
+  kernel's own: each (kernel, mesh axes) pair has its own collective id
+  (`_collective_ids`), so a kernel in flight on another axis cannot signal it.
 - *Slots.* Each direction has two receive slots. Transfer `t` lands in slot `t % 2` of
   the receiving neighbour and signals that slot's own DMA semaphore (one semaphore per
   slot: two DMAs in flight on one semaphore let a wait complete on the wrong one).
@@ -16,69 +18,35 @@ The protocol (one `Link` per kernel, both directions of a bidirectional ring):
 - *Finish.* On exit every device tells its senders it is done and waits for its
   receivers (`Link.finish`), so consecutive collective kernels cannot mix up their
   barrier signals.
+
+Megacore (`Cores`): only TensorCore 0 talks to the ring (every DMA, signal and wait of
+`Link`), as the Pallas distributed guide recommends; every core computes its share of a
+step's tiles. Core 0 hands a step over to the other cores once the step's data has
+landed (`hand_over`), and waits for them before it forwards, sends or frees anything they
+computed with or into (`join`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 
-import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from fusedpar import _vma
 from fusedpar._schedule import Ring, mesh_coordinates
+
+from . import _layout
 
 # Private option values that break the protocol on purpose (tests/test_tpu_protocol.py
 # proves the race/NaN checks catch them). They share all other code with the real kernel.
 BROKEN_READ_BEFORE_WAIT = "read_before_wait"
 BROKEN_NO_CREDIT = "no_credit"
 BROKEN_STRAY_CREDIT = "stray_credit"  # a credit nobody waits for: non-zero at exit
-BROKEN = (None, BROKEN_READ_BEFORE_WAIT, BROKEN_NO_CREDIT, BROKEN_STRAY_CREDIT)
-
-CHECK_VMA_HINT = (
-    "The fused TPU kernels are collective Pallas kernels: the enclosing jax.shard_map "
-    "must be called with check_vma=False. Tagging the outputs as varying "
-    "(manual_axis_type) is not enough: the kernels use lax.axis_index in data.")
-
-
-def interpret_params(cfg):
-    """The `interpret=` argument of pallas_call for `cfg`.
-
-    Options: `interpret` (True/False; default: True on CPU, False on TPU) and
-    `interpret_params` (a `pltpu.InterpretParams`, implies interpret mode). Lowering for
-    TPU from a CPU host needs `interpret=False`.
-    """
-    params = cfg.option("interpret_params")
-    interpret = cfg.option("interpret")
-    if interpret is None:
-        interpret = params is not None or jax.default_backend() == "cpu"
-    if not interpret:
-        return False
-    return params if params is not None else pltpu.InterpretParams()
-
-
-def register_cpu_chip():
-    """Let `pltpu.emit_pipeline` run (interpret mode) or lower (for TPU) on a CPU host.
-
-    emit_pipeline asks `get_tpu_info()` for the default device's chip, which fails for
-    "cpu". We register a TPU v5p's description for the device kind "cpu" (a private JAX
-    registry; it only affects CPU hosts and never replaces an existing entry).
-    """
-    from jax._src.pallas.mosaic import tpu_info
-
-    if jax.default_backend() == "cpu" and "cpu" not in tpu_info.registry:
-        tpu_info.registry["cpu"] = lambda: pltpu.get_tpu_info_for_chip(
-            pltpu.ChipVersion.TPU_V5P, 1)
-
-
-def nbytes(shapes):
-    """Total bytes of `jax.ShapeDtypeStruct`s (arrays work too)."""
-    return sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in shapes)
+BROKEN_NO_HAND_OVER = "no_hand_over"  # megacore: cores compute before the data landed
+BROKEN_SHARED_COLLECTIVE_ID = "shared_collective_id"  # every kernel uses barrier 0
+BROKEN = (None, BROKEN_READ_BEFORE_WAIT, BROKEN_NO_CREDIT, BROKEN_STRAY_CREDIT,
+          BROKEN_NO_HAND_OVER, BROKEN_SHARED_COLLECTIVE_ID)
 
 
 def semaphores(ring):
@@ -87,6 +55,10 @@ def semaphores(ring):
     return [pltpu.SemaphoreType.DMA((nd, 2)), pltpu.SemaphoreType.DMA((nd, 2)),
             pltpu.SemaphoreType.DMA((nd,)), pltpu.SemaphoreType.REGULAR((nd,)),
             pltpu.SemaphoreType.REGULAR((nd,))]
+
+
+def _axis_names(axis_name) -> tuple:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
 @dataclasses.dataclass
@@ -114,7 +86,7 @@ class Link:
     def _device(self, index):
         """Mesh coordinates of ring position `index`; a tuple of axis names is one ring
         over those axes (the first one major, as `lax.axis_index` counts)."""
-        names = _vma.axis_names(self.axis_name)
+        names = _axis_names(self.axis_name)
         return mesh_coordinates(index, {name: lax.axis_size(name) for name in names})
 
     def barrier(self):
@@ -176,6 +148,56 @@ class Link:
         return pltpu.make_async_copy(src, dst, self.local.at[h])
 
 
+def core_semaphores(count):
+    """Scratch semaphores of `Cores`: (ready, computed), or none on one core."""
+    return [] if count == 1 else [pltpu.SemaphoreType.REGULAR, pltpu.SemaphoreType.REGULAR]
+
+
+class Cores:
+    """The TensorCores of one device sharing a kernel (grid axis 0, one program each).
+
+    `ring(fn)` runs ring work on core 0 only; `hand_over()` makes the other cores wait
+    until core 0 signals that a step's data has landed; `join()` makes core 0 wait until
+    the other cores have finished their tiles of a step. On one core all three are plain.
+    """
+
+    def __init__(self, count, ready=None, computed=None, broken=None):
+        self.count, self.ready, self.computed = count, ready, computed
+        self.broken = broken
+        self.index = pl.program_id(0) if count > 1 else 0
+
+    def ring(self, fn):
+        if self.count == 1:
+            fn()
+        else:
+            pl.when(self.index == 0)(fn)
+
+    def hand_over(self):
+        if self.count == 1 or self.broken == BROKEN_NO_HAND_OVER:
+            return
+
+        @pl.when(self.index == 0)
+        def _():
+            for c in range(1, self.count):
+                pl.semaphore_signal(self.ready, 1, core_index=c)
+
+        @pl.when(self.index != 0)
+        def _():
+            pl.semaphore_wait(self.ready, 1)
+
+    def join(self):
+        if self.count == 1:
+            return
+
+        @pl.when(self.index != 0)
+        def _():
+            pl.semaphore_signal(self.computed, 1, core_index=0)
+
+        @pl.when(self.index == 0)
+        def _():
+            pl.semaphore_wait(self.computed, self.count - 1)
+
+
 def when(cond, fn):
     """`fn()` if `cond`: decided now for Python bools, in the kernel for traced ones."""
     if isinstance(cond, bool):
@@ -185,13 +207,14 @@ def when(cond, fn):
         pl.when(cond)(fn)
 
 
-def run_ring(link, n, step):
-    """The ring of `n` devices around `step`: barrier on entry, handshake on exit."""
+def run_ring(link, cores, n, step):
+    """The ring of `n` devices around `step`: barrier on entry, handshake on exit (both on
+    core 0)."""
     if n > 1:
-        link.barrier()
+        cores.ring(link.barrier)
     steps(n, step)
     if n > 1:
-        link.finish()
+        cores.ring(link.finish)
 
 
 def steps(n, step):
@@ -207,34 +230,13 @@ def steps(n, step):
         step(n - 1, False, True)
 
 
-def segment(ref, index, length, axis):
-    """Segment `index` (in units of `length`) of a ref along `axis` (0 or 1)."""
+def segment(ref, index, length, axis, name, enforce):
+    """Segment `index` (in units of `length`) of `ref` along `axis` (0 or 1).
+
+    Ring segments start at `index * length`, so the window is on Mosaic's tiles exactly
+    when `length` is (checked, and raised with `enforce`; see `_layout`)."""
+    _layout.check(_layout.Window(name, tuple(ref.shape), str(ref.dtype), axis - ref.ndim,
+                                 length), enforce)
     window = pl.ds(pl.multiple_of(index * length, length) if not isinstance(index, int)
                    else index * length, length)
     return ref.at[window] if axis == 0 else ref.at[:, window]
-
-
-def launch(kernel, prim, ring, cfg, dims, out_shapes, x, w, **kernel_args):
-    """Plan the tiles of `prim`'s step matmul and run its ring `kernel` on `x`, `w`."""
-    from . import _tiling
-
-    vmem, tile = _tiling.plan(cfg, dims, nbytes([x, w, *out_shapes]))
-    if vmem is None:
-        raise NotImplementedError(f"{prim}: {tile}")
-    register_cpu_chip()
-    kernel = functools.partial(
-        kernel, prim=prim, ring=ring, axis_name=cfg.axis_name, tile=tile,
-        precision=cfg.precision, broken=cfg.option("_broken"), **kernel_args)
-    return call(kernel, ring, cfg, out_shapes, vmem, x, w)
-
-
-def call(kernel, ring, cfg, out_shapes, vmem, *args):
-    """`pallas_call` of a ring kernel: every buffer whole in VMEM (`vmem`) or in HBM."""
-    spec = pl.BlockSpec(memory_space=pltpu.VMEM if vmem else pl.ANY)
-    params = pltpu.CompilerParams(collective_id=0) if ring.size > 1 else None
-    f = pl.pallas_call(
-        kernel, out_shape=out_shapes, in_specs=[spec] * len(args),
-        out_specs=[spec] * len(out_shapes),
-        scratch_shapes=semaphores(ring), compiler_params=params,
-        interpret=interpret_params(cfg))
-    return f(*args)

@@ -1,0 +1,136 @@
+"""A ring step's compute: `o = a @ b (+ prev)` and `o = a + b`, whole or tiled.
+
+In VMEM (`tiles` None) the refs are whole blocks and the step is one `jnp.dot`. On the
+tiled path the refs are HBM windows (or VMEM-resident buffers) and the step is a
+`pltpu.emit_pipeline` over `(bm, bk) x (bk, bn)` tiles that double-buffers the next
+tiles' HBM->VMEM copies behind the MXU work on the current ones and accumulates in an f32
+VMEM scratch. A ref that already lives in VMEM (a resident buffer) is not copied: the
+pipeline hands the body a window of it.
+
+Megacore (`cores` > 1): the pallas_call's grid axis 0 has one program per TensorCore, and
+the pipeline splits its (parallel) row and column tiles between them (`core_axis=0`), so
+each core computes its own tiles; the reduction over k stays on one core. A given
+`(rows, cols)` problem is always split the same way, so the matmul and the add that
+follows it touch the same tiles on the same core.
+
+Every pipeline block is checked against Mosaic's layout (`_layout.check_block`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import _layout
+
+_PARALLEL, _ARBITRARY = pltpu.PARALLEL, pltpu.ARBITRARY
+
+
+def _split(cores):
+    """emit_pipeline arguments that share the tile grid between `cores` TensorCores."""
+    return {} if cores == 1 else {"core_axis": 0}
+
+
+def matmul(a, b, o, tiles, *, prev=None, precision=None, cores=1, enforce=False):
+    """`o = a @ b (+ prev)` with f32 accumulation: whole VMEM refs (`tiles` None), or refs
+    tiled by `tiles = (bm, bk, bn)`. `enforce`: check tiles against Mosaic's layout."""
+    if tiles is None:
+        y = jnp.dot(a[...], b[...], preferred_element_type=jnp.float32, precision=precision)
+        if prev is not None:
+            y = y + prev[...].astype(jnp.float32)
+        o[...] = y.astype(o.dtype)
+        return
+    (rows, contraction), cols = a.shape, b.shape[1]
+    bm, bk, bn = tiles
+    if cores == 1 and (bm, bk, bn) == (rows, contraction, cols):
+        return _whole(a, b, o, prev, precision)
+    nk = contraction // bk
+    for name, ref, block in (("the step's left operand", a, (bm, bk)),
+                             ("the step's right operand", b, (bk, bn)),
+                             ("the step's result", o, (bm, bn))):
+        _layout.check_block(name, ref.shape, ref.dtype, block, enforce)
+
+    def body(acc, a_t, b_t, *rest):
+        o_t = rest[-1]
+        k = pl.program_id(2)
+
+        @pl.when(k == 0)
+        def _():
+            if prev is None:
+                acc[...] = jnp.zeros_like(acc)
+            else:
+                acc[...] = rest[0][...].astype(jnp.float32)
+
+        acc[...] += jnp.dot(a_t[...], b_t[...], preferred_element_type=jnp.float32,
+                            precision=precision)
+
+        @pl.when(k == nk - 1)
+        def _():
+            o_t[...] = acc[...].astype(o_t.dtype)
+
+    in_specs = [pl.BlockSpec((bm, bk), lambda i, j, k: (i, k)),
+                pl.BlockSpec((bk, bn), lambda i, j, k: (k, j))]
+    args = [a, b]
+    if prev is not None:
+        in_specs.append(pl.BlockSpec((bm, bn), lambda i, j, k: (i, j)))
+        args.append(prev)
+
+    def scoped(acc):
+        pltpu.emit_pipeline(
+            functools.partial(body, acc), grid=(rows // bm, cols // bn, nk),
+            in_specs=in_specs, out_specs=[pl.BlockSpec((bm, bn), lambda i, j, k: (i, j))],
+            dimension_semantics=(_PARALLEL, _PARALLEL, _ARBITRARY), **_split(cores),
+        )(*args, o)
+
+    pl.run_scoped(scoped, pltpu.VMEM((bm, bn), jnp.float32))
+
+
+def _whole(a, b, o, prev, precision):
+    """One tile: copy the operands into VMEM, multiply, copy the result out."""
+    refs = [a, b] + ([] if prev is None else [prev])
+
+    def scoped(*vmem):
+        *ins, o_v = vmem
+        for src, dst in zip(refs, ins):
+            pltpu.sync_copy(src, dst)
+        y = jnp.dot(ins[0][...], ins[1][...], preferred_element_type=jnp.float32,
+                    precision=precision)
+        if prev is not None:
+            y = y + ins[2][...].astype(jnp.float32)
+        o_v[...] = y.astype(o_v.dtype)
+        pltpu.sync_copy(o_v, o)
+
+    pl.run_scoped(scoped, *[pltpu.VMEM(r.shape, r.dtype) for r in refs + [o]])
+
+
+def add(a, b, o, tiles, *, cores=1, enforce=False):
+    """`o = a + b` (in f32, cast to o's dtype): whole VMEM refs (`tiles` None), or refs in
+    `tiles = (bm, bn)` tiles (split between `cores` as `matmul` splits its tiles)."""
+
+    def body(a_t, b_t, o_t):
+        o_t[...] = (a_t[...].astype(jnp.float32)
+                    + b_t[...].astype(jnp.float32)).astype(o_t.dtype)
+
+    if tiles is None:
+        return body(a, b, o)
+    bm, bn = tiles
+    rows, cols = o.shape
+    if cores == 1 and (bm, bn) == (rows, cols):
+        def scoped(a_v, b_v, o_v):
+            pltpu.sync_copy(a, a_v)
+            pltpu.sync_copy(b, b_v)
+            body(a_v, b_v, o_v)
+            pltpu.sync_copy(o_v, o)
+
+        pl.run_scoped(scoped, *[pltpu.VMEM(r.shape, r.dtype) for r in (a, b, o)])
+        return
+    for name, ref in (("the accumulator in hand", a), ("the received accumulator", b),
+                      ("the sum", o)):
+        _layout.check_block(name, ref.shape, ref.dtype, (bm, bn), enforce)
+    spec = pl.BlockSpec((bm, bn), lambda i, j: (i, j))
+    pltpu.emit_pipeline(body, grid=(rows // bm, cols // bn), in_specs=[spec, spec],
+                        out_specs=[spec], dimension_semantics=(_PARALLEL, _PARALLEL),
+                        **_split(cores))(a, b, o)
