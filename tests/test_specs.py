@@ -212,14 +212,23 @@ def test_shard_and_init_sharded():
 
 
 def test_shard_map_specs():
+    """The specs come from a trace of the model: the layers its input goes into as it is,
+    and the one that returns its output."""
     m = Model(fsdp_axis="fsdp", sequence_parallel=True)
-    (pspecs, x_spec), y_spec = fusedpar.shard_map_specs(m, 3)
+
+    def call(m, x):
+        for b in m.blocks:
+            x = b.down(b.up(x))
+        return m.extra["fsdp"](x)
+
+    x = jax.ShapeDtypeStruct((4, 8, 8), jnp.float32)
+    (pspecs, x_spec), y_spec = fusedpar.shard_map_specs(m, x, call=call)
     assert pspecs == fusedpar.param_specs(m)
-    assert x_spec == P("fsdp", "tp", None)  # first layer: blocks[0].up
-    assert y_spec == P("fsdp", None, None)  # last layer: extra["fsdp"] (an FSDPLinear)
+    assert x_spec == P("fsdp", "tp", None)  # blocks[0].up takes x
+    assert y_spec == P("fsdp", None, None)  # extra["fsdp"] (an FSDPLinear) returns it
     up = m.blocks[0].up
     assert up.rule.activation_specs(2) == (P("tp", None), P(None, "tp"))
     assert m.blocks[0].down.rule.activation_specs(3, data=True) == (
         P("fsdp", None, "tp"), P("fsdp", "tp", None))
     with pytest.raises(ValueError, match="shard_map_specs: the model has no fusedpar layers"):
-        fusedpar.shard_map_specs(eqx.nn.Linear(2, 2, key=K), 2)
+        fusedpar.shard_map_specs(eqx.nn.Linear(2, 2, key=K), x)
