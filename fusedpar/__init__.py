@@ -3,6 +3,7 @@
 from . import cost_model as cost_model
 from ._context import local_size as local_size
 from ._dispatch import Choice as Choice, names as backend_names
+from ._embedding import Embedding as Embedding
 from ._layers import (
     ColumnLinear as ColumnLinear,
     FSDPLinear as FSDPLinear,
@@ -38,7 +39,7 @@ __all__ = [
     "all_gather_matmul", "matmul_reduce_scatter", "explain", "backend_names", "Choice",
     "Ring", "cost_model",
     # layers
-    "ColumnLinear", "RowLinear", "FSDPLinear", "ParallelLinear",
+    "ColumnLinear", "RowLinear", "FSDPLinear", "ParallelLinear", "Embedding",
     "parallelize", "local_size",
     # specs
     "param_specs", "shard_map_specs", "validate", "shard", "init_sharded", "compose",
