@@ -15,6 +15,7 @@ from ._ops import (
     explain as explain,
     matmul_reduce_scatter as matmul_reduce_scatter,
 )
+from ._loss import cross_entropy as cross_entropy
 from ._parallelize import parallelize as parallelize
 from ._schedule import Ring as Ring
 from ._shard import init_sharded as init_sharded, shard as shard
@@ -40,7 +41,7 @@ __all__ = [
     "Ring", "cost_model",
     # layers
     "ColumnLinear", "RowLinear", "FSDPLinear", "ParallelLinear", "Embedding",
-    "parallelize", "local_size",
+    "cross_entropy", "parallelize", "local_size",
     # specs
     "param_specs", "shard_map_specs", "validate", "shard", "init_sharded", "compose",
     "Column", "Row", "FSDP", "Rule", "Drop",
