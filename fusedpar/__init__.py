@@ -2,6 +2,7 @@
 
 from . import cost_model as cost_model
 from ._context import local_size as local_size
+from ._describe import describe as describe
 from ._dispatch import Choice as Choice, names as backend_names
 from ._embedding import Embedding as Embedding
 from ._layers import (
@@ -41,7 +42,7 @@ __all__ = [
     "Ring", "cost_model",
     # layers
     "ColumnLinear", "RowLinear", "FSDPLinear", "ParallelLinear", "Embedding",
-    "cross_entropy", "parallelize", "local_size",
+    "cross_entropy", "parallelize", "describe", "local_size",
     # specs
     "param_specs", "shard_map_specs", "validate", "shard", "init_sharded", "compose",
     "Column", "Row", "FSDP", "Rule", "Drop",
