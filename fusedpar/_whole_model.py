@@ -80,15 +80,15 @@ def shard_map_specs(model, x, *, call: Optional[Callable] = None) -> tuple:
     output that no fusedpar call returns, or an input two layers want in different
     layouts raises a `ValueError` — then write that spec yourself.
     """
+    if not any(_specs.is_layer(leaf) for leaf in
+               jax.tree_util.tree_leaves(model, is_leaf=_specs.is_layer)):
+        raise ValueError("shard_map_specs: the model has no fusedpar layers; every array is "
+                         "replicated, use in_specs=P() and out_specs=P().")
     if isinstance(x, int) and not isinstance(x, bool):
         raise TypeError(
             f"shard_map_specs: x must be the model's input (an array or "
             f"jax.ShapeDtypeStruct of its global shape), got the int {x}; the specs are "
             "read from a trace of the model on it.")
-    if not any(_specs.is_layer(leaf) for leaf in
-               jax.tree_util.tree_leaves(model, is_leaf=_specs.is_layer)):
-        raise ValueError("shard_map_specs: the model has no fusedpar layers; every array is "
-                         "replicated, use in_specs=P() and out_specs=P().")
     call = call or (lambda m, x: m(x))
     result = {}
 
