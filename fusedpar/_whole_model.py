@@ -61,7 +61,8 @@ def _leaf_name(path, kind):
     return kind + (_specs.path_str(path).join("[]") if path else "")
 
 
-def shard_map_specs(model, x, *, call: Optional[Callable] = None) -> tuple:
+def shard_map_specs(model, x, *, call: Optional[Callable] = None,
+                    outputs: bool = True) -> tuple:
     """`(in_specs, out_specs)` to run `call(model, x)` inside `jax.shard_map`.
 
     **Arguments:**
@@ -71,6 +72,8 @@ def shard_map_specs(model, x, *, call: Optional[Callable] = None) -> tuple:
       a pytree of them). Only its shapes and dtypes are used.
     - `call`: how the model is applied, `call(model, x)`; default `model(x)` (e.g.
       `lambda m, x: jax.vmap(m)(x)` for a model written for one example).
+    - `outputs`: derive the out_specs; with False, `out_spec` is None (when you write
+      the out_specs yourself, e.g. for a loss or a residual stream).
 
     **Returns:** `((param_specs(model), x_spec), out_spec)`: the in_specs for the
     arguments `(eqx.filter(model, eqx.is_array), x)` and the out_specs. `x_spec` is the
@@ -99,7 +102,7 @@ def shard_map_specs(model, x, *, call: Optional[Callable] = None) -> tuple:
             out = call(model, x)
         finally:
             _CALLS.reset(token)
-        result["specs"] = _resolve(model, calls, x, out)
+        result["specs"] = _resolve(model, calls, x, out if outputs else None)
         return out
 
     jax.eval_shape(traced, x)
@@ -136,8 +139,8 @@ def _resolve(model, calls, x, out):
                 f"shard_map_specs: {_leaf_name(path, 'the output')} (shape "
                 f"{getattr(leaf, 'shape', ())}) is not what a fusedpar call returned (the "
                 f"last fusedpar call is {names[-1]}), so its layout cannot be derived; "
-                "write the out_specs yourself.")
+                "write the out_specs yourself (outputs=False derives the in_specs only).")
         return made[-1][1]
 
     return (jax.tree_util.tree_map_with_path(input_spec, x),
-            jax.tree_util.tree_map_with_path(output_spec, out))
+            None if out is None else jax.tree_util.tree_map_with_path(output_spec, out))

@@ -278,6 +278,9 @@ def test_shard_map_specs_never_guesses():
     with pytest.raises(ValueError, match=r"the output \(shape \(4, 8, 16\)\) is not what a "
                        r"fusedpar call returned \(the last fusedpar call is head"):
         fusedpar.shard_map_specs(model, tokens, call=lambda m, t: 2 * jax.vmap(m)(t))
+    (_, x_spec), out_spec = fusedpar.shard_map_specs(
+        model, tokens, call=lambda m, t: 2 * jax.vmap(m)(t), outputs=False)
+    assert (x_spec, out_spec) == (P("fsdp", None), None)
     x = jax.ShapeDtypeStruct((4, 8, 8), jnp.float32)
     with pytest.raises(ValueError, match=r"goes into fusedpar layers that want different "
                        r"layouts: up \(ColumnLinear\) wants P\(None, 'tp', None\); head "):
