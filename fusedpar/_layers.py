@@ -31,12 +31,15 @@ Each layer works in three contexts:
   itself in `shard_map` over its own axes with the specs of `fusedpar._specs`;
 - with no mesh: the dense result, the same as `eqx.nn.Linear` with the same weights.
 
-Inputs are `(in_features,)` or `(..., in_features)`; `jax.vmap(layer)(x) == layer(x)`.
-The layouts (see `fusedpar._specs`): a sequence-parallel layer's sequence dimension is
-dim -2 of the input; an FSDP layer shards the batch dimension (dim 0, when the input has
-one besides the sequence and feature dimensions) over its FSDP axis; an FSDP layer given
-an input without a batch dimension (e.g. one example under `jax.vmap`) in the global
-context gathers its weight on entry and computes like its tensor-parallel part alone.
+Inputs are `(in_features,)` or `(..., in_features)`. Under `jax.vmap` the vmapped axes
+are folded into the input's leading dimensions (`fusedpar._folding`), so
+`jax.vmap(jax.vmap(layer))(x) == layer(x)` with the outer axis the batch and the inner one
+the sequence. The layouts (see `fusedpar._specs`): a sequence-parallel layer's sequence
+dimension is dim -2 of the input; an FSDP layer shards the batch dimension (dim 0, when
+the input has one besides the sequence and feature dimensions) over its FSDP axis; an
+FSDP layer given an input without a batch dimension in the global context gathers its
+weight on entry and computes like its tensor-parallel part alone. Inside `shard_map`, an
+input whose varying-axes type contradicts the layout is an error.
 """
 
 from __future__ import annotations
