@@ -31,6 +31,8 @@ def test_drop_in_for_eqx_embedding():
     ref = eqx.nn.Embedding(VOCAB, DIM, key=KEY)
     assert (emb.weight == ref.weight).all()  # one key, one table
     assert emb(jnp.int32(3)).shape == (DIM,)
+    sp = fusedpar.Embedding(VOCAB, DIM, key=KEY, sequence_parallel=True)
+    assert (sp(jnp.int32(3)) == ref(jnp.int32(3))).all()  # no mesh: one id is fine
     assert_close(jax.vmap(emb)(IDS[0]), jax.vmap(ref)(IDS[0]), F32, "per id")
     assert_close(emb(IDS), jax.vmap(jax.vmap(ref))(IDS), F32, "batched ids")
     bf16 = fusedpar.Embedding(weight=ref.weight.astype(jnp.bfloat16))
