@@ -50,7 +50,7 @@ with jax.set_mesh(mesh):
         print(float(value))
 
 # The same model in your own shard_map: local shards in, local shards out.
-(params_spec, x_spec), out_spec = fusedpar.shard_map_specs(model, x.ndim)
+(params_spec, x_spec), _ = fusedpar.shard_map_specs(model, x, call=loss, outputs=False)
 local = jax.jit(jax.shard_map(lambda m, x: loss(m, x)[None], mesh=mesh,
                               in_specs=(params_spec, x_spec), out_specs=jax.P(("fsdp", "tp"))))
 print(local(model, x).shape)   # one partial loss per device: (8,)

@@ -1,7 +1,10 @@
 """fusedpar: tensor-parallel and FSDP linear layers whose collectives overlap the matmul."""
 
 from . import cost_model as cost_model
+from ._context import local_size as local_size
+from ._describe import describe as describe
 from ._dispatch import Choice as Choice, names as backend_names
+from ._embedding import Embedding as Embedding
 from ._layers import (
     ColumnLinear as ColumnLinear,
     FSDPLinear as FSDPLinear,
@@ -13,6 +16,7 @@ from ._ops import (
     explain as explain,
     matmul_reduce_scatter as matmul_reduce_scatter,
 )
+from ._loss import cross_entropy as cross_entropy
 from ._parallelize import parallelize as parallelize
 from ._schedule import Ring as Ring
 from ._shard import init_sharded as init_sharded, shard as shard
@@ -24,9 +28,9 @@ from ._specs import (
     Rule as Rule,
     compose as compose,
     param_specs as param_specs,
-    shard_map_specs as shard_map_specs,
     validate as validate,
 )
+from ._whole_model import shard_map_specs as shard_map_specs
 from ._xla_flags import (
     gpu_overlap_flags as gpu_overlap_flags,
     set_gpu_overlap_flags as set_gpu_overlap_flags,
@@ -37,7 +41,8 @@ __all__ = [
     "all_gather_matmul", "matmul_reduce_scatter", "explain", "backend_names", "Choice",
     "Ring", "cost_model",
     # layers
-    "ColumnLinear", "RowLinear", "FSDPLinear", "ParallelLinear", "parallelize",
+    "ColumnLinear", "RowLinear", "FSDPLinear", "ParallelLinear", "Embedding",
+    "cross_entropy", "parallelize", "describe", "local_size",
     # specs
     "param_specs", "shard_map_specs", "validate", "shard", "init_sharded", "compose",
     "Column", "Row", "FSDP", "Rule", "Drop",

@@ -12,6 +12,8 @@ import jax
 from jax import lax
 from jax.sharding import AxisType
 
+from . import _specs
+
 LOCAL, GLOBAL, DENSE = "local", "global", "dense"
 
 
@@ -73,3 +75,48 @@ def gather_invariant(x, axis_name, axis):
             jax.numpy.zeros(shape, x.dtype), x, i * x.shape[axis], axis)
         return lax.psum(big, axis_name)
     return all_gather_invariant(x, axis_name, axis=axis, tiled=True)
+
+
+def layouts(mesh, axes, x, x_spec, y_spec) -> tuple:
+    """`(x_spec, y_spec, manual axes)` of a `shard_map` over `axes` on the global `x`.
+
+    With Explicit axes the input's layout is known; if it uses other mesh axes on the
+    dimensions the layer keeps (e.g. "data" on the batch), the shard_map is manual over
+    every axis and keeps them there (`_specs.with_other_axes`). With Auto axes it is
+    manual over `axes` only and XLA lays out the others.
+    """
+    if is_explicit(mesh, axes):
+        x2, y2 = _specs.with_other_axes(current_spec(x), x_spec, y_spec, axes)
+        if (x2, y2) != (x_spec, y_spec):
+            return x2, y2, set(mesh.axis_names)
+    return x_spec, y_spec, set(axes)
+
+
+def shard_mapped(fn, mesh, axes, manual, params, param_specs, args, arg_specs, out_spec,
+                 check_vma: bool):
+    """`fn(params, *args)` in a `shard_map` over `manual` axes of `mesh`, on global arrays
+    (placed first when `axes` are Explicit)."""
+    if is_explicit(mesh, axes):
+        params = jax.tree.map(lambda a, s: place(a, s, True), params, param_specs)
+        args = [place(a, s, True) for a, s in zip(args, arg_specs)]
+    return jax.shard_map(fn, mesh=mesh, in_specs=(param_specs, *arg_specs),
+                         out_specs=out_spec, axis_names=manual, check_vma=check_vma)(
+        params, *args)
+
+
+def local_size(n: int, axis) -> int:
+    """The length a dimension of global length `n` sharded over mesh `axis` has here.
+
+    `n // size of axis` inside a `jax.shard_map` that binds `axis` (the arrays are
+    per-device shards), `n` anywhere else (global arrays under `jax.set_mesh`, or no
+    mesh). E.g. the attention heads a device computes:
+    `fusedpar.local_size(num_heads, "tp")`. Raises if `n` does not divide.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or axis not in (getattr(mesh, "manual_axes", ()) or ()):
+        return n
+    size = lax.axis_size(axis)
+    if n % size:
+        raise ValueError(f"local_size: {n} does not divide over mesh axis {axis!r} of size "
+                         f"{size}; make it a multiple of {size}.")
+    return n // size

@@ -31,12 +31,15 @@ Each layer works in three contexts:
   itself in `shard_map` over its own axes with the specs of `fusedpar._specs`;
 - with no mesh: the dense result, the same as `eqx.nn.Linear` with the same weights.
 
-Inputs are `(in_features,)` or `(..., in_features)`; `jax.vmap(layer)(x) == layer(x)`.
-The layouts (see `fusedpar._specs`): a sequence-parallel layer's sequence dimension is
-dim -2 of the input; an FSDP layer shards the batch dimension (dim 0, when the input has
-one besides the sequence and feature dimensions) over its FSDP axis; an FSDP layer given
-an input without a batch dimension (e.g. one example under `jax.vmap`) in the global
-context gathers its weight on entry and computes like its tensor-parallel part alone.
+Inputs are `(in_features,)` or `(..., in_features)`. Under `jax.vmap` the vmapped axes
+are folded into the input's leading dimensions (`fusedpar._folding`), so
+`jax.vmap(jax.vmap(layer))(x) == layer(x)` with the outer axis the batch and the inner one
+the sequence. The layouts (see `fusedpar._specs`): a sequence-parallel layer's sequence
+dimension is dim -2 of the input; an FSDP layer shards the batch dimension (dim 0, when
+the input has one besides the sequence and feature dimensions) over its FSDP axis; an
+FSDP layer given an input without a batch dimension in the global context gathers its
+weight on entry and computes like its tensor-parallel part alone. Inside `shard_map`, an
+input whose varying-axes type contradicts the layout is an error.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from equinox import field
 from jax import lax
 from jaxtyping import Array
 
-from . import _context, _definition, _dispatch, _specs
+from . import _context, _definition, _dispatch, _folding, _specs, _vma, _whole_model
 from ._ops import all_gather_matmul, matmul_reduce_scatter
 from ._specs import Rule
 
@@ -125,25 +128,39 @@ class ParallelLinear(eqx.Module):
         """**Arguments:**
 
         - `x`: `(in_features,)` or `(..., in_features)` (global arrays), or the local
-          shard inside `shard_map`.
+          shard inside `shard_map`. Under `jax.vmap` the layer sees the vmapped axes as
+          leading dimensions of `x` (`fusedpar._folding`).
         - `key`: ignored; for compatibility with the rest of the Equinox API.
 
         **Returns:** `(..., out_features)` (or its local shard inside `shard_map`).
         """
         where = type(self).__name__
-        x = jnp.asarray(x)
+        x = x if isinstance(x, jax.Array) else jnp.asarray(x)
         if x.ndim < 1:
             raise ValueError(f"{where}: x must have shape (..., {self.in_features}), got a "
                              "scalar.")
+        hint = (f"sequence_parallel=True inside shard_map gathers or scatters the sequence "
+                f"over {self.rule.tp.axis!r}, so call the layer on (..., seq, features) and "
+                "vmap over the batch only" if self.rule.sequence_parallel else "")
+        return _folding.fold(self._apply, (x,), self, where=where, hint=hint)
+
+    def _apply(self, x):
+        """The layer on `x` with every vmapped axis folded in."""
+        where = type(self).__name__
         kind, mesh = _context.detect(where, self.rule.axes)
         if kind == _context.LOCAL:
-            return self._local(x, self.rule)
-        if x.shape[-1] != self.in_features:
+            y = self._local(x, self.rule)
+        elif x.shape[-1] != self.in_features:
             raise ValueError(f"{where}: x has shape {x.shape}; its last dimension must be "
                              f"in_features={self.in_features}.")
-        if kind == _context.DENSE:
-            return self._dense(x)
-        return self._global(x, mesh)
+        elif kind == _context.DENSE:
+            y = self._dense(x)
+        else:
+            y = self._global(x, mesh)
+        rule = self.rule
+        x_spec, y_spec = rule.activation_specs(x.ndim, _specs.has_data_dim(rule, x.ndim))
+        _whole_model.record(where, self.weight, [(x, x_spec)], (y, y_spec))
+        return y
 
     def _dense(self, x):
         w, x = _same_dtype(self.weight, x)
@@ -165,24 +182,11 @@ class ParallelLinear(eqx.Module):
         x_spec, y_spec = rule.activation_specs(x.ndim, data)
         _specs.check_spec(f"{where}: x of shape {x.shape}", x.shape, x_spec, sizes,
                           what="input")
-        if _context.is_explicit(mesh, rule.axes):
-            # Explicit axes: the input's layout is known; if it uses other mesh axes on
-            # dimensions the layer keeps (e.g. "data" on the batch), the shard_map is
-            # manual over every axis and keeps them there.
-            x_spec2, y_spec2 = _specs.with_other_axes(_context.current_spec(x), x_spec,
-                                                      y_spec, rule.axes)
-            manual = set(rule.axes)
-            if (x_spec2, y_spec2) != (x_spec, y_spec):
-                x_spec, y_spec, manual = x_spec2, y_spec2, set(mesh.axis_names)
-            layer = jax.tree.map(lambda a, s: _context.place(a, s, True), self, pspecs)
-            x = _context.place(x, x_spec, True)
-        else:
-            # Auto axes: manual over the layer's axes only; XLA lays out the others.
-            layer, manual = self, set(rule.axes)
-        fn = jax.shard_map(functools.partial(type(self)._local, rule=rule), mesh=mesh,
-                           in_specs=(pspecs, x_spec), out_specs=y_spec, axis_names=manual,
-                           check_vma=_dispatch.check_vma(self.backend, jax.default_backend()))
-        return fn(layer, x)
+        x_spec, y_spec, manual = _context.layouts(mesh, rule.axes, x, x_spec, y_spec)
+        return _context.shard_mapped(
+            functools.partial(type(self)._local, rule=rule), mesh, rule.axes, manual, self,
+            pspecs, [x], [x_spec], y_spec,
+            _dispatch.check_vma(self.backend, jax.default_backend()))
 
     # --- helpers for `_local` ----------------------------------------------------
 
@@ -205,8 +209,31 @@ class ParallelLinear(eqx.Module):
                 f"{where}: inside shard_map over {sizes} the local input must have "
                 f"{local_in} features (last dim), got x of shape {x.shape}.")
         _check_sequence(where, rule, x)
+        x_spec = rule.activation_specs(x.ndim, _specs.has_data_dim(rule, x.ndim))[0]
+        _vma.check_layout(where, "the input", x, x_spec, _specs.layout_axes(rule, x_spec),
+                          layout_hint(rule))
         w, x = _same_dtype(self.weight, x)
         return w, self.bias, x
+
+
+def layout_hint(rule) -> str:
+    """What input layout a layer under `rule` takes, and the style for other layouts."""
+    tp, parts = rule.tp, []
+    if isinstance(tp, _specs.Column) and tp.sequence_parallel:
+        parts.append(f"a sequence-parallel ColumnLinear gathers its input's sequence (dim -2) "
+                     f"over {tp.axis!r}; an input replicated over {tp.axis!r} needs "
+                     "sequence_parallel=False")
+    elif isinstance(tp, _specs.Column):
+        parts.append(f"a ColumnLinear takes an input replicated over {tp.axis!r}; one sharded "
+                     f"along the sequence (dim -2) over {tp.axis!r} needs "
+                     "sequence_parallel=True, one sharded on its features goes into a "
+                     "RowLinear")
+    elif isinstance(tp, _specs.Row):
+        parts.append(f"a RowLinear takes its input's features sharded over {tp.axis!r} (a "
+                     "ColumnLinear's output); a replicated input goes into a ColumnLinear")
+    if rule.fsdp is not None:
+        parts.append(f"FSDP takes the batch (dim 0) sharded over {rule.fsdp.axis!r}")
+    return "; ".join(parts)
 
 
 def _check_sequence(where, rule, x):
@@ -223,6 +250,16 @@ def layer_class(rule: Rule):
     if isinstance(rule.tp, _specs.Row):
         return RowLinear
     return FSDPLinear
+
+
+def _bias_grad_sum(layer) -> list:
+    """A bias is added to every shard of an output sharded along the batch (FSDP) or the
+    sequence (a sequence-parallel RowLinear), so its gradient is summed over those axes."""
+    rule = layer.rule
+    axes = [rule.fsdp.axis] if rule.fsdp is not None else []
+    if isinstance(rule.tp, _specs.Row) and rule.tp.sequence_parallel:
+        axes.append(rule.tp.axis)
+    return [f"psum db over {', '.join(axes)}"] if axes and layer.bias is not None else []
 
 
 def _same_dtype(w, x):
@@ -289,6 +326,22 @@ class ColumnLinear(ParallelLinear):
                               where="ColumnLinear")
         self._setup(in_features, out_features, use_bias, dtype, key, rule, backend)
 
+    def collectives(self) -> tuple[list, list]:
+        """The collectives of the forward and of the backward pass (`fusedpar.describe`)."""
+        tp, f = self.rule.tp, self.rule.fsdp
+        fwd, bwd = [], []
+        if tp.sequence_parallel:
+            fwd += [f"all_gather W over {f.axis}"] if f else []
+            fwd.append(f"all_gather_matmul x(seq) over {tp.axis}")
+            bwd.append(f"matmul_reduce_scatter dx(seq) over {tp.axis}")
+            bwd += [f"reduce_scatter dW over {f.axis}"] if f else []
+        else:
+            fwd += [f"all_gather_matmul W over {f.axis}"] if f else []
+            bwd += [f"matmul_reduce_scatter dW over {f.axis}"] if f else []
+            bwd.append(f"psum dx over {tp.axis}")
+        fwd += [f"all_gather y over {tp.axis}"] if tp.gather_output else []
+        return fwd, bwd + _bias_grad_sum(self)
+
     def _local(self, x, rule):
         tp = rule.tp
         w, b, x = self._operands(x, rule, self.in_features)
@@ -334,6 +387,20 @@ class RowLinear(ParallelLinear):
                               where="RowLinear")
         self._setup(in_features, out_features, use_bias, dtype, key, rule, backend)
 
+    def collectives(self) -> tuple[list, list]:
+        """The collectives of the forward and of the backward pass (`fusedpar.describe`)."""
+        tp, f = self.rule.tp, self.rule.fsdp
+        if tp.sequence_parallel:
+            fwd = ([f"all_gather W over {f.axis}"] if f else []) + [
+                f"matmul_reduce_scatter y(seq) over {tp.axis}"]
+            bwd = [f"all_gather_matmul dy(seq) over {tp.axis}"] + (
+                [f"reduce_scatter dW over {f.axis}"] if f else [])
+        else:
+            fwd = ([f"all_gather_matmul W over {f.axis}"] if f else []) + [
+                f"psum y over {tp.axis}"]
+            bwd = [f"matmul_reduce_scatter dW over {f.axis}"] if f else []
+        return fwd, bwd + _bias_grad_sum(self)
+
     def _local(self, x, rule):
         tp = rule.tp
         w, b, x = self._operands(x, rule, self.in_features // lax.axis_size(tp.axis))
@@ -370,6 +437,12 @@ class FSDPLinear(ParallelLinear):
         """
         rule = _specs.compose(_specs.FSDP(axis), where="FSDPLinear")
         self._setup(in_features, out_features, use_bias, dtype, key, rule, backend)
+
+    def collectives(self) -> tuple[list, list]:
+        """The collectives of the forward and of the backward pass (`fusedpar.describe`)."""
+        axis = self.rule.fsdp.axis
+        return ([f"all_gather_matmul W over {axis}"],
+                [f"matmul_reduce_scatter dW over {axis}"] + _bias_grad_sum(self))
 
     def _local(self, x, rule):
         w, b, x = self._operands(x, rule, self.in_features)

@@ -1,4 +1,5 @@
-"""Rewriting the `eqx.nn.Linear` leaves of a model into fusedpar layers by a plan."""
+"""Rewriting the `eqx.nn.Linear` and `eqx.nn.Embedding` leaves of a model into fusedpar
+layers by a plan."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import equinox as eqx
 import jax
 
 from . import _specs
+from ._embedding import Embedding
 from ._layers import ParallelLinear, layer_class
 
 _NAMES = {"column": _specs.Column, "row": _specs.Row, "fsdp": _specs.FSDP}
@@ -26,7 +28,8 @@ def _style(pattern, s):
 
 
 def parallelize(model, plan: dict, *, backend: str = "auto"):
-    """`model` with its `eqx.nn.Linear` leaves replaced by fusedpar layers per `plan`.
+    """`model` with its `eqx.nn.Linear` and `eqx.nn.Embedding` leaves replaced by fusedpar
+    layers per `plan`.
 
     **Arguments:**
 
@@ -38,21 +41,24 @@ def parallelize(model, plan: dict, *, backend: str = "auto"):
       `"fsdp"` (default arguments). Every pattern a path matches contributes its
       styles and they compose in any order (`"*": "fsdp"` with `"*.up": "column"` gives
       a `ColumnLinear` with FSDP); two different tensor-parallel styles on one layer are
-      an error naming the path.
-    - `backend`: the backend of the new layers.
+      an error naming the path. On an embedding, `Row` shards the vocabulary (a
+      `fusedpar.Embedding`) and `FSDP` the embedding dimension; `Column` is an error.
+    - `backend`: the backend of the new linear layers.
 
     **Returns:** the model with the same weights. Each pattern must match at least one
-    `eqx.nn.Linear`.
+    `eqx.nn.Linear` or `eqx.nn.Embedding`. `fusedpar.describe(model)` shows what each
+    became.
     """
     plan = {p: tuple(_style(p, s) for s in (v if isinstance(v, tuple) else (v,)))
             for p, v in plan.items()}
     used = set()
 
-    def is_linear(x):
-        return isinstance(x, eqx.nn.Linear) and not isinstance(x, ParallelLinear)
+    def is_target(x):
+        return ((isinstance(x, eqx.nn.Linear) and not isinstance(x, ParallelLinear)) or
+                isinstance(x, eqx.nn.Embedding))
 
     def one(path, x):
-        if not is_linear(x):
+        if not is_target(x):
             return x
         where = _specs.path_str(path)
         styles = []
@@ -62,18 +68,23 @@ def parallelize(model, plan: dict, *, backend: str = "auto"):
                 styles.extend(s)
         if not styles:
             return x
+        rule = _specs.compose(*styles, where=where)
+        if isinstance(x, eqx.nn.Embedding):
+            return Embedding.from_embedding(x, rule, where)
         if "scalar" in (x.in_features, x.out_features):
             raise ValueError(f"parallelize: {where} has in/out_features='scalar', which "
                              "cannot be sharded.")
-        rule = _specs.compose(*styles, where=where)
         return layer_class(rule).from_linear(x, rule, backend)
 
-    out = jax.tree_util.tree_map_with_path(one, model, is_leaf=is_linear)
+    out = jax.tree_util.tree_map_with_path(one, model, is_leaf=is_target)
     unused = [p for p in plan if p not in used]
     if unused:
-        paths = [_specs.path_str(p) for p, x in
-                 jax.tree_util.tree_flatten_with_path(model, is_leaf=is_linear)[0]
-                 if is_linear(x)]
-        raise ValueError(f"parallelize: plan pattern(s) {unused} matched no eqx.nn.Linear; "
-                         f"the model's linear layers are {paths}.")
+        leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_target)[0]
+        linear = [_specs.path_str(p) for p, x in leaves if is_target(x)
+                  and not isinstance(x, eqx.nn.Embedding)]
+        tables = [_specs.path_str(p) for p, x in leaves if isinstance(x, eqx.nn.Embedding)]
+        raise ValueError(f"parallelize: plan pattern(s) {unused} matched no eqx.nn.Linear"
+                         + (" or eqx.nn.Embedding" if tables else "")
+                         + f"; the model's linear layers are {linear}"
+                         + (f" and its embeddings {tables}." if tables else "."))
     return out

@@ -15,8 +15,9 @@ at most one `FSDP` style, composed by `compose` in any order. From the rule come
   dimension, size and axes. Relaxed validation drops the tensor-parallel or FSDP style
   whose axes do not divide, and reports what it dropped.
 
-Whole-model functions (`param_specs`, `validate`, `shard_map_specs`) walk a model and
-apply these per layer; non-parallel arrays are replicated (`PartitionSpec()`).
+Whole-model functions (`param_specs`, `validate`) walk a model and apply these per layer;
+non-parallel arrays are replicated (`PartitionSpec()`). An embedding table's rule is a
+`TableRule`, the same styles on the transposed weight.
 """
 
 from __future__ import annotations
@@ -192,6 +193,64 @@ class Rule:
         return rule, drops
 
 
+@dataclasses.dataclass(frozen=True)
+class TableRule(Rule):
+    """An embedding table's sharding. The table `(vocab, dim)` is the weight of the linear
+    map from one-hot ids to embeddings, transposed: `Row` shards the vocabulary (dim 0)
+    and `FSDP` the embedding dimension (dim 1) unless given `dim=`.
+
+    The input is the ids `(...)`, the output `(..., dim)`: replicated over the
+    tensor-parallel axis, or with `sequence_parallel` sharded along the sequence (dim -1
+    of the ids, dim -2 of the output). `Column` does not apply to a table.
+    """
+
+    @classmethod
+    def of(cls, rule: Rule, where: str) -> "TableRule":
+        if isinstance(rule.tp, Column):
+            raise ValueError(
+                f"{where}: an embedding takes Row (a vocabulary-parallel table, "
+                f"fusedpar.Row()) and FSDP styles, not {rule.tp}; give the embedding its "
+                "own plan pattern.")
+        return cls(rule.tp, rule.fsdp)
+
+    def param_specs(self, where: str, use_bias: bool = False) -> dict:
+        spec = Rule(self.tp, self.fsdp).param_specs(where, False)["weight"]
+        return {"weight": transpose(spec), "bias": None}
+
+    @property
+    def table_fsdp_dim(self) -> Optional[int]:
+        """The table dimension the FSDP style shards."""
+        return None if self.fsdp is None else 1 - self.fsdp_dim
+
+    def activation_specs(self, ndim: int, data: bool = False) -> tuple[P, P]:
+        """(ids spec, output spec) for ids of rank `ndim` (the output has rank `ndim + 1`).
+
+        `data`: the batch dimension (dim 0) is sharded over the FSDP axis.
+        """
+        x = [None] * ndim
+        y = [None] * (ndim + 1)
+        if data:
+            x[0] = y[0] = self.fsdp.axis
+        if self.sequence_parallel:
+            y[ndim - 1] = self.tp.axis
+        return P(*x), P(*y)
+
+    def relax(self, where: str, weight_shape, sizes: dict) -> tuple["TableRule", list]:
+        rule, drops = Rule(self.tp, self.fsdp).relax(where, tuple(reversed(weight_shape)),
+                                                     sizes)
+        drops = [dataclasses.replace(d, dim=1 - d.dim) for d in drops]
+        return TableRule(rule.tp, rule.fsdp), drops
+
+    def without_fsdp(self) -> "TableRule":
+        return TableRule(self.tp, None)
+
+
+def transpose(spec: P) -> P:
+    """The PartitionSpec of a 2-D array's transpose."""
+    entries = tuple(spec) + (None,) * (2 - len(spec))
+    return P(*reversed(entries)) if any(e is not None for e in entries) else P()
+
+
 def compose(*styles, where: str = "layer") -> Rule:
     """Compose styles (and rules) into one `Rule`; the order of `styles` is irrelevant.
 
@@ -266,8 +325,12 @@ def mesh_sizes(mesh) -> dict:
     return dict(zip(mesh.axis_names, mesh.axis_sizes))
 
 
-def check_spec(path: str, shape, spec: P, sizes: dict, what="parameter"):
-    """Raise unless every axis of `spec` is in the mesh and divides its dimension."""
+def check_spec(path: str, shape, spec: P, sizes: dict, what="parameter",
+               vocab_dim: Optional[int] = None):
+    """Raise unless every axis of `spec` is in the mesh and divides its dimension.
+
+    `vocab_dim`: the dimension that is a vocabulary, which the message says to pad.
+    """
     for d, entry in enumerate(spec):
         axes = _axes_of(entry)
         missing = [a for a in axes if a not in sizes]
@@ -280,6 +343,8 @@ def check_spec(path: str, shape, spec: P, sizes: dict, what="parameter"):
             sz = ", ".join(f"{a}={sizes[a]}" for a in axes)
             fix = ("change the size, the mesh, or use relaxed=True to replicate this "
                    "dimension" if what == "parameter" else "change the size or the mesh")
+            if d == vocab_dim:
+                fix = pad_vocab_hint(shape[d], n) + ", or use relaxed=True to replicate it"
             raise ValueError(
                 f"{path}: {what} dim {d} has size {shape[d]}, not divisible by {n}, the "
                 f"product of mesh axes {axes} ({sz}); {fix}.")
@@ -315,7 +380,7 @@ def path_str(path) -> str:
 def layer_param_specs(layer, where: str, rule: Optional[Rule] = None) -> Any:
     """`layer` with each array replaced by its PartitionSpec (under `rule`, default its own)."""
     rule = layer.rule if rule is None else rule
-    specs = rule.param_specs(where, layer.bias is not None)
+    specs = rule.param_specs(where, getattr(layer, "bias", None) is not None)
 
     def spec(path, leaf):
         name = path[-1].name if path and hasattr(path[-1], "name") else None
@@ -370,9 +435,11 @@ def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
                 x = x.with_rule(rule)
                 if not is_layer(x):
                     return x
-        specs = x.rule.param_specs(where, x.bias is not None)
-        check_spec(f"{where}.weight", x.weight.shape, specs["weight"], sizes)
-        if x.bias is not None:
+        bias = getattr(x, "bias", None)
+        specs = x.rule.param_specs(where, bias is not None)
+        check_spec(f"{where}.weight", x.weight.shape, specs["weight"], sizes,
+                   vocab_dim=0 if isinstance(x.rule, TableRule) else None)
+        if bias is not None:
             check_spec(f"{where}.bias", x.bias.shape, specs["bias"], sizes)
         return x
 
@@ -380,29 +447,13 @@ def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
     return model, dropped
 
 
-def _layers(model) -> list:
-    leaves = jax.tree_util.tree_leaves(model, is_leaf=is_layer)
-    return [x for x in leaves if is_layer(x)]
-
-
-def shard_map_specs(model, x_ndim: int) -> tuple:
-    """`(in_specs, out_specs)` to run `model(x)` inside `jax.shard_map`.
-
-    `in_specs = (param_specs(model), x_spec)` for the arguments
-    `(eqx.filter(model, eqx.is_array), x)`; `x_spec` is the input layout of the model's
-    first fusedpar layer and `out_specs` the output layout of its last one (in pytree
-    order, i.e. attribute order — the order a sequential model applies them in).
-    `x_ndim` is the rank of `x`; an FSDP layer shards its batch dimension (dim 0) when
-    `x` has one (`has_data_dim`).
-    """
-    layers = _layers(model)
-    if not layers:
-        raise ValueError("shard_map_specs: the model has no fusedpar layers; every array is "
-                         "replicated, use in_specs=P() and out_specs=P().")
-    first, last = layers[0].rule, layers[-1].rule
-    x_spec = first.activation_specs(x_ndim, has_data_dim(first, x_ndim))[0]
-    y_spec = last.activation_specs(x_ndim, has_data_dim(last, x_ndim))[1]
-    return (param_specs(model), x_spec), y_spec
+def pad_vocab_hint(vocab: int, n: int) -> str:
+    """How to make a vocabulary of `vocab` entries shard over `n` devices."""
+    padded = -(-vocab // n) * n
+    return (f"pad the vocabulary to a multiple of {n} (e.g. {padded}: the embedding's "
+            f"num_embeddings and the LM head's out_features), and pass "
+            f"vocab_size={vocab} to fusedpar.cross_entropy so the padding gets no "
+            "probability")
 
 
 def with_other_axes(current: P, x_spec: P, y_spec: P, used: tuple) -> tuple[P, P]:
@@ -422,6 +473,17 @@ def with_other_axes(current: P, x_spec: P, y_spec: P, used: tuple) -> tuple[P, P
             axes = keep + _axes_of(xs[d])
             xs[d] = ys[d] = axes[0] if len(axes) == 1 else axes
     return P(*xs), P(*ys)
+
+
+def layout_axes(rule: Rule, x_spec: P) -> list:
+    """The mesh axes whose varying-axes type inside shard_map says whether an input fits
+    `x_spec`: the tensor-parallel axis (the input varies over it exactly when `x_spec`
+    names it), and the FSDP axis when it shards the batch. An FSDP axis that does not
+    (an input without a batch dimension) says nothing about the input."""
+    axes = [rule.tp.axis] if rule.tp is not None else []
+    if rule.fsdp is not None and rule.fsdp.axis in tuple(x_spec):
+        axes.append(rule.fsdp.axis)
+    return axes
 
 
 def has_data_dim(rule: Rule, ndim: int) -> bool:

@@ -41,3 +41,24 @@ def cotangent_like(ct, primal):
     """Sum `ct` over the axes it varies on but `primal` does not (implicit-broadcast transpose)."""
     extra = _names(varying_axes(ct) - varying_axes(primal))
     return lax.psum(ct, extra) if extra else ct
+
+
+def typed(axis) -> bool:
+    """Whether the enclosing shard_map types values as varying or invariant over `axis`
+    (check_vma=True): `axis_index` varies over its axis exactly when it does."""
+    return axis in varying_axes(lax.axis_index(axis))
+
+
+def check_layout(where: str, what: str, x, spec, axes, explain: str) -> None:
+    """Raise unless `x` varies over the `axes` named in `spec` and is invariant over the
+    other `axes`, wherever the enclosing shard_map types them (with check_vma=False JAX
+    says nothing and nothing is checked). `explain` says which layout or style to use."""
+    named = {a for e in spec for a in axis_names(e) if e is not None}
+    varying = varying_axes(x)
+    for a in axes:
+        if (a in named) != (a in varying) and typed(a):
+            how = ("sharded over mesh axis {!r} (it varies over it)" if a in varying else
+                   "replicated over mesh axis {!r} (it is invariant over it)").format(a)
+            raise ValueError(
+                f"{where}: inside shard_map the varying-axes type of {what} says {how}, but "
+                f"the layer expects {what} laid out as {spec}: {explain}.")

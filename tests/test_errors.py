@@ -67,23 +67,53 @@ def in_shard_map(f, x_shape=(4, 8), w_shape=(8, 12), *, x_dtype=jnp.float32,
     return call
 
 
-def global_call(layer, x_shape, mesh_shape=(2, 4), names=("fsdp", "tp")):
+def global_call(layer, x_shape, mesh_shape=(2, 4), names=("fsdp", "tp"), dtype=jnp.float32):
     """Trace `layer(x)` on a global array under `jax.set_mesh`."""
     def call():
         with jax.set_mesh(mesh(mesh_shape, names)):
-            return jax.eval_shape(layer, S(x_shape, jnp.float32))
+            return jax.eval_shape(layer, S(x_shape, dtype))
     return call
 
 
-def local_call(layer, x_spec, x_shape):
-    """Trace `layer` inside shard_map, its parameters passed with `param_specs`."""
+def local_call(layer, x_spec, x_shape, dtype=jnp.float32, vmaps=0):
+    """Trace `layer` inside shard_map, its parameters passed with `param_specs` (applied
+    under `vmaps` nested jax.vmaps)."""
     def call():
         params, static = eqx.partition(layer, eqx.is_array)
         m = mesh((2, 4), ("fsdp", "tp"))
-        fn = jax.shard_map(lambda p, x: eqx.combine(p, static)(x), mesh=m,
-                           in_specs=(fusedpar.param_specs(layer), x_spec), out_specs=P())
-        return jax.eval_shape(fn, params, S(x_shape, jnp.float32))
+
+        def body(p, x):
+            f = eqx.combine(p, static)
+            for _ in range(vmaps):
+                f = jax.vmap(f)
+            return f(x)
+
+        fn = jax.shard_map(body, mesh=m, in_specs=(fusedpar.param_specs(layer), x_spec),
+                           out_specs=P())
+        return jax.eval_shape(fn, params, S(x_shape, dtype))
     return call
+
+
+def ce_call(logits_shape, labels_shape, logits_dtype=jnp.float32, labels_dtype=jnp.int32,
+            mesh_shape=None, specs=None, **kw):
+    """Trace `cross_entropy`: with no mesh, on global arrays under a ("tp",) mesh of
+    `mesh_shape`, or inside shard_map over a (2, 4) ("fsdp", "tp") mesh with `specs`."""
+    def call():
+        args = S(logits_shape, logits_dtype), S(labels_shape, labels_dtype)
+        f = lambda x, y: fusedpar.cross_entropy(x, y, **kw)  # noqa: E731
+        if specs is not None:
+            return jax.eval_shape(jax.shard_map(f, mesh=mesh((2, 4), ("fsdp", "tp")),
+                                                in_specs=specs, out_specs=P()), *args)
+        if mesh_shape is None:
+            return jax.eval_shape(f, *args)
+        with jax.set_mesh(mesh(mesh_shape, ("tp",))):
+            return jax.eval_shape(f, *args)
+    return call
+
+
+def specs_of(model, x, call):
+    """`fusedpar.shard_map_specs` of `model` on an input of shape `x`, applied by `call`."""
+    return lambda: fusedpar.shard_map_specs(model, S(x, jnp.int32), call=call)
 
 
 def lazy(make):
@@ -98,6 +128,16 @@ def mlp():
 
 def _col(*a, **k):
     return fusedpar.ColumnLinear(*a, key=KEY, **k)
+
+
+def _emb(vocab=16, **k):
+    return fusedpar.Embedding(vocab, 8, key=KEY, **k)
+
+
+def _emb_head():
+    """Token ids -> vocabulary-parallel embedding -> column-parallel head, per example."""
+    embed, head = _emb(), _col(8, 16)
+    return (embed, head), lambda m, t: jax.vmap(jax.vmap(lambda i: m[1](m[0](i))))(t)
 
 
 OPS = [
@@ -290,6 +330,107 @@ LAYERS = [
         global_call(_col(8, 8, sequence_parallel=True), (8,)), ValueError,
         ("ColumnLinear: sequence_parallel=True needs an input (..., seq, features)",
          "got x of shape (8,)")),
+    Row("layers", "sequence-parallel layer vmapped over the sequence inside shard_map",
+        local_call(_col(8, 8, sequence_parallel=True), P(None, "tp"), (2, 8, 8), vmaps=2),
+        ValueError, ("ColumnLinear: under jax.vmap the mapped axis (size 2)",
+                     "dim 0 has 8", "gathers or scatters the sequence over 'tp'",
+                     "vmap over the batch only")),
+    Row("layers", "sequence-sharded input into a ColumnLinear inside shard_map",
+        local_call(_col(8, 8), P(None, "tp"), (4, 8, 8)), ValueError,
+        ("ColumnLinear: inside shard_map the varying-axes type of the input says sharded "
+         "over mesh axis 'tp'", "expects the input laid out as P(None, None, None)",
+         "needs sequence_parallel=True")),
+    Row("layers", "replicated input into a RowLinear inside shard_map",
+        local_call(fusedpar.RowLinear(8, 8, key=KEY), P(), (4, 2)), ValueError,
+        ("RowLinear: inside shard_map the varying-axes type of the input says replicated "
+         "over mesh axis 'tp'", "P(None, 'tp')", "features sharded over 'tp'")),
+    Row("layers", "replicated batch into an FSDP layer inside shard_map",
+        local_call(_col(8, 8, fsdp_axis="fsdp"), P(), (4, 8)), ValueError,
+        ("says replicated over mesh axis 'fsdp'", "P('fsdp', None)",
+         "FSDP takes the batch (dim 0) sharded over 'fsdp'")),
+    Row("layers", "local_size of a count that does not divide",
+        lambda: jax.eval_shape(jax.shard_map(
+            lambda x: x * fusedpar.local_size(6, "tp"), mesh=mesh((2, 4), ("fsdp", "tp")),
+            in_specs=P(), out_specs=P()), S((2,), jnp.float32)), ValueError,
+        ("local_size: 6 does not divide over mesh axis 'tp' of size 4",
+         "make it a multiple of 4")),
+]
+
+EMBEDDING = [
+    Row("embedding", "ids not integer",
+        lambda: _emb()(jnp.ones(3)), TypeError,
+        ("Embedding: x must be integer ids, got dtype float32",)),
+    Row("embedding", "fsdp_dim not a table dimension",
+        lazy(lambda: _emb(fsdp_axis="fsdp", fsdp_dim=2)), ValueError,
+        ("Embedding: fsdp_dim must be None, 0 or 1 (a table dimension), got 2",)),
+    Row("embedding", "vocabulary not divisible by the axis",
+        global_call(_emb(10), (4, 8), dtype=jnp.int32), ValueError,
+        ("Embedding.weight: parameter dim 0 has size 10, not divisible by 4",
+         "pad the vocabulary to a multiple of 4 (e.g. 12", "vocab_size=10",
+         "relaxed=True")),
+    Row("embedding", "shard: vocabulary not divisible",
+        lambda: fusedpar.shard({"embed": _emb(10)}, mesh((2, 4), ("fsdp", "tp"))), ValueError,
+        ("embed.weight: parameter dim 0 has size 10, not divisible by 4",
+         "pad the vocabulary to a multiple of 4")),
+    Row("embedding", "sequence-parallel embedding given one id",
+        global_call(_emb(sequence_parallel=True), (), dtype=jnp.int32), ValueError,
+        ("Embedding: sequence_parallel=True needs ids (..., seq)", "got a scalar id")),
+    Row("embedding", "sequence not divisible by the axis",
+        global_call(_emb(sequence_parallel=True), (2, 6), dtype=jnp.int32), ValueError,
+        ("Embedding: ids of shape (2, 6): input dim 1 has size 6, not divisible by 4",)),
+    Row("embedding", "sequence-sharded ids inside shard_map",
+        local_call(_emb(), P(None, "tp"), (2, 8), dtype=jnp.int32), ValueError,
+        ("Embedding: inside shard_map the varying-axes type of the ids says sharded over "
+         "mesh axis 'tp'", "laid out as P(None, None)", "replicated over it")),
+    Row("embedding", "global table inside shard_map (embedding closed over)",
+        lambda: jax.eval_shape(jax.shard_map(
+            lambda i: _emb()(i), mesh=mesh((2, 4), ("fsdp", "tp")), in_specs=P(),
+            out_specs=P()), S((2, 8), jnp.int32)), ValueError,
+        ("Embedding: inside shard_map over {'tp': 4} the local table must have shape (4, 8)",
+         "got (16, 8)", "fusedpar.param_specs")),
+    Row("embedding", "Column style on an embedding in a plan",
+        lambda: fusedpar.parallelize({"embed": eqx.nn.Embedding(16, 8, key=KEY)},
+                                     {"*": "column"}), ValueError,
+        ("embed: an embedding takes Row", "not Column(axis='tp'",
+         "give the embedding its own plan pattern")),
+]
+
+LOSS = [
+    Row("cross_entropy", "logits not floating",
+        ce_call((4, 16), (4,), logits_dtype=jnp.int32), TypeError,
+        ("cross_entropy: logits must be a floating array (..., vocab), got int32",)),
+    Row("cross_entropy", "labels not integer",
+        ce_call((4, 16), (4,), labels_dtype=jnp.float32), TypeError,
+        ("cross_entropy: labels must be integer, got float32",)),
+    Row("cross_entropy", "labels of the wrong shape",
+        ce_call((4, 16), (4, 1)), ValueError,
+        ("labels must have the shape of logits without its last dimension, (4,)",
+         "got labels of shape (4, 1)")),
+    Row("cross_entropy", "ignore_index not an int",
+        ce_call((4, 16), (4,), ignore_index=-1.0), TypeError,
+        ("ignore_index must be an int, got -1.0",)),
+    Row("cross_entropy", "vocab_size not a positive int",
+        ce_call((4, 16), (4,), vocab_size=0), ValueError,
+        ("vocab_size must be a positive int, got 0",)),
+    Row("cross_entropy", "vocab_size larger than the logits' vocabulary",
+        ce_call((4, 16), (4,), vocab_size=20), ValueError,
+        ("vocab_size=20 is larger than the vocabulary of the logits, 16",)),
+    Row("cross_entropy", "vocabulary not divisible by the axis",
+        ce_call((4, 10), (4,), mesh_shape=(4,)), ValueError,
+        ("logits of shape (4, 10): the vocabulary (last dim) has 10 entries, not divisible "
+         "by 4", "pad the vocabulary to a multiple of 4 (e.g. 12",
+         "pass vocab_size=10 to fusedpar.cross_entropy")),
+    Row("cross_entropy", "replicated logits inside shard_map",
+        ce_call((4, 16), (4,), specs=(P(), P())), ValueError,
+        ("varying-axes type of the logits says replicated over mesh axis 'tp'",
+         "P(None, 'tp')", "for whole logits pass axis=None")),
+    Row("cross_entropy", "labels sharded over the vocabulary axis inside shard_map",
+        lambda: jax.eval_shape(jax.shard_map(  # labels that differ on every device
+            lambda x, y: fusedpar.cross_entropy(x, y + 0 * jax.lax.axis_index("tp")),
+            mesh=mesh((2, 4), ("fsdp", "tp")), in_specs=(P(None, "tp"), P()), out_specs=P()),
+            S((4, 16), jnp.float32), S((4,), jnp.int32)), ValueError,
+        ("varying-axes type of the labels says sharded over mesh axis 'tp'",
+         "the labels are replicated over it")),
 ]
 
 SPECS = [
@@ -322,6 +463,23 @@ SPECS = [
     Row("specs", "shard_map_specs of a model without fusedpar layers",
         lambda: fusedpar.shard_map_specs(mlp(), 2), ValueError,
         ("shard_map_specs: the model has no fusedpar layers", "in_specs=P()")),
+    Row("specs", "shard_map_specs given the input's rank (the old signature)",
+        lambda: fusedpar.shard_map_specs(_emb(), 2), TypeError,
+        ("x must be the model's input (an array or jax.ShapeDtypeStruct", "got the int 2")),
+    Row("specs", "shard_map_specs: the input does not go straight into a fusedpar layer",
+        specs_of(*_emb_head()[:1], (4, 8), lambda m, t: _emb_head()[1](m, t + 1)),
+        ValueError, ("the input x (shape (4, 8)) does not go into a fusedpar layer as it is",
+                     "the first fusedpar call is 0 (Embedding)",
+                     "write the in_spec of x yourself")),
+    Row("specs", "shard_map_specs: the output is not a fusedpar call's",
+        specs_of(*_emb_head()[:1], (4, 8), lambda m, t: jnp.tanh(_emb_head()[1](m, t))),
+        ValueError, ("the output (shape (4, 8, 16)) is not what a fusedpar call returned",
+                     "the last fusedpar call is 1 (ColumnLinear)",
+                     "write the out_specs yourself")),
+    Row("specs", "shard_map_specs: the input goes into layers with different layouts",
+        specs_of((_emb(fsdp_axis="fsdp"), _emb()), (4, 8), lambda m, t: m[0](t) + m[1](t)),
+        ValueError, ("the input x goes into fusedpar layers that want different layouts",
+                     "0 (Embedding) wants P('fsdp', None); 1 (Embedding) wants P(None, None)")),
 ]
 
 PARALLELIZE = [
@@ -451,7 +609,7 @@ DEMO_BENCH = [
         (ValueError, KeyError, SystemExit), ("fusedpar-not-bench.json",),),
 ]
 
-ROWS = OPS + LAYERS + SPECS + PARALLELIZE + COST_MODEL + DEMO_BENCH
+ROWS = OPS + LAYERS + EMBEDDING + LOSS + SPECS + PARALLELIZE + COST_MODEL + DEMO_BENCH
 
 
 def _param(row):

@@ -20,7 +20,7 @@ def _run(name):
     return out.stdout
 
 
-@pytest.mark.parametrize("name", ["ops.py", "parallelize.py"])
+@pytest.mark.parametrize("name", ["ops.py", "parallelize.py", "gpt.py"])
 def test_docs_quote_the_example_verbatim(name):
     example = (ROOT / "examples" / name).read_text().strip()
     assert any(example in page.read_text() for page in DOCS), name
@@ -43,3 +43,24 @@ def test_parallelize_example_runs():
     losses = [float(v) for v in lines[1:4]]
     assert losses[2] < losses[1] < losses[0], losses  # three SGD steps lower the loss
     assert lines[4] == "(8,)", lines
+
+
+@pytest.mark.timeout(300)
+def test_gpt_example_runs():
+    """Every plan's training losses equal the dense model's (f32: a few ulps of the
+    loss), the loss goes down, the plan table and the shard_map run are printed."""
+    stdout = _run("gpt.py")
+    runs = dict(re.findall(r"^(\S+) +losses (\[[^]]*\])", stdout, re.M))
+    assert list(runs) == ["dense", "TP", "TP+SP", "FSDPxTP"], stdout
+    dense = [float(v) for v in runs["dense"].strip("[]").split(",")]
+    assert dense[2] < dense[1] < dense[0], dense
+    for plan in ("TP", "TP+SP", "FSDPxTP"):
+        losses = [float(v) for v in runs[plan].strip("[]").split(",")]
+        diff = float(re.search(rf"^{re.escape(plan)} .*max \|loss - dense\| (\S+)$", stdout,
+                               re.M).group(1))
+        assert diff <= 2e-5 * max(dense), (plan, diff)  # printed losses are rounded
+        assert max(abs(a - b) for a, b in zip(losses, dense)) <= 1e-5 + 2e-5 * max(dense)
+    assert "| embed             | Embedding    | Row('tp', sequence_parallel) + FSDP('fsdp')" in stdout
+    assert "shard_map specs: tokens P(None, None), logits P(None, None, 'tp')" in stdout
+    local = float(re.search(r"max \|local - dense\| (\S+)", stdout).group(1))
+    assert local <= 2e-5 * 10, local  # logits of magnitude ~10 at most

@@ -148,7 +148,7 @@ def test_three_contexts_agree():
     want = mlp(*(jax.vmap(jax.vmap(d)) for d in dense), x)
 
     assert_close(mlp(*layers, x), want, F32, "no mesh")
-    (pspecs, x_spec), y_spec = fusedpar.shard_map_specs(layers, x.ndim)
+    (pspecs, x_spec), y_spec = fusedpar.shard_map_specs(layers, x, call=lambda ls, x: mlp(*ls, x))
     assert x_spec == P("fsdp", "tp", None) and y_spec == P("fsdp", "tp", None)
     local = jax.jit(jax.shard_map(lambda ls, x: mlp(*ls, x), mesh=m,
                                   in_specs=(pspecs, x_spec), out_specs=y_spec))
@@ -238,7 +238,7 @@ def _sum_vmapped_mlp(ls, x):
 
 def _check_vmap_in_shard_map(m, layers, x, check_vma):
     """Inside shard_map: the ops' custom_vjp and collectives under vmap over the batch."""
-    (pspecs, x_spec), _ = fusedpar.shard_map_specs(layers, x.ndim)
+    (pspecs, x_spec), _ = fusedpar.shard_map_specs(layers, x, call=lambda ls, x: mlp(*ls, x))
 
     def grads(g):
         return jax.jit(jax.grad(jax.shard_map(
@@ -249,19 +249,71 @@ def _check_vmap_in_shard_map(m, layers, x, check_vma):
                  "shard_map vmap")
 
 
-def test_vmap_fsdp_unbatched():
-    """FSDP under vmap sees one example (no batch dimension): it gathers the weight on
-    entry and runs no collective op, so one backend covers it."""
+def test_vmap_vmap_matches_dense():
+    """Under vmap(vmap(layer)) the outer mapped axis is the batch and the inner one the
+    sequence: sequence-parallel FSDP x TP layers equal eqx.nn.Linear, values and
+    gradients, with no mesh and on global arrays (Auto and Explicit axes)."""
+    layers, dense = make("tp", "reference", sp=True, fsdp="fsdp")
+    x = normal(12, (4, 8, IN), F32)
+    want = dense_grads(dense, x)
+
+    def per_token(mx):
+        (up, down), x = mx
+        return jnp.sum(jnp.sin(jax.vmap(jax.vmap(lambda r: down(jnp.tanh(up(r)))))(x)))
+
+    grad = eqx.filter_jit(eqx.filter_value_and_grad(per_token))
+    check_grads(grad((layers, x)), want, "no mesh")
+    for kind in (AxisType.Auto, AxisType.Explicit):
+        m = jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(kind,) * 2,
+                          devices=jax.devices()[:8])
+        with jax.set_mesh(m):
+            check_grads(grad((fusedpar.shard(layers, m), x)), want, str(kind))
+
+
+def _shard_map_specs_in(f, *args):
+    """The in_specs of every shard_map in the jaxpr of `f(*args)`."""
+    eqns = jax.make_jaxpr(f)(*args).eqns
+    return [e.params["in_specs"] for e in eqns if e.primitive.name == "shard_map"]
+
+
+def test_vmap_fsdp_keeps_the_weight_sharded():
+    """FSDP under vmap sees the batch as dim 0: its weight enters shard_map sharded (no
+    gather on entry) and values and gradients equal the dense layers'."""
     m = mesh((8,), ("fsdp",))
-    layers, dense = make("fsdp", "ring", fsdp="fsdp")
+    layers, dense = make("fsdp", "reference", fsdp="fsdp")
     x = normal(8, (16, IN), F32)
+
+    def vmapped(ls, x):
+        return jnp.sum(jax.vmap(lambda r: mlp(*ls, r))(x) ** 2)
+
     with jax.set_mesh(m):
         ls = fusedpar.shard(layers, m)
-        got = eqx.filter_jit(eqx.filter_grad(
-            lambda ls, x: jnp.sum(jax.vmap(lambda r: mlp(*ls, r))(x) ** 2)))(ls, x)
+        specs = _shard_map_specs_in(vmapped, ls, x)
+        got = eqx.filter_jit(eqx.filter_grad(vmapped))(ls, x)
+    assert [s[0] for s in specs] == [P("fsdp", None)] * 2, specs  # the weights
+    assert [s[-1] for s in specs] == [P("fsdp", None)] * 2, specs  # the batch
     want = eqx.filter_grad(lambda d, x: jnp.sum(dense_apply(
         d[1], jnp.tanh(dense_apply(d[0], x))) ** 2))(dense, x)
     assert_close(got, want, F32, "fsdp vmap grads")
+
+
+def test_vmap_without_folding():
+    """What is not folded runs as plain jax.vmap does: per-example gradients (grad inside
+    vmap) and a vmap over stacked layers, against eqx.nn.Linear."""
+    layer = fusedpar.ColumnLinear(IN, HID, key=jax.random.key(13), sequence_parallel=True)
+    lin = eqx.nn.Linear(IN, HID, key=jax.random.key(13))
+    x = normal(14, (3, 8, IN), F32)
+
+    def per_example(apply, m):
+        loss = eqx.filter_grad(lambda m, r: jnp.sum(jnp.sin(apply(m, r))))
+        return jax.vmap(loss, (None, 0))(m, x).weight
+
+    assert_close(per_example(lambda m, r: m(r), layer), per_example(dense_apply, lin), F32,
+                 "per-example grads")
+    stacked = jax.tree.map(lambda a: jnp.stack([a, 2 * a]), (layer, lin))
+    got = jax.vmap(lambda ls, r: ls[0](r), (0, None))(stacked, x)
+    want = jax.vmap(lambda ls, r: dense_apply(ls[1], r), (0, None))(stacked, x)
+    assert_close(got, want, F32, "stacked layers")
 
 
 def test_input_dtype_and_unbatched():

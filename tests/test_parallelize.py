@@ -113,3 +113,86 @@ def test_training_matches_dense():
     assert float(got[-1]) < float(got[0])
     assert_close(par.blocks[1].down.weight, dense.blocks[1].down.weight, jnp.float32,
                  "trained weight")
+
+
+def test_describe_table():
+    """One row per linear layer and embedding: path, class, style, specs, backend and
+    collectives; what the plan left alone is replicated."""
+    model = {"embed": eqx.nn.Embedding(32, D, key=jax.random.key(0)), "net": Net(
+        jax.random.key(1))}
+    plan = {"embed": Row(sequence_parallel=True), **{f"net.{p}": s for p, s in PLAN.items()}}
+    table = fusedpar.describe(fusedpar.parallelize(model, plan, backend="ring")).splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in table]
+    assert cells[0] == ["path", "layer", "style", "parameters", "backend", "forward",
+                        "backward"]
+    rows = {c[0]: c[1:] for c in cells[2:]}
+    assert list(rows) == ["embed", "net.blocks.0.up", "net.blocks.0.down", "net.blocks.1.up",
+                          "net.blocks.1.down", "net.head"]
+    assert rows["net.blocks.0.down"] == [
+        "RowLinear", "Row('tp', sequence_parallel) + FSDP('fsdp')",
+        "weight P('fsdp', 'tp'), bias P()", "ring",
+        "all_gather W over fsdp; matmul_reduce_scatter y(seq) over tp",
+        "all_gather_matmul dy(seq) over tp; reduce_scatter dW over fsdp; psum db over fsdp, tp"]
+    assert rows["embed"][:3] == ["Embedding", "Row('tp', sequence_parallel)",
+                                 "weight P('tp', None)"]
+    plain = fusedpar.describe(model).splitlines()[2]
+    assert [c.strip() for c in plain.strip("|").split("|")][:4] == [
+        "embed", "Embedding", "replicated", "weight P()"]
+
+
+_KINDS = {"all_gather_matmul": "all_gather", "all_gather": "all_gather",
+          "matmul_reduce_scatter": "reduce_scatter", "reduce_scatter": "reduce_scatter",
+          "psum_scatter": "reduce_scatter", "psum": "psum"}
+
+
+def _claimed(lines):
+    """{(collective, axes)} from describe's cells, e.g. "psum db over fsdp, tp"."""
+    out = set()
+    for line in lines:
+        op, axes = line.split(" ", 1)[0], line.split(" over ")[1]
+        out.add((_KINDS[op], frozenset(axes.split(", "))))
+    return out
+
+
+def _traced(jaxpr, out=None):
+    """{(collective, axes)} of every collective in a jaxpr and its sub-jaxprs."""
+    out = set() if out is None else out
+    for e in jaxpr.eqns:
+        name = e.primitive.name.replace("_invariant", "")
+        if name in ("all_gather", "reduce_scatter", "psum"):
+            axes = e.params.get("axes", e.params.get("axis_name"))
+            out.add((name, frozenset(axes if isinstance(axes, tuple) else (axes,))))
+        for v in e.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                sub = getattr(sub, "jaxpr", sub)
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    _traced(sub, out)
+    return out
+
+
+def test_describe_names_the_collectives_that_run():
+    """Each layer kind's forward collectives are those of its forward jaxpr, and forward
+    plus backward those of its gradient's jaxpr (reference backend: plain lax
+    collectives), on a 2 x 4 mesh."""
+    k = jax.random.key(2)
+    kw = dict(key=k, fsdp_axis="fsdp", backend="reference")
+    layers = [fusedpar.ColumnLinear(8, 16, **kw),
+              fusedpar.ColumnLinear(8, 16, sequence_parallel=True, gather_output=True, **kw),
+              fusedpar.RowLinear(16, 8, **kw), fusedpar.RowLinear(16, 8, sequence_parallel=True,
+                                                                  **kw),
+              fusedpar.FSDPLinear(8, 8, key=k, backend="reference"),
+              fusedpar.Embedding(16, 8, key=k, fsdp_axis="fsdp"),
+              fusedpar.Embedding(16, 8, key=k, sequence_parallel=True)]
+    with jax.set_mesh(mesh((2, 4), ("fsdp", "tp"))):
+        for layer in layers:
+            x = (jnp.ones((4, 8), jnp.int32) if isinstance(layer, fusedpar.Embedding) else
+                 jnp.ones((4, 8, layer.in_features)))
+
+            def loss(layer, x):
+                return jnp.sum(jnp.sin(layer(x)))
+
+            fwd, bwd = layer.collectives()
+            what = f"{type(layer).__name__} {layer.rule}"
+            assert _traced(jax.make_jaxpr(loss)(layer, x).jaxpr) == _claimed(fwd), what
+            grads = jax.make_jaxpr(eqx.filter_grad(loss))(layer, x).jaxpr
+            assert _traced(grads) == _claimed(fwd + bwd), what

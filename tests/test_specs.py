@@ -212,14 +212,78 @@ def test_shard_and_init_sharded():
 
 
 def test_shard_map_specs():
+    """The specs come from a trace of the model: the layers its input goes into as it is,
+    and the one that returns its output."""
     m = Model(fsdp_axis="fsdp", sequence_parallel=True)
-    (pspecs, x_spec), y_spec = fusedpar.shard_map_specs(m, 3)
+
+    def call(m, x):
+        for b in m.blocks:
+            x = b.down(b.up(x))
+        return m.extra["fsdp"](x)
+
+    x = jax.ShapeDtypeStruct((4, 8, 8), jnp.float32)
+    (pspecs, x_spec), y_spec = fusedpar.shard_map_specs(m, x, call=call)
     assert pspecs == fusedpar.param_specs(m)
-    assert x_spec == P("fsdp", "tp", None)  # first layer: blocks[0].up
-    assert y_spec == P("fsdp", None, None)  # last layer: extra["fsdp"] (an FSDPLinear)
+    assert x_spec == P("fsdp", "tp", None)  # blocks[0].up takes x
+    assert y_spec == P("fsdp", None, None)  # extra["fsdp"] (an FSDPLinear) returns it
     up = m.blocks[0].up
     assert up.rule.activation_specs(2) == (P("tp", None), P(None, "tp"))
     assert m.blocks[0].down.rule.activation_specs(3, data=True) == (
         P("fsdp", None, "tp"), P("fsdp", "tp", None))
     with pytest.raises(ValueError, match="shard_map_specs: the model has no fusedpar layers"):
-        fusedpar.shard_map_specs(eqx.nn.Linear(2, 2, key=K), 2)
+        fusedpar.shard_map_specs(eqx.nn.Linear(2, 2, key=K), x)
+
+
+class Tokens(eqx.Module):
+    """Token ids -> embedding -> sequence-parallel block -> vocabulary-parallel head."""
+
+    embed: fusedpar.Embedding
+    up: fusedpar.ColumnLinear
+    head: fusedpar.ColumnLinear
+
+    def __init__(self, norm_first=False):
+        k1, k2, k3 = jax.random.split(K, 3)
+        self.embed = fusedpar.Embedding(16, 8, key=k1, sequence_parallel=True,
+                                        fsdp_axis="fsdp")
+        self.up = fusedpar.ColumnLinear(8, 8, key=k2, sequence_parallel=True,
+                                        gather_output=True)
+        self.head = fusedpar.ColumnLinear(8, 16, key=k3, fsdp_axis="fsdp")
+
+    def __call__(self, tokens):  # one example: (seq,) -> (seq, vocab)
+        return jax.vmap(self.head)(jax.vmap(self.up)(jax.vmap(self.embed)(tokens)))
+
+
+def test_shard_map_specs_of_a_model_that_starts_with_an_embedding():
+    """Token ids get the embedding's layout (batch over "fsdp", the sequence whole), not
+    the sequence spec of the first linear layer; the logits get the head's."""
+    tokens = jax.ShapeDtypeStruct((4, 8), jnp.int32)
+    (_, x_spec), y_spec = fusedpar.shard_map_specs(Tokens(), tokens,
+                                                   call=lambda m, t: jax.vmap(m)(t))
+    assert x_spec == P("fsdp", None)
+    assert y_spec == P("fsdp", None, "tp")
+    # Labels straight into the loss get the leading dims of the logits' layout.
+    (_, (t_spec, l_spec)), loss_spec = fusedpar.shard_map_specs(
+        Tokens(), (tokens, tokens), call=lambda m, tl: fusedpar.cross_entropy(
+            jax.vmap(m)(tl[0]), tl[1]))
+    assert (t_spec, l_spec, loss_spec) == (P("fsdp", None), P("fsdp", None), P("fsdp", None))
+
+
+def test_shard_map_specs_never_guesses():
+    tokens = jax.ShapeDtypeStruct((4, 8), jnp.int32)
+    model = Tokens()
+    with pytest.raises(ValueError, match=r"the input x \(shape \(4, 8\)\) does not go into a "
+                       r"fusedpar layer as it is \(the first fusedpar call is embed "
+                       r"\(Embedding\)"):
+        fusedpar.shard_map_specs(model, tokens, call=lambda m, t: jax.vmap(m)(t % 16))
+    with pytest.raises(ValueError, match=r"the output \(shape \(4, 8, 16\)\) is not what a "
+                       r"fusedpar call returned \(the last fusedpar call is head"):
+        fusedpar.shard_map_specs(model, tokens, call=lambda m, t: 2 * jax.vmap(m)(t))
+    (_, x_spec), out_spec = fusedpar.shard_map_specs(
+        model, tokens, call=lambda m, t: 2 * jax.vmap(m)(t), outputs=False)
+    assert (x_spec, out_spec) == (P("fsdp", None), None)
+    x = jax.ShapeDtypeStruct((4, 8, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"goes into fusedpar layers that want different "
+                       r"layouts: up \(ColumnLinear\) wants P\(None, 'tp', None\); head "):
+        fusedpar.shard_map_specs(model, x, call=lambda m, x: m.up(x) + m.head(x)[..., :8])
+    with pytest.raises(TypeError, match=r"x must be the model's input .* got the int 3"):
+        fusedpar.shard_map_specs(model, 3)

@@ -1,0 +1,83 @@
+"""`jax.vmap` around a layer: the vmapped axes fold into the input's leading dimensions.
+
+Equinox layers take one example and models apply them with `jax.vmap`, e.g.
+`jax.vmap(jax.vmap(block))(x)` over batch and sequence. A sharded layer needs to see
+those axes: a sequence-parallel layer shards the sequence (dim -2) and an FSDP layer the
+batch (dim 0). `fold(fn, args)` runs `fn(*args)`; when the args are batched by the
+`jax.vmap` that is the innermost transformation at the call, a `custom_vmap` rule hands
+`fn` the batched arrays instead, the mapped axis moved to the front. Nested vmaps fold
+one after the other, innermost first, so under `vmap(vmap(layer))` the layer sees
+`(outer, inner, ...)`: the outer mapped axis is dim 0 (the batch) and the inner one
+dim 1 (the sequence, dim -2 of a `(batch, seq, features)` input).
+
+The fold needs the vmap to be the transformation JAX is tracing at the call. With
+another one in between (`jax.grad`, `jax.jit`, `jax.checkpoint` or `lax.scan` inside
+the vmap) the layer sees one example, as plain `jax.vmap` gives it; a rule's own
+parameters batched by the vmap (a vmap over stacked layers) are not folded either.
+Whether an array is batched by the current trace is asked of JAX's tracer classes; if
+a JAX version lacks them, nothing is folded.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+
+try:  # which vmap an array belongs to: JAX has no public API for it
+    from jax._src.core import trace_ctx as _trace_ctx
+    from jax._src.interpreters.batching import BatchTracer as _BatchTracer
+except ImportError:  # pragma: no cover - then nothing is folded
+    _trace_ctx = _BatchTracer = None
+
+
+def _current_vmap():
+    """The vmap JAX is tracing right now, or None."""
+    if _trace_ctx is None:
+        return None
+    return getattr(_trace_ctx, "trace", None)
+
+
+def batched_here(x) -> bool:
+    """Whether `x` is batched by the `jax.vmap` JAX is tracing right now."""
+    if _BatchTracer is None or not isinstance(x, _BatchTracer):
+        return False
+    return x._trace is _current_vmap() and x.batch_dim is not None
+
+
+def fold(fn: Callable, args: Sequence, params=None, *, where: str, hint: str = ""):
+    """`fn(*args)`, with vmapped axes of `args` folded into their leading dimensions.
+
+    `args` are arrays that share their leading dimensions (an unbatched one is
+    broadcast along the mapped axis); `fn` returns one array whose leading dimensions
+    are theirs. `params` (any pytree `fn` closes over) must not be batched by the vmap
+    for the fold to apply. If `fn` changes the length of the mapped axis it is not
+    vmappable: a `ValueError` names `where`, the sizes and `hint`.
+    """
+    if not any(batched_here(a) for a in args):
+        return fn(*args)
+    if any(batched_here(p) for p in jax.tree.leaves(params)):
+        return fn(*args)
+
+    # custom_vmap traces this for one example; it never runs (the rule replaces it
+    # under this vmap), so it only has to have the output's structure.
+    @custom_vmap
+    def call(*args):
+        return jnp.zeros((), jnp.float32)
+
+    @call.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = [a if b else jnp.broadcast_to(a, (axis_size,) + jnp.shape(a))
+                for a, b in zip(args, in_batched)]
+        out = fold(fn, args, params, where=where, hint=hint)
+        if out.ndim == 0 or out.shape[0] != axis_size:
+            raise ValueError(
+                f"{where}: under jax.vmap the mapped axis (size {axis_size}) is dim 0 of "
+                f"the input, and the layer gives an output whose dim 0 has "
+                f"{'no length' if out.ndim == 0 else out.shape[0]}, so it cannot be "
+                f"vmapped over that axis{'; ' + hint if hint else ''}.")
+        return out, True
+
+    return call(*args)

@@ -1,0 +1,110 @@
+"""fusedpar.Embedding against eqx.nn.Embedding with the same table: values and gradients,
+vocabulary-parallel with and without sequence parallelism and FSDP, in the three calling
+contexts and under vmap; bad ids, plans and layouts."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+import fusedpar
+from helpers import assert_close, mesh, normal
+
+pytestmark = pytest.mark.timeout(300)
+
+F32 = jnp.float32
+VOCAB, DIM = 16, 8
+KEY = jax.random.key(0)
+IDS = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (4, 8)), jnp.int32)  # (b, s)
+
+
+def dense_grads(table, ids, probe):
+    """Loss and table gradient of eqx.nn.Embedding applied per id (as Equinox users do)."""
+    return jax.value_and_grad(
+        lambda t: jnp.sum(jax.vmap(jax.vmap(eqx.nn.Embedding(weight=t)))(ids) * probe))(table)
+
+
+def test_drop_in_for_eqx_embedding():
+    emb = fusedpar.Embedding(VOCAB, DIM, key=KEY)
+    ref = eqx.nn.Embedding(VOCAB, DIM, key=KEY)
+    assert (emb.weight == ref.weight).all()  # one key, one table
+    assert emb(jnp.int32(3)).shape == (DIM,)
+    sp = fusedpar.Embedding(VOCAB, DIM, key=KEY, sequence_parallel=True)
+    assert (sp(jnp.int32(3)) == ref(jnp.int32(3))).all()  # no mesh: one id is fine
+    assert_close(jax.vmap(emb)(IDS[0]), jax.vmap(ref)(IDS[0]), F32, "per id")
+    assert_close(emb(IDS), jax.vmap(jax.vmap(ref))(IDS), F32, "batched ids")
+    bf16 = fusedpar.Embedding(weight=ref.weight.astype(jnp.bfloat16))
+    assert bf16(IDS).dtype == jnp.bfloat16
+    assert fusedpar.param_specs(emb).weight == P("tp", None)
+    assert fusedpar.param_specs(fusedpar.Embedding(VOCAB, DIM, key=KEY, fsdp_axis="fsdp")
+                                ).weight == P("tp", "fsdp")
+    assert fusedpar.param_specs(fusedpar.Embedding(
+        VOCAB, DIM, key=KEY, fsdp_axis="fsdp", fsdp_dim=0)).weight == P(("tp", "fsdp"), None)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["replicated", "sp"])
+def test_matches_dense_in_every_context(sp):
+    """vmap(vmap(embedding)) over (batch, seq) ids, FSDP x vocabulary-parallel on a 2 x 4
+    mesh: global arrays (Auto and Explicit axes) and inside shard_map, values and
+    gradients equal eqx.nn.Embedding's."""
+    emb = fusedpar.Embedding(VOCAB, DIM, key=KEY, sequence_parallel=sp, fsdp_axis="fsdp")
+    probe = normal(1, (4, 8, DIM), F32)
+    want = dense_grads(emb.weight, IDS, probe)
+
+    def loss(e, ids):
+        return jnp.sum(jax.vmap(jax.vmap(e))(ids) * probe)
+
+    assert_close(jax.value_and_grad(loss)(emb, IDS)[1].weight, want[1], F32, "no mesh")
+    for kind in (AxisType.Auto, AxisType.Explicit):
+        m = jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(kind,) * 2,
+                          devices=jax.devices()[:8])
+        with jax.set_mesh(m):
+            value, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(
+                fusedpar.shard(emb, m), IDS)
+        assert_close((value, grads.weight), want, F32, str(kind))
+    (pspecs, ids_spec), out_spec = fusedpar.shard_map_specs(emb, IDS)
+    assert ids_spec == P("fsdp", None)
+    assert out_spec == P("fsdp", "tp" if sp else None, None)
+    local = jax.shard_map(lambda e, i, p: jax.vmap(e)(i) * p, mesh=mesh((2, 4), ("fsdp", "tp")),
+                          in_specs=(pspecs, ids_spec, out_spec), out_specs=out_spec)
+    value, grads = jax.jit(jax.value_and_grad(
+        lambda e: jnp.sum(local(e, IDS, probe))))(emb)
+    assert_close((value, grads.weight), want, F32, "shard_map")
+
+
+def test_bad_ids_give_nan_in_every_context():
+    """Ids outside [0, vocab) are NaN rows (never another row's numbers), the same in
+    every context; the good ids around them are unaffected."""
+    emb = fusedpar.Embedding(VOCAB, DIM, key=KEY)
+    ids = IDS.at[0, 0].set(-1).at[1, 3].set(VOCAB)
+    bad = np.zeros(ids.shape, bool)
+    bad[0, 0] = bad[1, 3] = True
+    want = jax.vmap(jax.vmap(eqx.nn.Embedding(weight=emb.weight)))(ids)
+    m = mesh((4,), ("tp",))
+    with jax.set_mesh(m):
+        global_out = eqx.filter_jit(lambda e, i: e(i))(emb, ids)
+    for what, out in (("no mesh", emb(ids)), ("global", global_out)):
+        assert np.isnan(np.asarray(out)[bad]).all(), what
+        assert_close(np.asarray(out)[~bad], np.asarray(want)[~bad], F32, what)
+
+
+def test_parallelize_and_relaxed():
+    """A plan's Row shards an eqx.nn.Embedding's vocabulary, FSDP its embedding dim;
+    Column is rejected; relaxed validation replicates a vocabulary that does not divide."""
+    model = {"embed": eqx.nn.Embedding(VOCAB, DIM, key=KEY),
+             "head": eqx.nn.Linear(DIM, VOCAB, key=KEY)}
+    par = fusedpar.parallelize(model, {"embed": fusedpar.Row(sequence_parallel=True),
+                                       "head": "column", "*": "fsdp"})
+    assert isinstance(par["embed"], fusedpar.Embedding)
+    assert par["embed"].weight is model["embed"].weight
+    assert par["embed"].rule.sequence_parallel
+    assert fusedpar.param_specs(par)["embed"].weight == P("tp", "fsdp")
+    with pytest.raises(ValueError, match=r"embed: an embedding takes Row .* not Column"):
+        fusedpar.parallelize(model, {"*": "column"})
+    odd = {"embed": fusedpar.Embedding(10, DIM, key=KEY)}
+    relaxed, dropped = fusedpar.validate(odd, mesh((4,), ("tp",)), relaxed=True)
+    assert [str(d) for d in dropped] == [
+        "embed.weight: dim 0 (size 10) no longer sharded over ('tp',)"]
+    assert type(relaxed["embed"]) is eqx.nn.Embedding
