@@ -48,22 +48,41 @@ ON_CPU = jax.default_backend() == "cpu"
 
 pytestmark = pytest.mark.timeout(600)
 
+# The kernel families measured: on a GPU both (Mosaic needs Hopper: elsewhere it is
+# skipped); on CPU only Triton, which Pallas interpret mode runs at any small shape (jax's
+# Mosaic GPU interpreter lacks the TMA reduce-add store the accumulating kernel uses).
 if SIZES == "cpu":
     KERNEL = [(s, d) for s in (64,) for d in (jnp.float32, jnp.bfloat16)]
     RING1 = [(64, jnp.float32)]
     DECOMP = [(128, jnp.float32)]
     RINGS = [4]
     RING1_RUN = ["ag_rows", "rs_cols"]
+    FAMILIES = ["triton"]
     # Interpret mode: blocks of 16 so that even tiny problems have several tiles.
-    OPTIONS = {"block_m": 16, "block_n": 16, "block_k": 16}
+    TILES = {"triton": {"block_m": 16, "block_n": 16, "block_k": 16}}
 else:
-    KERNEL = [(s, d) for d in (jnp.bfloat16, jnp.float32) for s in (1024, 2048, 4096, 8192)]
-    RING1 = [(s, d) for d in (jnp.bfloat16, jnp.float32) for s in (1024, 4096, 8192)]
-    DECOMP = [(s, d) for d in (jnp.bfloat16, jnp.float32) for s in (1024, 4096, 8192)]
+    DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+    KERNEL = [(s, d) for d in DTYPES for s in (1024, 2048, 4096, 8192)]
+    RING1 = [(s, d) for d in DTYPES for s in (4096, 8192)]
+    DECOMP = [(s, d) for d in DTYPES for s in (4096, 8192)]
     RINGS = [2, 4, 8]
     RING1_RUN = ["ag_rows", "ag_cols", "ag_contract", "rs_rows", "rs_cols"]
-    OPTIONS = {}  # the tile heuristic
-OPTIONS = {**OPTIONS, "interpret": ON_CPU}
+    FAMILIES = ["mosaic", "triton"]
+    TILES = {"mosaic": {}, "triton": {}}  # the heuristics
+
+
+def _options(family):
+    """The pallas_gpu options that run `family`'s kernels (interpreted on CPU)."""
+    return {"kernels": family, "interpret": ON_CPU, **TILES[family]}
+
+
+def _skip_unless_runs(family):
+    from fusedpar._backends import pallas_gpu
+
+    if family == "mosaic" and not ON_CPU and pallas_gpu.default_family("gpu") != "mosaic":
+        pytest.skip("the Mosaic GPU kernels need Hopper (compute capability 9.0) or newer")
+
+
 BUDGET = 0.02 if SIZES == "cpu" else 0.4  # seconds of timed calls per benchmark
 
 
@@ -100,7 +119,8 @@ def _id(v):
 # -- kernel: one step kernel vs jnp.dot --------------------------------------------------
 
 
-KERNEL_VARIANTS = ["jnp.dot", "matmul_into", "acc+jnp.dot", "matmul_acc"]
+KERNEL_VARIANTS = ["jnp.dot", "acc+jnp.dot"] + [
+    f"{kernel} ({family})" for family in FAMILIES for kernel in ("matmul_into", "matmul_acc")]
 
 
 @pytest.mark.parametrize("variant", KERNEL_VARIANTS)
@@ -109,23 +129,25 @@ def test_kernel(benchmark, timed, s, dtype, variant):
     from fusedpar.kernels import gpu
 
     x, w = _inputs(s, dtype, (s, s), (s, s))
-    opts = {k: v for k, v in OPTIONS.items() if k != "interpret"}
     f32 = jnp.float32
     if variant == "jnp.dot":
         fn = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=f32).astype(dtype))
         args = (x, w)
-    elif variant == "matmul_into":
-        seg = jnp.zeros((1,), jnp.int32)
-        fn, args = _donating(lambda out, x, w: gpu.matmul_into(
-            out, [x], w, seg, axis=0, options=opts, interpret=ON_CPU),
-            jnp.zeros((s, s), dtype), x, w), ()
     elif variant == "acc+jnp.dot":
         fn, args = _donating(lambda acc, x, w: acc + jnp.dot(x, w, preferred_element_type=f32),
                              jnp.zeros((s, s), f32), x, w), ()
     else:
-        fn, args = _donating(lambda acc, x, w: gpu.matmul_acc(
-            acc, [gpu.Term(x, w, s)], (s, s), f32, options=opts, interpret=ON_CPU),
-            jnp.zeros((s, s), f32), x, w), ()
+        kernel, family = variant.rstrip(")").split(" (")
+        _skip_unless_runs(family)
+        kernels = getattr(gpu, family)
+        kw = dict(config=TILES[family], interpret=ON_CPU)
+        if kernel == "matmul_into":
+            seg = jnp.zeros((1,), jnp.int32)
+            fn, args = _donating(lambda out, x, w: kernels.matmul_into(
+                out, [x], w, seg, axis=0, **kw), jnp.zeros((s, s), dtype), x, w), ()
+        else:
+            fn, args = _donating(lambda acc, x, w: kernels.matmul_acc(
+                acc, [gpu.Term(x, w, s)], (s, s), f32, **kw), jnp.zeros((s, s), f32), x, w), ()
     timed(benchmark, fn, *args, group=f"kernel {_name(dtype)} {s}^3", budget=BUDGET,
           section="kernel", variant=variant, dtype=_name(dtype), size=s, flops=2 * s ** 3)
 
@@ -144,14 +166,21 @@ RING1_OPS = {  # the public call reaching each primitive; x and w are S x S on o
 }
 
 
-@pytest.mark.parametrize("backend", ["reference", "ring", "pallas_gpu"])
+RING1_BACKENDS = ["reference", "ring"] + [f"pallas_gpu ({family})" for family in FAMILIES]
+
+
+@pytest.mark.parametrize("backend", RING1_BACKENDS)
 @pytest.mark.parametrize("op", RING1_RUN)
 @pytest.mark.parametrize("s,dtype", RING1, ids=_id)
 def test_ring1(benchmark, timed, make_mesh, s, dtype, op, backend):
     call = RING1_OPS[op]
-    kw = dict(backend=backend)
+    kw = dict(backend=backend.split(" ")[0])
+    if backend.startswith("pallas_gpu"):
+        family = backend.rstrip(")").split(" (")[1]
+        _skip_unless_runs(family)
+        kw.update(options=_options(family))
     if backend != "reference":
-        kw.update(bidirectional=False, options=OPTIONS if backend == "pallas_gpu" else None)
+        kw.update(bidirectional=False)
     fn = jax.jit(jax.shard_map(functools.partial(call, **kw), mesh=make_mesh(1),
                                in_specs=(P(), P()), out_specs=P("x")))
     x, w = _inputs(s, dtype, (s, s), (s, s))
@@ -166,11 +195,17 @@ DECOMP_PRIMS = (prims.AG_ROWS, prims.RS_ROWS)
 
 
 def _decomposed(prim, backend, n, bidirectional, dtype, s):
-    """(program, args): the N steps of `backend`'s ring for one S x S x S problem."""
-    module = _backends.get(backend)
-    cfg = Config(backend=backend, axis_name="x", axis_size=n, bidirectional=bidirectional,
+    """(program, args, want): the N steps of `backend`'s ring for one S x S x S problem;
+    `backend` is "ring" or "pallas_gpu (<kernel family>)"."""
+    name, options = backend, {}
+    if backend.startswith("pallas_gpu"):
+        family = backend.rstrip(")").split(" (")[1]
+        _skip_unless_runs(family)
+        name, options = "pallas_gpu", _options(family)
+    module = _backends.get(name)
+    cfg = Config(backend=name, axis_name="x", axis_size=n, bidirectional=bidirectional,
                  unroll=True, out_dtype=np.dtype(dtype), reduce_dtype=np.dtype(jnp.float32),
-                 options=tuple(sorted((OPTIONS if backend == "pallas_gpu" else {}).items())))
+                 options=tuple(sorted(options.items())))
     ring = fusedpar.Ring(n, bidirectional)
     me = 0  # the steps device 0 runs; every device runs the same work
     if prim == prims.AG_ROWS:
@@ -214,12 +249,13 @@ def _decomposed(prim, backend, n, bidirectional, dtype, s):
 
 
 DECOMP_CASES = [("jnp.dot", 1, False)] + [
-    (b, n, bidi) for n in RINGS for b, bidi in
-    (("ring", False), ("ring", True), ("pallas_gpu", False), ("pallas_gpu", True))]
+    (b, n, bidi) for n in RINGS for b in ["ring"] + [f"pallas_gpu ({f})" for f in FAMILIES]
+    for bidi in (False, True)]
 
 
 @pytest.mark.parametrize("backend,n,bidirectional", DECOMP_CASES,
-                         ids=[f"{b}{'-bidi' if d else ''}-{n}" for b, n, d in DECOMP_CASES])
+                         ids=[f"{b.replace(' ', '')}{'-bidi' if d else ''}-{n}"
+                              for b, n, d in DECOMP_CASES])
 @pytest.mark.parametrize("prim", DECOMP_PRIMS)
 @pytest.mark.parametrize("s,dtype", DECOMP, ids=_id)
 def test_decomp(benchmark, timed, s, dtype, prim, backend, n, bidirectional):
@@ -248,14 +284,17 @@ def _tables(rows):
     tflops = lambda r: r["flops"] / r["seconds"] / 1e12  # noqa: E731
     kern = by("kernel")
     if kern:
+        variants = [v for v in ["jnp.dot"] + [f"matmul_into ({f})" for f in FAMILIES]
+                    + ["acc+jnp.dot"] + [f"matmul_acc ({f})" for f in FAMILIES]]
         out += ["### Step kernels vs `jnp.dot` (TFLOP/s; ratio to the XLA counterpart)", "",
-                "| dtype | S (S x S x S) | jnp.dot | matmul_into | acc+jnp.dot | matmul_acc |",
-                "|---|---:|---:|---:|---:|---:|"]
+                "| dtype | S (S x S x S) | " + " | ".join(variants) + " |",
+                "|---|---:|" + "---:|" * len(variants)]
         for key in sorted({(r["dtype"], r["size"]) for r in kern}):
             t = {r["variant"]: r for r in kern if (r["dtype"], r["size"]) == key}
             cells = []
-            for v, base in (("jnp.dot", None), ("matmul_into", "jnp.dot"),
-                            ("acc+jnp.dot", None), ("matmul_acc", "acc+jnp.dot")):
+            for v in variants:
+                base = ("jnp.dot" if v.startswith("matmul_into") else
+                        "acc+jnp.dot" if v.startswith("matmul_acc") else None)
                 if v not in t:
                     cells.append("—")
                     continue
@@ -268,15 +307,15 @@ def _tables(rows):
     ring1 = by("ring1")
     if ring1:
         out += ["### Ops on a ring of 1 device (time; ratio to reference)", "",
-                "| op | dtype | S | reference | ring | pallas_gpu |",
-                "|---|---|---:|---:|---:|---:|"]
+                "| op | dtype | S | " + " | ".join(RING1_BACKENDS) + " |",
+                "|---|---|---:|" + "---:|" * len(RING1_BACKENDS)]
         for key in sorted({(r["op"], r["dtype"], r["size"]) for r in ring1}):
             t = {r["backend"]: r["seconds"] for r in ring1
                  if (r["op"], r["dtype"], r["size"]) == key}
             ref = t.get("reference")
             cells = [("—" if b not in t else f"{t[b] * 1e3:.3g} ms" + (
                 f" (**{t[b] / ref:.2f}x**)" if ref and b != "reference" else ""))
-                for b in ("reference", "ring", "pallas_gpu")]
+                for b in RING1_BACKENDS]
             out.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + " |")
         out.append("")
     dec = by("decomp")
@@ -302,7 +341,8 @@ def _tables(rows):
     return out
 
 
-def main(paths):
+def markdown(paths) -> str:
+    """The Markdown tables of one or more JSON files of this bench."""
     import json
 
     rows, header = [], None
@@ -316,9 +356,13 @@ def main(paths):
                 header = header or (f"{info.get('device_kind')} ({info.get('platform')}), "
                                     f"JAX {info.get('jax_version')}, "
                                     f"{data.get('datetime', '')[:10]}")
-    print(f"## GPU step kernels — {header}\n")
-    print("Times are the minimum over the rounds (pytest-benchmark).\n")
-    print("\n".join(_tables(rows)))
+    return "\n".join([f"## GPU step kernels — {header}", "",
+                      "Times are the minimum over the rounds (pytest-benchmark).", ""]
+                     + _tables(rows))
+
+
+def main(paths):
+    print(markdown(paths))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ UNROLL_UP_TO = 8
 AUTO_MARGIN = 0.9
 KERNEL_MARGIN = 0.95
 
-__all__ = ["Call", "Choice", "choose", "auto_choice", "ring_shape", "names",
+__all__ = ["Call", "Choice", "choose", "auto_choice", "auto_ring_shape", "ring_shape", "names",
            "check_backend_name", "check_options", "check_vma"]
 
 
@@ -106,6 +106,26 @@ def _pallas_why_not(call: Call) -> Optional[str]:
         return f"{type(e).__name__}: {e}"
 
 
+def auto_ring_shape(call: Call) -> tuple[bool, str]:
+    """`(bidirectional, why)`: the ring shape `"auto"` uses when none was requested.
+
+    Where a bidirectional ring is possible (more than 2 devices, even blocks) it is used
+    only if the cost model estimates it faster than the unidirectional one: on hardware
+    with one link per neighbour and direction (TPU ICI) it halves each step's transfer;
+    through a shared switch (NVSwitch) it does not, and only adds a launch per step.
+    """
+    default = call.runs_bidirectional
+    if call.bidirectional is not None or not default or call.platform in ("cpu", ""):
+        return default, ""
+    hw = cost_model.get_hardware(None, call.platform)
+    uni, bi = (cost_model.estimate_call(dataclasses.replace(call, bidirectional=b), hw)[RING]
+               for b in (False, True))
+    if bi.seconds < uni.seconds:
+        return True, ""
+    return False, (f"unidirectional ring: on {hw.name} a bidirectional one is no faster "
+                   f"({cost_model.describe({'bidirectional': bi})})")
+
+
 def auto_choice(call: Call) -> tuple[str, str]:
     """The `"auto"` policy: (backend name, reason), from the cost model.
 
@@ -144,8 +164,10 @@ def auto_choice(call: Call) -> tuple[str, str]:
 def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
     """Pick the backend for `call`: `requested` itself, or the `"auto"` policy's pick."""
     if requested == AUTO:
+        bidirectional, why = auto_ring_shape(call)
+        call = dataclasses.replace(call, bidirectional=bidirectional)
         name, reason = auto_choice(call)
-        reason = "auto: " + reason
+        reason = "auto: " + reason + (f"; {why}" if why and name != REFERENCE else "")
     else:
         check_backend_name(call.op, requested)
         name, reason = requested, "requested explicitly"

@@ -18,12 +18,13 @@ def _platform() -> str:
 
 
 def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
-            bidirectional=None, unroll=None, precision=None, platform=None) -> Choice:
+            bidirectional=None, unroll=None, precision=None, options=None,
+            platform=None) -> Choice:
     """Which backend (and ring shape) `op` would use for these local operands, and why.
 
     `x` and `w` may be arrays or `jax.ShapeDtypeStruct`s with per-device shapes;
     `axis_size` is the size of the mesh axis the op runs over; `platform` ("cpu", "gpu",
-    "tpu") defaults to JAX's default backend.
+    "tpu") defaults to JAX's default backend. The other arguments are the op's.
     """
     if op not in prims.OPS:
         raise ValueError(f"explain: op must be {ALL_GATHER_MATMUL!r} or "
@@ -31,7 +32,8 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     _validate.ring_size("explain", axis_size)
     _validate.flag("explain", "unroll", unroll)
     _, call = _validate.op_call(op, x, w, axis_size, gather, dim, bidirectional)
-    call = dataclasses.replace(call, platform=platform or _platform(), precision=precision)
+    call = dataclasses.replace(call, platform=platform or _platform(), precision=precision,
+                               options=tuple(sorted((options or {}).items())))
     return _dispatch.choose(call, backend, unroll)
 
 
@@ -58,9 +60,10 @@ def _run(op, x, w, axis_name, gather, dim, s: _Settings):
     out_dtype = _validate.float_dtype(op, "preferred_element_type", s.preferred_element_type)
     reduce_dtype = _validate.float_dtype(op, "reduce_dtype", s.reduce_dtype)
     platform = _platform()
+    options = tuple(sorted((s.options or {}).items()))
     choice = _dispatch.choose(
-        dataclasses.replace(call, platform=platform, precision=s.precision), s.backend,
-        s.unroll)
+        dataclasses.replace(call, platform=platform, precision=s.precision, options=options),
+        s.backend, s.unroll)
     _dispatch.check_options(op, s.options, s.backend, choice.backend, platform)
     cfg = Config(
         backend=choice.backend, axis_name=axis_name, axis_size=n,
@@ -68,8 +71,7 @@ def _run(op, x, w, axis_name, gather, dim, s: _Settings):
         out_dtype=np.dtype(x.dtype if out_dtype is None else out_dtype),
         reduce_dtype=np.dtype(_definition.accumulation_dtype(x.dtype)
                               if reduce_dtype is None else reduce_dtype),
-        precision=s.precision, keep_gathered=s.keep_gathered,
-        options=tuple(sorted((s.options or {}).items())))
+        precision=s.precision, keep_gathered=s.keep_gathered, options=options)
     c = prims.canonicalize(op, gather, dim, x, w, n)
     return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
 

@@ -57,7 +57,7 @@ class Call:
     `x_shape`, `w_shape` are the canonical 2-D local shapes; `platform` is "cpu", "gpu"
     or "tpu" ("" when unknown); `bidirectional` is the ring shape as requested (None: the
     default, `_schedule.prefers_bidirectional`); `precision` is the matmuls' (some
-    kernels cannot compute every precision).
+    kernels cannot compute every precision); `options` the backend options, as pairs.
     """
 
     op: str
@@ -69,6 +69,10 @@ class Call:
     platform: str
     bidirectional: Optional[bool] = None
     precision: Any = None
+    options: tuple = ()
+
+    def option(self, name, default=None):
+        return dict(self.options).get(name, default)
 
     @property
     def block_length(self) -> int:

@@ -87,56 +87,56 @@ _T, _G = 1e12, 1e9
 _GPU_FLOPS = {"bfloat16": 989 * _T, "float16": 989 * _T, "float32": 495 * _T,
               "float64": 67 * _T}
 
+
+def _hopper(name, hbm_bandwidth):
+    """An NVIDIA Hopper SXM part in an NVSwitch box.
+
+    989 TFLOP/s dense bf16/fp16, 495 TF32 (JAX's default precision for float32 matmuls on
+    GPU); NVLink 4: 900 GB/s both ways = 450 GB/s out, shared by all peers through
+    NVSwitch. The "pallas" backend drives its ring with the same ppermutes as the lax ring,
+    so its per-step cost is the lax ring's until measurements say otherwise (so "auto",
+    which asks kernels to be 5% faster than the lax ring, does not pick them on GPU).
+    Spec-sheet numbers, not yet calibrated on a GPU (bench/calibrate_gpu.py does that).
+    """
+    return Hardware(name, _GPU_FLOPS, efficiency=0.7, hbm_bandwidth=hbm_bandwidth,
+                    link_bandwidth=450 * _G, egress_bandwidth=450 * _G, step_latency=10e-6,
+                    kernel_step_latency=10e-6, hop_latency=3e-6, launch_overhead=5e-6,
+                    overlap=0.9)
+
+
+def _tpu(name, peak_tflops, hbm_gbs, link_gbs, links, efficiency=0.8):
+    """A TPU generation (per chip: one JAX device; a v4/v5p chip's two TensorCores
+    together in megacore mode), from Google's spec sheets.
+
+    float32 matmuls run as bf16 passes at the default precision. The fused kernel's step
+    is a DMA start and a semaphore wait (`kernel_step_latency`), the lax ring's a ppermute
+    launch. `efficiency` is what the fused kernels' step matmuls are expected to reach:
+    their tile presets (kernels/tpu/_chips.py) are compute-bound from HBM on every
+    generation, with the most headroom on v5e/v5p (tile intensity 341 flop/byte against
+    240/166 needed) and the least on v6e (683 against 560, 256-wide MXUs), hence 0.8 and
+    0.75. Calibrate with a measured step (bench/test_tpu_speed.py) when a TPU is available.
+    """
+    return Hardware(name, {"bfloat16": peak_tflops * _T, "float32": peak_tflops * _T},
+                    efficiency=efficiency, hbm_bandwidth=hbm_gbs * _G,
+                    link_bandwidth=link_gbs * _G, egress_bandwidth=links * link_gbs * _G,
+                    step_latency=5e-6, kernel_step_latency=1.5e-6, hop_latency=1e-6,
+                    launch_overhead=2e-6, overlap=1.0)
+
+
 PRESETS: dict[str, Hardware] = {
-    # NVIDIA H100 SXM5: 989 TFLOP/s dense bf16/fp16, 495 TF32 (JAX's default precision for
-    # float32 matmuls on GPU), 3.35 TB/s HBM3; NVLink 4: 900 GB/s both ways = 450 GB/s out,
-    # shared by all peers through NVSwitch. The GPU "pallas" backend still drives its ring
-    # with ppermute, so its per-step cost is close to the lax ring's.
-    "h100_sxm": Hardware(
-        "H100 SXM", _GPU_FLOPS, efficiency=0.7, hbm_bandwidth=3.35 * _T,
-        link_bandwidth=450 * _G, egress_bandwidth=450 * _G, step_latency=10e-6,
-        kernel_step_latency=8e-6, hop_latency=3e-6, launch_overhead=5e-6, overlap=0.9),
-    # NVIDIA H200 SXM: H100 compute, 4.8 TB/s HBM3e, the same NVLink 4.
-    "h200": Hardware(
-        "H200 SXM", _GPU_FLOPS, efficiency=0.7, hbm_bandwidth=4.8 * _T,
-        link_bandwidth=450 * _G, egress_bandwidth=450 * _G, step_latency=10e-6,
-        kernel_step_latency=8e-6, hop_latency=3e-6, launch_overhead=5e-6, overlap=0.9),
-    # TPUs. Numbers per chip (one JAX device; a v4/v5p chip's two TensorCores together in
-    # megacore mode) from Google's spec sheets; ICI links one way each. float32 matmuls
-    # run as bf16 passes at the default precision. The fused kernel's step is a DMA start
-    # and a semaphore wait (`kernel_step_latency`), the lax ring's a ppermute launch.
-    # `efficiency` is what the fused kernels' step matmuls are expected to reach: their
-    # tile presets (kernels/tpu/_chips.py) are compute-bound from HBM on every generation,
-    # with the most headroom on v5e/v5p (tile intensity 341 flop/byte against 240/166
-    # needed) and the least on v6e (683 against 560, 256-wide MXUs), hence 0.8 and 0.75.
-    # Calibrate with a measured step (bench/test_tpu_speed.py) when a TPU is available.
-    # TPU v4: 275 TFLOP/s bf16, 1.2 TB/s HBM2, 6 ICI links of 50 GB/s (3-D torus).
-    "tpu_v4": Hardware(
-        "TPU v4", {"bfloat16": 275 * _T, "float32": 275 * _T}, efficiency=0.8,
-        hbm_bandwidth=1200 * _G, link_bandwidth=50 * _G, egress_bandwidth=300 * _G,
-        step_latency=5e-6, kernel_step_latency=1.5e-6, hop_latency=1e-6,
-        launch_overhead=2e-6, overlap=1.0),
+    "h100_sxm": _hopper("H100 SXM", 3.35 * _T),  # 3.35 TB/s HBM3
+    "h200": _hopper("H200 SXM", 4.8 * _T),  # H100 compute, 4.8 TB/s HBM3e
+    # TPU v4: 275 TFLOP/s bf16, 1.2 TB/s HBM2, 6 ICI links of 50 GB/s one way (3-D torus).
+    "tpu_v4": _tpu("TPU v4", 275, 1200, 50, 6),
     # TPU v5e: 197 TFLOP/s bf16, 819 GB/s HBM2, ICI 400 GB/s both ways per chip over 4
     # links (2-D torus) = 50 GB/s one way per link.
-    "tpu_v5e": Hardware(
-        "TPU v5e", {"bfloat16": 197 * _T, "float32": 197 * _T}, efficiency=0.8,
-        hbm_bandwidth=819 * _G, link_bandwidth=50 * _G, egress_bandwidth=200 * _G,
-        step_latency=5e-6, kernel_step_latency=1.5e-6, hop_latency=1e-6,
-        launch_overhead=2e-6, overlap=1.0),
+    "tpu_v5e": _tpu("TPU v5e", 197, 819, 50, 4),
     # TPU v5p: 459 TFLOP/s bf16, 2765 GB/s HBM2e, ICI 1200 GB/s both ways per chip over 6
     # links (3-D torus) = 100 GB/s one way per link.
-    "tpu_v5p": Hardware(
-        "TPU v5p", {"bfloat16": 459 * _T, "float32": 459 * _T}, efficiency=0.8,
-        hbm_bandwidth=2765 * _G, link_bandwidth=100 * _G, egress_bandwidth=600 * _G,
-        step_latency=5e-6, kernel_step_latency=1.5e-6, hop_latency=1e-6,
-        launch_overhead=2e-6, overlap=1.0),
+    "tpu_v5p": _tpu("TPU v5p", 459, 2765, 100, 6),
     # TPU v6e (Trillium): 918 TFLOP/s bf16, 1640 GB/s HBM, ICI 3584 Gbit/s one way per
     # chip over 4 links (2-D torus) = 112 GB/s one way per link.
-    "tpu_v6e": Hardware(
-        "TPU v6e", {"bfloat16": 918 * _T, "float32": 918 * _T}, efficiency=0.75,
-        hbm_bandwidth=1640 * _G, link_bandwidth=112 * _G, egress_bandwidth=448 * _G,
-        step_latency=5e-6, kernel_step_latency=1.5e-6, hop_latency=1e-6,
-        launch_overhead=2e-6, overlap=1.0),
+    "tpu_v6e": _tpu("TPU v6e", 918, 1640, 112, 4, efficiency=0.75),
     # One of 8 simulated devices on a 2-core CPU (rough, fitted by eye to bench/RESULTS.md:
     # ~200 GFLOP/s f32 for the two cores together, shared by the 8 devices). The devices
     # share the cores and a "transfer" is a copy made by those cores, so nothing overlaps.

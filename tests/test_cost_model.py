@@ -188,3 +188,84 @@ def test_auto_picks_pallas_only_when_it_can_run_and_the_model_says_so(monkeypatc
         assert _dispatch.auto_choice(cpu)[0] == "reference"
     finally:
         cost_model.set_hardware(None)
+
+
+def test_gpu_calibration_recovers_what_it_measures():
+    """bench/calibrate_gpu.py on a bench JSON whose times follow a known device."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+    import calibrate_gpu
+
+    peak, launch = {"bfloat16": 700e12, "float32": 350e12}, 7e-6
+    rows = []
+    for dtype, f in peak.items():
+        for s in (1024, 4096, 8192):
+            t = 2 * s ** 3 / f + launch
+            rows.append(dict(section="kernel", variant="jnp.dot", dtype=dtype, size=s,
+                             flops=2 * s ** 3, seconds=t, device_kind="Test GPU"))
+            rows.append(dict(section="decomp", backend="jnp.dot", prim="ag_rows",
+                             dtype=dtype, size=s, steps=1, seconds=t))
+            for n in (2, 4, 8):
+                rows.append(dict(section="decomp", backend="ring", prim="ag_rows",
+                                 dtype=dtype, size=s, steps=n, seconds=t + (n - 1) * launch))
+    data = {"benchmarks": [{"extra_info": {k: v for k, v in r.items() if k != "seconds"},
+                            "stats": {"min": r["seconds"]}} for r in rows]}
+    fitted = calibrate_gpu.fit(data)
+    assert fitted["launch_overhead"] == pytest.approx(launch)
+    for dtype, f in peak.items():  # the largest size's rate: the launch is 0.4% of it
+        assert fitted["flops"][dtype] == pytest.approx(f, rel=5e-3)
+    hw = calibrate_gpu.calibrated("h100_sxm", fitted)
+    assert hw.efficiency == 1.0 and hw.launch_overhead == pytest.approx(launch)
+    assert hw.matmul_flops("bfloat16") == pytest.approx(fitted["flops"]["bfloat16"])
+    # What one GPU cannot measure stays the preset's.
+    assert hw.link_bandwidth == cost_model.PRESETS["h100_sxm"].link_bandwidth
+    with pytest.raises(ValueError, match="no `kernel` rows"):
+        calibrate_gpu.fit({"benchmarks": []})
+
+
+def modelled_table() -> str:
+    """README's "What to expect" table: every backend for one all-gather-matmul on H100s."""
+    x = jax.ShapeDtypeStruct((1024, 4096), np.dtype("float16"))
+    w = jax.ShapeDtypeStruct((4096, 4096), np.dtype("float16"))
+    lines = ["| H100s | reference | ring | ring, bidirectional | pallas | pallas, bidirectional "
+             "| auto |", "|---:|---:|---:|---:|---:|---:|---|"]
+    us = lambda seconds: f"{seconds * 1e6:.0f} us"  # noqa: E731
+    for n in (2, 4, 8):
+        est = {bi: cost_model.estimate(AGM, x.shape, w.shape, n, "float16", "h100_sxm",
+                                       bidirectional=bi) for bi in (False, True)}
+        ref = est[False]["reference"]
+        choice = fusedpar.explain(AGM, x, w, n, platform="gpu")
+        best = ref if choice.backend == "reference" else est[choice.bidirectional][choice.backend]
+        pick = choice.backend + (", bidirectional" if choice.bidirectional else "")
+        lines.append(f"| {n} | {us(ref)} | {us(est[False]['ring'])} | {us(est[True]['ring'])} "
+                     f"| {us(est[False]['pallas'])} | {us(est[True]['pallas'])} "
+                     f"| {pick}: {ref / best:.2f}x |")
+    return "\n".join(lines)
+
+
+def test_readme_shows_the_model():
+    import pathlib
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert modelled_table() in readme, "regenerate: python -c 'import test_cost_model as t; " \
+                                       "print(t.modelled_table())' from tests/"
+
+
+def test_auto_picks_the_faster_ring_shape():
+    x = jax.ShapeDtypeStruct((1024, 4096), np.dtype("float16"))
+    w = jax.ShapeDtypeStruct((4096, 4096), np.dtype("float16"))
+    # Through NVSwitch both directions share the egress: bidirectional only adds launches.
+    gpu = fusedpar.explain(AGM, x, w, 8, platform="gpu")
+    assert not gpu.bidirectional and "bidirectional one is no faster" in gpu.reason
+    # One link per neighbour and direction, communication-bound: halving the transfer pays.
+    hw = _one_link(flops={"float16": 1e15, "float32": 1e15}, step_latency=1e-6)
+    cost_model.set_hardware(hw)
+    try:
+        tpu = fusedpar.explain(AGM, x, w, 8, platform="tpu")
+    finally:
+        cost_model.set_hardware(None)
+    assert tpu.bidirectional
+    # A shape asked for is kept.
+    assert fusedpar.explain(AGM, x, w, 8, platform="gpu", bidirectional=True).bidirectional

@@ -75,10 +75,11 @@ def default_family(platform: str) -> str:
     return TRITON  # CPU: Pallas interpret mode
 
 
-def _family(cfg) -> str:
+def _family(cfg, platform=None) -> str:
+    """The family `cfg` (a `Config` or a `Call`: anything with `option`) runs on."""
     family = cfg.option("kernels")
     if family is None:
-        return default_family(jax.default_backend())
+        return default_family(platform or jax.default_backend())
     if family not in (MOSAIC, TRITON):
         raise ValueError(f"options['kernels'] must be {MOSAIC!r} or {TRITON!r}, got "
                          f"{family!r}.")
@@ -86,7 +87,7 @@ def _family(cfg) -> str:
 
 
 def unavailable(call):
-    """Why the GPU step kernels cannot run `call` with their default family, or None."""
+    """Why the step kernels of the family `call` runs cannot run it, or None."""
     if call.platform not in ("cpu",) + _GPU_PLATFORMS:
         return (f"the Pallas GPU kernels run on NVIDIA GPUs (and interpreted on CPU), "
                 f"not on {call.platform!r}")
@@ -97,7 +98,11 @@ def unavailable(call):
     rows, k, cols = prims.step_matmul(call.prim, call.x_shape, call.w_shape,
                                       call.axis_size, 2 if call.runs_bidirectional else 1)
     gpu = _kernels()
-    if default_family(call.platform) == MOSAIC:
+    try:
+        family = _family(call, call.platform)
+    except ValueError as e:
+        return str(e)
+    if family == MOSAIC:
         why = gpu.mosaic.unsupported_reason(call.dtype, call.precision)
         if why is not None:
             return why
