@@ -191,10 +191,11 @@ def _value_and_vjp(f, args):
 # 5-20 s per dtype on 2 busy CPU cores (bfloat16 is the slower: CPU dots upcast it).
 # Unmarked: 1 device, and a rolled (fori_loop) bidirectional ring of 8 in float32; the rest
 # of the grid is marked slow.
+# Every ring size, both directions and both dtypes appear; not their full product.
 BOTH = (jnp.float32, jnp.bfloat16)
 RINGS = [(1, False, BOTH), (8, True, (jnp.float32,))]
-SLOW_RINGS = [(1, True, BOTH), (2, False, BOTH), (2, True, BOTH), (4, False, BOTH),
-              (4, True, BOTH), (8, False, BOTH), (8, True, (jnp.bfloat16,))]
+SLOW_RINGS = [(2, True, (jnp.bfloat16,)), (4, False, (jnp.bfloat16,)),
+              (8, False, (jnp.float32,))]
 
 
 def _ring_id(case):
