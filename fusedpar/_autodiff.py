@@ -14,6 +14,7 @@ import dataclasses
 import functools
 
 import jax
+import numpy as np
 
 from . import _backends, _definition, _primitives as prims
 from ._vma import cotangent_like
@@ -38,6 +39,26 @@ def _fwd(prim, cfg, x, w):
     return out, (x, w, gathered)
 
 
+def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False):
+    """`run` for the backward pass, checked first like the forward call was.
+
+    The forward's dispatch checked only the forward primitive's shapes; a dual step can
+    have other ones (its contraction is the forward's output width, say), which a kernel
+    backend may not tile: that is an error here, before any kernel is traced.
+    """
+    op = prims.ALL_GATHER_MATMUL if fwd_prim in prims.GATHERS else prims.MATMUL_REDUCE_SCATTER
+    call = prims.Call(op, prim, tuple(x.shape), tuple(w.shape), str(np.dtype(x.dtype)),
+                      cfg.axis_size, jax.default_backend(), cfg.bidirectional, cfg.precision,
+                      cfg.options)
+    why = _backends.get(cfg.backend).unavailable(call)
+    if why is not None:
+        raise NotImplementedError(
+            f"{op}: the backward pass of {fwd_prim} runs {prim} on local x{call.x_shape} "
+            f"w{call.w_shape} ({call.dtype}), which backend {cfg.backend!r} cannot run: "
+            f"{why} (the forward pass alone runs on it; backend='ring' runs both).")
+    return run(prim, cfg, x, w, return_gathered)
+
+
 def _local(cfg, a, b, dtype):
     return _definition.matmul(a, b, precision=cfg.precision).astype(dtype)
 
@@ -48,29 +69,30 @@ def _bwd(prim, cfg, res, dy):
     dy = dy.astype(x.dtype)
     c = dataclasses.replace(cfg, out_dtype=x.dtype)
     keep = cfg.keep_gathered
+    dual = functools.partial(_run_dual, prim)
     if prim == prims.AG_ROWS:  # y = AG_rows(x) @ w
-        dx = run(prims.RS_ROWS, c, dy, w.T)
-        dw = _local(c, gathered.T, dy, w.dtype) if keep else run(prims.AG_CONTRACT, c, dy.T, x).T
+        dx = dual(prims.RS_ROWS, c, dy, w.T)
+        dw = _local(c, gathered.T, dy, w.dtype) if keep else dual(prims.AG_CONTRACT, c, dy.T, x).T
     elif prim == prims.AG_COLS:  # y = x @ AG_cols(w)
-        dx = _local(c, dy, gathered.T, x.dtype) if keep else run(prims.AG_CONTRACT, c, dy, w.T)
-        dw = run(prims.RS_COLS, c, x.T, dy)
+        dx = _local(c, dy, gathered.T, x.dtype) if keep else dual(prims.AG_CONTRACT, c, dy, w.T)
+        dw = dual(prims.RS_COLS, c, x.T, dy)
     elif prim == prims.AG_CONTRACT:  # y = x @ AG_rows(w)
-        dx = _local(c, dy, gathered.T, x.dtype) if keep else run(prims.AG_COLS, c, dy, w.T)
-        dw = run(prims.RS_ROWS, c, x.T, dy)
+        dx = _local(c, dy, gathered.T, x.dtype) if keep else dual(prims.AG_COLS, c, dy, w.T)
+        dw = dual(prims.RS_ROWS, c, x.T, dy)
     elif prim == prims.RS_ROWS:  # y = RS_rows(x @ w): dy gathers along rows
         if keep:
-            dx, dyg = run(prims.AG_ROWS, c, dy, w.T, return_gathered=True)
+            dx, dyg = dual(prims.AG_ROWS, c, dy, w.T, return_gathered=True)
             dw = _local(c, x.T, dyg, w.dtype)
         else:
-            dx = run(prims.AG_ROWS, c, dy, w.T)
-            dw = run(prims.AG_CONTRACT, c, x.T, dy)
+            dx = dual(prims.AG_ROWS, c, dy, w.T)
+            dw = dual(prims.AG_CONTRACT, c, x.T, dy)
     else:  # RS_COLS, y = RS_cols(x @ w): dy gathers along columns
         if keep:
-            dw, dyg = run(prims.AG_COLS, c, x.T, dy, return_gathered=True)
+            dw, dyg = dual(prims.AG_COLS, c, x.T, dy, return_gathered=True)
             dx = _local(c, dyg, w.T, x.dtype)
         else:
-            dw = run(prims.AG_COLS, c, x.T, dy)
-            dx = run(prims.AG_CONTRACT, c, w, dy.T).T
+            dw = dual(prims.AG_COLS, c, x.T, dy)
+            dx = dual(prims.AG_CONTRACT, c, w, dy.T).T
     return cotangent_like(dx.astype(x.dtype), x), cotangent_like(dw.astype(w.dtype), w)
 
 

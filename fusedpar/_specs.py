@@ -384,7 +384,9 @@ def layer_param_specs(layer, where: str, rule: Optional[Rule] = None) -> Any:
 
     def spec(path, leaf):
         name = path[-1].name if path and hasattr(path[-1], "name") else None
-        if name in specs and specs[name] is not None:
+        # A weight tied by `eqx.nn.Shared` is a placeholder here: it is stored once, with
+        # the spec of the array it is tied to (`check_ties` makes sure the two agree).
+        if name in specs and specs[name] is not None and is_param(leaf):
             return specs[name]
         return P() if is_param(leaf) else None
 
@@ -400,12 +402,55 @@ def param_specs(model) -> Any:
     Raises if a layer uses one mesh axis twice on an array (naming its path).
     """
 
+    specs = _specs_of(model)
+    check_ties(model)
+    return specs
+
+
+def _specs_of(model) -> Any:
     def one(path, x):
         if is_layer(x):
             return layer_param_specs(x, path_str(path))
         return P() if is_param(x) else None
 
     return jax.tree_util.tree_map_with_path(one, model, is_leaf=is_layer)
+
+
+def _is_shared(x) -> bool:
+    return isinstance(x, eqx.nn.Shared)
+
+
+def _as_list(x) -> list:
+    return list(x) if isinstance(x, (list, tuple)) and not isinstance(x, P) else [x]
+
+
+def check_ties(model) -> None:
+    """Raise unless every weight tied by an `eqx.nn.Shared` in `model` (a language model's
+    embedding table and LM head, say) is sharded by its layer as the array it is tied to.
+
+    A tied weight is stored once, with its source's spec. Were the layer it is restored
+    into to shard it otherwise, it would be resharded at every call on global arrays and
+    have the wrong local shape inside `shard_map`. Ties whose `get` transforms the source
+    (`jnp.transpose`, say) are not checked: the layout of the result is not a spec here.
+    """
+    found = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_shared)[0]
+    for path, node in found:
+        if not (_is_shared(node) and callable(node.where) and callable(node.get)):
+            continue  # not a tie, or one filtered (`eqx.partition`) to its arrays
+        # The spec each tied position gets from its layer: the specs of the pytree with
+        # the ties restored (shapes only), read at the positions `where` names.
+        restored = eqx.filter_eval_shape(lambda n: n(), node)
+        wanted = _as_list(node.where(_specs_of(restored)))
+        try:
+            given = _as_list(node.get(_specs_of(node.pytree)))
+        except Exception:  # noqa: BLE001 - a transforming `get`: nothing to compare
+            continue
+        for dest, source in zip(wanted, given):
+            if isinstance(source, P) and isinstance(dest, P) and dest != source:
+                raise ValueError(
+                    f"{path_str(path)}: eqx.nn.Shared ties a weight its layer shards "
+                    f"{dest} to an array sharded {source}; tied weights need one layout "
+                    "(a vocabulary-parallel table, Row(), ties to a Column() LM head).")
 
 
 def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
@@ -419,6 +464,7 @@ def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
     """
     sizes = mesh_sizes(mesh)
     dropped: list = []
+    check_ties(model)
 
     def one(path, x):
         if not is_layer(x):
@@ -437,8 +483,9 @@ def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
                     return x
         bias = getattr(x, "bias", None)
         specs = x.rule.param_specs(where, bias is not None)
-        check_spec(f"{where}.weight", x.weight.shape, specs["weight"], sizes,
-                   vocab_dim=0 if isinstance(x.rule, TableRule) else None)
+        if is_param(x.weight):  # else tied: checked where its array is stored
+            check_spec(f"{where}.weight", x.weight.shape, specs["weight"], sizes,
+                       vocab_dim=0 if isinstance(x.rule, TableRule) else None)
         if bias is not None:
             check_spec(f"{where}.bias", x.bias.shape, specs["bias"], sizes)
         return x

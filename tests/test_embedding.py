@@ -108,3 +108,86 @@ def test_parallelize_and_relaxed():
     assert [str(d) for d in dropped] == [
         "embed.weight: dim 0 (size 10) no longer sharded over ('tp',)"]
     assert type(relaxed["embed"]) is eqx.nn.Embedding
+
+
+class TiedLM(eqx.Module):
+    """Embedding table tied to the LM head with `eqx.nn.Shared`, as Equinox documents it:
+    ids (seq,) -> logits (seq, vocab)."""
+
+    shared: eqx.nn.Shared
+
+    def __init__(self, embed, head):
+        self.shared = eqx.nn.Shared((embed, head), lambda p: p[1].weight,
+                                    lambda p: p[0].weight)
+
+    def __call__(self, ids):
+        embed, head = self.shared()
+        return jax.vmap(head)(jnp.tanh(jax.vmap(embed)(ids)))
+
+
+def _tied_model():
+    k1, k2 = jax.random.split(KEY)
+    return TiedLM(eqx.nn.Embedding(VOCAB, DIM, key=k1),
+                  eqx.nn.Linear(DIM, VOCAB, use_bias=False, key=k2))
+
+
+def _tied_loss(axis):
+    def loss(model, ids, labels):
+        logits = jax.vmap(model)(ids)
+        return fusedpar.cross_entropy(logits, labels, axis=axis).mean()
+    return loss
+
+
+@pytest.mark.parametrize("plan", ["tp", "sp+fsdp"])
+def test_tied_embedding_and_lm_head(plan):
+    """One table, used by the embedding and the LM head, sharded on the vocabulary:
+    loss and its gradient (both uses summed into the one table) equal the dense tied
+    model's, on global arrays and inside shard_map."""
+    model = _tied_model()
+    labels = jnp.roll(IDS, -1, axis=1)
+    want = eqx.filter_value_and_grad(_tied_loss(None))(model, IDS, labels)
+    want = (want[0], want[1].shared.pytree[0].weight)
+    styles = ({"shared.pytree.0": "row", "shared.pytree.1": "column"} if plan == "tp" else
+              {"shared.pytree.0": fusedpar.Row(sequence_parallel=True),
+               "shared.pytree.1": fusedpar.Column(sequence_parallel=True), "*": "fsdp"})
+    par = fusedpar.parallelize(model, styles)
+    assert isinstance(par.shared.pytree[1], fusedpar.ColumnLinear)
+    table_spec = P("tp", None if plan == "tp" else "fsdp")
+    assert fusedpar.param_specs(par).shared.pytree[0].weight == table_spec
+    assert fusedpar.param_specs(par).shared.pytree[1].weight is None  # stored once
+
+    m = mesh((2, 4), ("fsdp", "tp"))
+    with jax.set_mesh(m):
+        value, grads = eqx.filter_jit(eqx.filter_value_and_grad(_tied_loss("tp")))(
+            fusedpar.shard(par, m), IDS, labels)
+    assert_close((value, grads.shared.pytree[0].weight), want, F32, "global arrays")
+    made = fusedpar.init_sharded(lambda: fusedpar.parallelize(_tied_model(), styles), m)
+    assert made.shared.pytree[0].weight.sharding.spec == table_spec
+    assert_close(made.shared.pytree[0].weight, par.shared.pytree[0].weight, F32, "init")
+
+    if plan != "tp":  # sequence parallel inside shard_map needs whole sequences per call,
+        return        # not the one id per call this model makes (docs/layers.md, vmap)
+    # Inside shard_map: the arrays go in (the tie's placeholder is not one).
+    params, static = eqx.partition(par, eqx.is_array)
+    (pspecs, ids_spec), _ = fusedpar.shard_map_specs(
+        par, IDS, call=lambda mdl, i: jax.vmap(mdl)(i), outputs=False)
+
+    def local(params, ids, labels):
+        return _tied_loss("tp")(eqx.combine(params, static), ids, labels)
+
+    run = jax.shard_map(local, mesh=m, in_specs=(pspecs, ids_spec, ids_spec), out_specs=P())
+    value, grads = jax.jit(jax.value_and_grad(run))(params, IDS, labels)
+    assert_close((value, grads.shared.pytree[0].weight), want, F32, "shard_map")
+
+
+def test_tied_weights_need_one_layout():
+    """A head whose style shards the tied table another way is an error up front, not a
+    reshard at every call (or a wrong local shape inside shard_map)."""
+    par = fusedpar.parallelize(_tied_model(), {"shared.pytree.0": "row",
+                                               "shared.pytree.1": "row"})
+    match = (r"shared: eqx.nn.Shared ties a weight its layer shards P\(None, 'tp'\) to an "
+             r"array sharded P\('tp', None\); tied weights need one layout")
+    with pytest.raises(ValueError, match=match):
+        fusedpar.param_specs(par)
+    with pytest.raises(ValueError, match=match):
+        fusedpar.shard(par, mesh((4,), ("tp",)))

@@ -204,6 +204,14 @@ OPS = [
         in_shard_map(lambda x, w: AGM(x, w, "x", backend="pallas_gpu")), NotImplementedError,
         ("backend 'pallas_gpu' cannot run this call", "a ring step multiplies (2, 8) by (8, 12)",
          "m=2 is not a multiple of 16", "use the 'ring' backend")),
+    Row("ops", "explicit kernel backend whose backward step no tile fits",
+        in_shard_map(lambda x, w: jax.grad(
+            lambda x, w: AGM(x, w, "x", backend="pallas_gpu", options={"kernels": "mosaic"})
+            .astype(jnp.float32).sum(), (0, 1))(x, w), (64, 32), (32, 64),
+            x_dtype=jnp.bfloat16, n=2, check_vma=False), NotImplementedError,
+        ("all_gather_matmul: the backward pass of ag_rows runs rs_rows on local x(128, 64) "
+         "w(64, 32) (bfloat16), which backend 'pallas_gpu' cannot run",
+         "m and n must be multiples of 64", "backend='ring' runs both")),
     Row("ops", "TPU kernel tiled from HBM, no tile divides a dimension",
         in_shard_map(lambda x, w: AGM(x, w, "x", backend="pallas_tpu",
                                       options={"vmem": False}), (8, 2000), (2000, 128),

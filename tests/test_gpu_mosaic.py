@@ -404,3 +404,20 @@ def test_the_backend_names_the_family_an_option_belongs_to():
                       out_specs=P("x"), check_vma=False)
     with pytest.raises(ValueError, match=r"\['block_m'\] set the triton kernels' tiles"):
         jax.eval_shape(g, _S((256, 64), jnp.bfloat16), _S((64, 128), jnp.bfloat16))
+
+
+def test_a_backward_step_no_tile_fits_is_refused_before_tracing_it():
+    """wgmma needs 64-multiples for a step's rows and columns but only 16 for its
+    contraction: ag_rows with k=32 runs forward, while its backward's rs_rows has k as
+    its columns. The gradient says so up front instead of failing inside the kernel."""
+    f = functools.partial(fusedpar.all_gather_matmul, axis_name="x", backend="pallas_gpu",
+                          options={"kernels": "mosaic"})
+    g = jax.shard_map(lambda x, w: f(x, w), mesh=mesh((2,), ("x",)), in_specs=(P("x"), P()),
+                      out_specs=P("x"), check_vma=False)
+    x, w = _S((128, 32), jnp.bfloat16), _S((32, 64), jnp.bfloat16)
+    assert jax.eval_shape(g, x, w).shape == (256, 64)
+    loss = lambda x, w: g(x, w).astype(jnp.float32).sum()  # noqa: E731
+    with pytest.raises(NotImplementedError,
+                       match=r"backward pass of ag_rows runs rs_rows on local x\(128, 64\) "
+                             r"w\(64, 32\).*backend 'pallas_gpu' cannot run.*multiples of 64"):
+        jax.eval_shape(jax.grad(loss, (0, 1)), x, w)
