@@ -8,8 +8,9 @@
    the lax references, with the outputs to be written poisoned with NaN. Two things the
    interpreter lacks are taught by `mosaic_interpret.py` (the TMA reduce-add store, and a
    transposed wgmma operand on jax 0.10).
-2. The kernels through `backend="pallas_gpu"` with `kernels="mosaic"` on a ring of 2,
-   interpreted, values and gradients against the reference backend.
+2. The kernels through `backend="pallas_gpu"` with `kernels="mosaic"`: the op on a ring
+   of 1 (values and gradients against the reference backend) and the backend's step
+   functions over rings of 2, 3 and 4, interpreted.
 3. CUDA lowering (Pallas -> Mosaic GPU dialect -> layout inference -> lowering ->
    verification, and Mosaic's shared-memory limit) at real sizes, in place.
 4. The tile heuristic, its overrides and the refusals.
@@ -162,8 +163,8 @@ def test_default_config_interpret():
 # one collective launch over every device (and fails on these per-device kernels), so a
 # ring of N devices cannot be interpreted end to end. Instead: the op on a ring of ONE
 # device (the real shard_map path, values and gradients), and the backend's own step
-# functions driven through every step of a ring of 2 on the host, fed what each device
-# holds at each step (`fusedpar.Ring`), against the lax expression.
+# functions driven through every step of rings of 2, 3 and 4 on the host, fed what each
+# device holds at each step (`fusedpar.Ring`), against the lax expression.
 
 _MOSAIC = {"kernels": "mosaic"}
 
@@ -197,13 +198,15 @@ def _backend_config(prim, n, bidirectional):
                   reduce_dtype=np.dtype(jnp.float32), options=tuple(_MOSAIC.items()))
 
 
-@pytest.mark.parametrize("prim", ["ag_cols", "ag_contract"])  # ag_rows: the ring of one
-def test_gather_steps_of_a_ring_of_two(prim):
+# ag_rows: the ring of one. One ring size each: the kernels see a ring only through the
+# segment offsets they are given (the interpreter is slow).
+@pytest.mark.parametrize("prim,n", [("ag_cols", 2), ("ag_contract", 4)])
+def test_gather_steps_of_a_ring(prim, n):
     """Device 0's steps of a bidirectional ring: the pieces it holds at each step (both
     directions' in one launch), into one output."""
     from fusedpar._backends import pallas_gpu, ring as ring_backend
 
-    n, dt, bidirectional = 2, jnp.bfloat16, True
+    dt, bidirectional = jnp.bfloat16, True
     ring = fusedpar.Ring(n, bidirectional)
     cfg = _backend_config(prim, n, bidirectional)
     # Gathered operands: the travelling one whole, the resident one local.
@@ -234,15 +237,15 @@ def test_gather_steps_of_a_ring_of_two(prim):
     assert_close(out.astype(jnp.float32), want.astype(jnp.float32), dt, prim)
 
 
-def test_scatter_steps_of_a_ring_of_two():
-    """rs_rows, both devices' steps, the accumulators passed between them by hand: each
-    device ends with its block of the sum of the two partial products (the reduce-add)."""
+def test_scatter_steps_of_a_ring_of_three():
+    """rs_rows, every device's steps, the accumulators passed between them by hand: each
+    device ends with its block of the sum of the partial products (the reduce-add)."""
     from fusedpar._backends import pallas_gpu
 
-    n, dt, prim = 2, jnp.bfloat16, "rs_rows"
+    n, dt, prim = 3, jnp.bfloat16, "rs_rows"
     ring = fusedpar.Ring(n)
     cfg = _backend_config(prim, n, False)
-    xs = [normal(d, (256, 64), dt) for d in range(n)]
+    xs = [normal(d, (n * 128, 64), dt) for d in range(n)]
     ws = [normal(10 + d, (64, 128), dt) for d in range(n)]
 
     @jax.jit
