@@ -3,7 +3,7 @@
 Pallas's plain interpreter (jax 0.10) evaluates the kernel's jaxpr, which is typed
 without varying axes, on the shard_map body's varying values, and JAX's varying-axes
 check then rejects the mix (e.g. a dynamic slice of a varying block at an invariant grid
-index). The kernels' results are typed correctly at trace time (`_matmul.out_struct`);
+index). The kernels' results are typed correctly at trace time (`kernels/gpu/_result_type.py`);
 only their CPU lowering needs the check off. `interpreted(fn)` wraps a function of
 arrays that calls `pallas_call(..., interpret=True)` in a primitive whose lowering
 runs it with the check off. Only used on CPU; on GPU the Triton lowering is not
