@@ -29,7 +29,8 @@ def _row(path, x) -> list:
     if _specs.is_layer(x):
         fwd, bwd = x.collectives()
         return [where, type(x).__name__, _style(x.rule),
-                _params(x.rule.param_specs(where, getattr(x, "bias", None) is not None)),
+                _params({k: v for k, v in vars(_specs.layer_param_specs(x, where)).items()
+                         if k in _specs.PARAM_RANK}),
                 getattr(x, "backend", "-"), "; ".join(fwd) or "-", "; ".join(bwd) or "-"]
     names = ["weight"] + (["bias"] if getattr(x, "bias", None) is not None else [])
     return [where, type(x).__name__, "replicated", ", ".join(f"{n} P()" for n in names),

@@ -86,6 +86,7 @@ class Embedding(eqx.Module):
           `embedding_size` by default, or `fsdp_dim=0` (the vocabulary, after `axis`);
           the ids' batch dimension (dim 0) is sharded over it.
         """
+        _specs.check_fsdp_dim("Embedding", fsdp_axis, fsdp_dim)
         styles = [_specs.Row(axis, sequence_parallel) if axis is not None else None]
         if fsdp_axis is not None:
             if fsdp_dim not in (None, 0, 1):

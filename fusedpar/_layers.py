@@ -90,6 +90,8 @@ class ParallelLinear(eqx.Module):
         where = type(self).__name__
         _positive_int(where, "in_features", in_features)
         _positive_int(where, "out_features", out_features)
+        if not isinstance(use_bias, bool):
+            raise TypeError(f"{where}: use_bias must be True or False, got {use_bias!r}.")
         _dispatch.check_backend_name(where, backend)
         # eqx.nn.Linear's initialisation, so one key gives the same weights as it does.
         lin = eqx.nn.Linear(in_features, out_features, use_bias, dtype, key=key)
@@ -321,8 +323,9 @@ class ColumnLinear(ParallelLinear):
         - `backend`: the backend of the collective matmul ops (`"auto"`, `"reference"`,
           `"ring"`, ...).
         """
+        _specs.check_fsdp_dim("ColumnLinear", fsdp_axis, fsdp_dim)
         rule = _specs.compose(_specs.Column(axis, sequence_parallel, gather_output),
-                              _specs.FSDP(fsdp_axis, fsdp_dim) if fsdp_axis else None,
+                              None if fsdp_axis is None else _specs.FSDP(fsdp_axis, fsdp_dim),
                               where="ColumnLinear")
         self._setup(in_features, out_features, use_bias, dtype, key, rule, backend)
 
@@ -382,8 +385,9 @@ class RowLinear(ParallelLinear):
           `axis`); the input's batch dimension (dim 0) is sharded over it.
         - `backend`: the backend of the collective matmul ops.
         """
+        _specs.check_fsdp_dim("RowLinear", fsdp_axis, fsdp_dim)
         rule = _specs.compose(_specs.Row(axis, sequence_parallel),
-                              _specs.FSDP(fsdp_axis, fsdp_dim) if fsdp_axis else None,
+                              None if fsdp_axis is None else _specs.FSDP(fsdp_axis, fsdp_dim),
                               where="RowLinear")
         self._setup(in_features, out_features, use_bias, dtype, key, rule, backend)
 

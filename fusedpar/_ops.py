@@ -13,6 +13,10 @@ from ._dispatch import AUTO, Choice
 from ._primitives import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Config
 
 
+# What `explain(platform=...)` accepts: the names `jax.default_backend()` gives.
+_PLATFORMS = ("cpu", "gpu", "cuda", "tpu")
+
+
 def _platform() -> str:
     return jax.default_backend()
 
@@ -30,6 +34,9 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
         raise ValueError(f"explain: op must be {ALL_GATHER_MATMUL!r} or "
                          f"{MATMUL_REDUCE_SCATTER!r}, got {op!r}.")
     _validate.ring_size("explain", axis_size)
+    if platform is not None and platform not in _PLATFORMS:
+        raise ValueError(f"explain: platform must be one of {', '.join(map(repr, _PLATFORMS))} "
+                         f"(or None: JAX's default backend), got {platform!r}.")
     _validate.flag("explain", "unroll", unroll)
     _, call = _validate.op_call(op, x, w, axis_size, gather, dim, bidirectional)
     call = dataclasses.replace(call, platform=platform or _platform(), precision=precision,

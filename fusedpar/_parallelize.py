@@ -4,6 +4,7 @@ layers by a plan."""
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Mapping
 
 import equinox as eqx
 import jax
@@ -49,6 +50,9 @@ def parallelize(model, plan: dict, *, backend: str = "auto"):
     `eqx.nn.Linear` or `eqx.nn.Embedding`. `fusedpar.describe(model)` shows what each
     became.
     """
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"parallelize: plan must be a dict {{pattern: style}}, e.g. "
+                        f"{{'blocks.*.up': 'column'}}, got {type(plan).__name__}.")
     plan = {p: tuple(_style(p, s) for s in (v if isinstance(v, tuple) else (v,)))
             for p, v in plan.items()}
     used = set()

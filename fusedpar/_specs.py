@@ -276,12 +276,27 @@ def compose(*styles, where: str = "layer") -> Rule:
             fsdp = s
         else:
             raise TypeError(f"{where}: expected Column, Row or FSDP styles, got {s!r}.")
+        if not isinstance(s.axis, str) or not s.axis:
+            raise TypeError(f"{where}: a mesh axis must be a name, a non-empty str such as "
+                            f"{type(s)().axis!r}, got axis={s.axis!r} in {s}.")
+        for flag in ("sequence_parallel", "gather_output"):
+            if not isinstance(getattr(s, flag, False), bool):
+                raise TypeError(f"{where}: {flag} must be True or False, got "
+                                f"{getattr(s, flag)!r}.")
     if fsdp is not None and fsdp.dim not in (None, 0, 1):
         raise ValueError(f"{where}: FSDP dim must be None, 0 or 1 (a weight dimension), "
                          f"got {fsdp.dim!r}.")
     rule = Rule(tp, fsdp)
     rule.param_specs(where, True)  # raises if an axis is used twice
     return rule
+
+
+def check_fsdp_dim(where: str, fsdp_axis, fsdp_dim) -> None:
+    """Raise if `fsdp_dim` is given without the `fsdp_axis` it would apply to."""
+    if fsdp_dim is not None and fsdp_axis is None:
+        raise ValueError(f"{where}: fsdp_dim={fsdp_dim!r} without fsdp_axis does nothing; "
+                         "pass fsdp_axis (e.g. 'fsdp') to shard the weight with FSDP, or "
+                         "drop fsdp_dim.")
 
 
 def merge(path: str, ndim: int, placements) -> P:
@@ -387,10 +402,22 @@ def layer_param_specs(layer, where: str, rule: Optional[Rule] = None) -> Any:
         # A weight tied by `eqx.nn.Shared` is a placeholder here: it is stored once, with
         # the spec of the array it is tied to (`check_ties` makes sure the two agree).
         if name in specs and specs[name] is not None and is_param(leaf):
-            return specs[name]
+            return stacked(specs[name], leaf.shape, PARAM_RANK[name])
         return P() if is_param(leaf) else None
 
     return jax.tree_util.tree_map_with_path(spec, layer)
+
+
+# The rank of each parameter of one layer; more leading dimensions are a stack of layers.
+PARAM_RANK = {"weight": 2, "bias": 1}
+
+
+def stacked(spec: P, shape, rank: int) -> P:
+    """`spec` (of one layer's rank-`rank` parameter) for a parameter of `shape`, whose
+    leading dimensions beyond `rank` stack layers (`eqx.filter_vmap` over their
+    constructor, run with `lax.scan`): those stay unsharded, each layer sharded as one."""
+    lead = len(shape) - rank
+    return P(*((None,) * lead + tuple(spec))) if lead > 0 and len(spec) else spec
 
 
 def param_specs(model) -> Any:
@@ -475,7 +502,7 @@ def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
                 raise ValueError(f"{where}: mesh axis {a!r} is not in the mesh, whose axes "
                                  f"are {tuple(sizes)}.")
         if relaxed:
-            rule, drops = x.rule.relax(where, x.weight.shape, sizes)
+            rule, drops = x.rule.relax(where, x.weight.shape[-2:], sizes)
             if drops:
                 dropped.extend(drops)
                 x = x.with_rule(rule)
@@ -484,10 +511,12 @@ def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
         bias = getattr(x, "bias", None)
         specs = x.rule.param_specs(where, bias is not None)
         if is_param(x.weight):  # else tied: checked where its array is stored
-            check_spec(f"{where}.weight", x.weight.shape, specs["weight"], sizes,
-                       vocab_dim=0 if isinstance(x.rule, TableRule) else None)
+            shape = x.weight.shape
+            check_spec(f"{where}.weight", shape, stacked(specs["weight"], shape, 2), sizes,
+                       vocab_dim=len(shape) - 2 if isinstance(x.rule, TableRule) else None)
         if bias is not None:
-            check_spec(f"{where}.bias", x.bias.shape, specs["bias"], sizes)
+            check_spec(f"{where}.bias", x.bias.shape, stacked(specs["bias"], x.bias.shape, 1),
+                       sizes)
         return x
 
     model = jax.tree_util.tree_map_with_path(one, model, is_leaf=is_layer)

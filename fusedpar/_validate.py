@@ -105,6 +105,11 @@ def op_call(op, x, w, n, gather, dim, bidirectional) -> tuple[int, prims.Call]:
         if gather not in ("lhs", "rhs"):
             raise ValueError(f"{op}: gather must be 'lhs' or 'rhs', got {gather!r}.")
         if gather == "lhs":
+            if x.ndim < 2:
+                raise ValueError(f"{op}: gather='lhs' gathers a dimension of x besides the "
+                                 f"contracting one, so x needs at least 2 dims (..., rows, k), got "
+                                 f"x of shape {xs}; reshape it to (1, {xs[-1]}), or gather "
+                                 "w with gather='rhs'.")
             dim = normalize_dim(op, dim, x.ndim, f"gather='lhs' with x of shape {xs} "
                                 "(a non-contracting dimension of x)", range(x.ndim - 1))
             contraction(op, xs[-1], ws[0])

@@ -275,6 +275,18 @@ OPS = [
     Row("ops", "keep_gathered not a bool",
         in_shard_map(lambda x, w: AGM(x, w, "x", keep_gathered=None)),
         TypeError, ("keep_gathered must be True or False, got None",)),
+    Row("ops", "gather='lhs' with a 1-D x",
+        in_shard_map(lambda x, w: AGM(x, w, "x"), (8,)), ValueError,
+        ("gather='lhs' gathers a dimension of x besides the contracting one",
+         "x needs at least 2 dims (..., rows, k), got x of shape (8,)",
+         "reshape it to (1, 8)")),
+    Row("ops", "an option no backend reads (auto)",
+        in_shard_map(lambda x, w: AGM(x, w, "x", options={"bogus": 1}), check_vma=False),
+        ValueError, ("options ['bogus'] are not read by any backend", "valid keys: 'block_k'")),
+    Row("ops", "explain: unknown platform",
+        lambda: fusedpar.explain("all_gather_matmul", S((4, 8), jnp.float32),
+                                 S((8, 12), jnp.float32), 4, platform="GPU"), ValueError,
+        ("explain: platform must be one of 'cpu', 'gpu', 'cuda', 'tpu'", "got 'GPU'")),
     Row("ops", "an option the backend does not read",
         in_shard_map(lambda x, w: AGM(x, w, "x", backend="ring", options={"tile_mm": 3})),
         ValueError, ("options ['tile_mm'] are not read by backend 'ring'",
@@ -286,6 +298,17 @@ OPS = [
 ]
 
 LAYERS = [
+    Row("layers", "axis not a mesh axis name",
+        lazy(lambda: _col(8, 8, axis=None)), TypeError,
+        ("ColumnLinear: a mesh axis must be a name, a non-empty str such as 'tp'",
+         "got axis=None")),
+    Row("layers", "fsdp_dim without fsdp_axis",
+        lazy(lambda: fusedpar.RowLinear(8, 8, key=KEY, fsdp_dim=0)), ValueError,
+        ("RowLinear: fsdp_dim=0 without fsdp_axis does nothing",
+         "pass fsdp_axis (e.g. 'fsdp')")),
+    Row("layers", "use_bias not a bool",
+        lazy(lambda: _col(8, 8, use_bias="yes")), TypeError,
+        ("ColumnLinear: use_bias must be True or False, got 'yes'",)),
     Row("layers", "in_features not a positive int",
         lazy(lambda: _col(0, 8)), ValueError,
         ("ColumnLinear: in_features must be a positive int, got 0",)),
@@ -491,6 +514,9 @@ SPECS = [
 ]
 
 PARALLELIZE = [
+    Row("parallelize", "plan not a dict",
+        lambda: fusedpar.parallelize(mlp(), [("layers.0", "column")]), TypeError,
+        ("parallelize: plan must be a dict {pattern: style}", "got list")),
     Row("parallelize", "unknown style name",
         lambda: fusedpar.parallelize(mlp(), {"layers.0": "col"}), ValueError,
         ("plan['layers.0'] = 'col' is not a style", "'column', 'row', 'fsdp'")),

@@ -5,6 +5,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import fusedpar
 from fusedpar import FSDP, Column, Row
@@ -196,3 +197,42 @@ def test_describe_names_the_collectives_that_run():
             assert _traced(jax.make_jaxpr(loss)(layer, x).jaxpr) == _claimed(fwd), what
             grads = jax.make_jaxpr(eqx.filter_grad(loss))(layer, x).jaxpr
             assert _traced(grads) == _claimed(fwd + bwd), what
+
+
+def _scan_blocks(stack, x):
+    """Run a stack of MLP blocks (parameters with a leading layer dimension) with scan."""
+    params, static = eqx.partition(stack, eqx.is_array)
+    return jax.lax.scan(lambda x, p: (eqx.combine(p, static)(x), None), x, params)[0]
+
+
+def test_stacked_layers_shard_each_layer():
+    """Blocks stacked with eqx.filter_vmap and run with lax.scan: the layer dimension stays
+    unsharded and each layer is sharded as one (it was the layer dimension that got the
+    tensor-parallel axis); values and gradients equal the dense stack's, FSDP x TP with
+    sequence parallelism on a 2 x 4 mesh."""
+    stack = eqx.filter_vmap(MLP)(jax.random.split(jax.random.key(0), 3))
+    x = normal(1, (4, 8, D), jnp.float32)
+
+    def loss(stack, x):
+        return jnp.sum(_scan_blocks(stack, x) ** 2)
+
+    want = eqx.filter_value_and_grad(loss)(stack, x)
+    par = fusedpar.parallelize(stack, {"up": Column(sequence_parallel=True),
+                                       "down": Row(sequence_parallel=True), "*": "fsdp"})
+    specs = fusedpar.param_specs(par)
+    assert (specs.up.weight, specs.up.bias) == (P(None, "tp", "fsdp"), P(None, "tp"))
+    assert (specs.down.weight, specs.down.bias) == (P(None, "fsdp", "tp"), P())
+    assert "weight P(None, 'tp', 'fsdp'), bias P(None, 'tp')" in fusedpar.describe(par)
+    m = mesh((2, 4), ("fsdp", "tp"))
+    with jax.set_mesh(m):
+        sharded = fusedpar.shard(par, m)
+        assert sharded.up.weight.sharding.spec == P(None, "tp", "fsdp")
+        value, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(sharded, x)
+    flat = lambda t: jax.tree.leaves(eqx.filter(t, eqx.is_array))  # noqa: E731
+    assert_close((value, flat(grads)), (want[0], flat(want[1])), jnp.float32, "stack")
+    # A feature dimension that does not divide is named as the stack's dimension.
+    odd = eqx.filter_vmap(lambda k: fusedpar.ColumnLinear(D, 30, key=k))(
+        jax.random.split(jax.random.key(0), 4))
+    with pytest.raises(ValueError, match=r"model.weight: parameter dim 1 has size 30, not "
+                                         r"divisible by 4"):
+        fusedpar.shard(odd, mesh((4,), ("tp",)))
