@@ -24,13 +24,17 @@ def _params(specs) -> str:
     return ", ".join(f"{name} {spec}" for name, spec in specs.items() if spec is not None)
 
 
+def _param_specs(layer, where) -> dict:
+    specs = _specs.layer_param_specs(layer, where)
+    return {name: getattr(specs, name, None) for name in _specs.PARAM_RANK}
+
+
 def _row(path, x) -> list:
     where = _specs.path_str(path)
     if _specs.is_layer(x):
         fwd, bwd = x.collectives()
         return [where, type(x).__name__, _style(x.rule),
-                _params({k: v for k, v in vars(_specs.layer_param_specs(x, where)).items()
-                         if k in _specs.PARAM_RANK}),
+                _params(_param_specs(x, where)),
                 getattr(x, "backend", "-"), "; ".join(fwd) or "-", "; ".join(bwd) or "-"]
     names = ["weight"] + (["bias"] if getattr(x, "bias", None) is not None else [])
     return [where, type(x).__name__, "replicated", ", ".join(f"{n} P()" for n in names),

@@ -501,22 +501,20 @@ def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
             if a not in sizes:
                 raise ValueError(f"{where}: mesh axis {a!r} is not in the mesh, whose axes "
                                  f"are {tuple(sizes)}.")
-        if relaxed:
+        if relaxed and is_param(x.weight):  # a tied weight keeps its source's layout
             rule, drops = x.rule.relax(where, x.weight.shape[-2:], sizes)
             if drops:
                 dropped.extend(drops)
                 x = x.with_rule(rule)
                 if not is_layer(x):
                     return x
-        bias = getattr(x, "bias", None)
-        specs = x.rule.param_specs(where, bias is not None)
+        specs = layer_param_specs(x, where)
         if is_param(x.weight):  # else tied: checked where its array is stored
             shape = x.weight.shape
-            check_spec(f"{where}.weight", shape, stacked(specs["weight"], shape, 2), sizes,
+            check_spec(f"{where}.weight", shape, specs.weight, sizes,
                        vocab_dim=len(shape) - 2 if isinstance(x.rule, TableRule) else None)
-        if bias is not None:
-            check_spec(f"{where}.bias", x.bias.shape, stacked(specs["bias"], x.bias.shape, 1),
-                       sizes)
+        if getattr(x, "bias", None) is not None:
+            check_spec(f"{where}.bias", x.bias.shape, specs.bias, sizes)
         return x
 
     model = jax.tree_util.tree_map_with_path(one, model, is_leaf=is_layer)
