@@ -14,7 +14,6 @@ import dataclasses
 import functools
 
 import jax
-import numpy as np
 
 from . import _backends, _definition, _primitives as prims
 from ._vma import cotangent_like
@@ -47,9 +46,7 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False):
     backend may not tile: that is an error here, before any kernel is traced.
     """
     op = prims.ALL_GATHER_MATMUL if fwd_prim in prims.GATHERS else prims.MATMUL_REDUCE_SCATTER
-    call = prims.Call(op, prim, tuple(x.shape), tuple(w.shape), str(np.dtype(x.dtype)),
-                      cfg.axis_size, jax.default_backend(), cfg.bidirectional, cfg.precision,
-                      cfg.options)
+    call = cfg.call(op, prim, x, w, jax.default_backend())
     why = _backends.get(cfg.backend).unavailable(call)
     if why is not None:
         raise NotImplementedError(

@@ -39,9 +39,20 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
                          f"(or None: JAX's default backend), got {platform!r}.")
     _validate.flag("explain", "unroll", unroll)
     _, call = _validate.op_call(op, x, w, axis_size, gather, dim, bidirectional)
-    call = dataclasses.replace(call, platform=platform or _platform(), precision=precision,
-                               options=tuple(sorted((options or {}).items())))
-    return _dispatch.choose(call, backend, unroll)
+    return _choose(call, backend, unroll, precision, options, platform or _platform())
+
+
+def _choose(call, backend, unroll, precision, options, platform) -> Choice:
+    """The backend for `call` on `platform`, its `options` checked against it."""
+    choice = _dispatch.choose(dataclasses.replace(
+        call, platform=platform, precision=precision, options=_pairs(options)),
+        backend, unroll)
+    _dispatch.check_options(call.op, options, backend, choice.backend, platform)
+    return choice
+
+
+def _pairs(options) -> tuple:
+    return tuple(sorted((options or {}).items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,19 +77,14 @@ def _run(op, x, w, axis_name, gather, dim, s: _Settings):
         raise TypeError(f"{op}: keep_gathered must be True or False, got {s.keep_gathered!r}.")
     out_dtype = _validate.float_dtype(op, "preferred_element_type", s.preferred_element_type)
     reduce_dtype = _validate.float_dtype(op, "reduce_dtype", s.reduce_dtype)
-    platform = _platform()
-    options = tuple(sorted((s.options or {}).items()))
-    choice = _dispatch.choose(
-        dataclasses.replace(call, platform=platform, precision=s.precision, options=options),
-        s.backend, s.unroll)
-    _dispatch.check_options(op, s.options, s.backend, choice.backend, platform)
+    choice = _choose(call, s.backend, s.unroll, s.precision, s.options, _platform())
     cfg = Config(
         backend=choice.backend, axis_name=axis_name, axis_size=n,
         bidirectional=choice.bidirectional, unroll=choice.unroll,
         out_dtype=np.dtype(x.dtype if out_dtype is None else out_dtype),
         reduce_dtype=np.dtype(_definition.accumulation_dtype(x.dtype)
                               if reduce_dtype is None else reduce_dtype),
-        precision=s.precision, keep_gathered=s.keep_gathered, options=options)
+        precision=s.precision, keep_gathered=s.keep_gathered, options=_pairs(s.options))
     c = prims.canonicalize(op, gather, dim, x, w, n)
     return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
 

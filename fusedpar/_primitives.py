@@ -114,6 +114,12 @@ class Config:
     def option(self, name, default=None):
         return dict(self.options).get(name, default)
 
+    def call(self, op: str, prim: str, x, w, platform: str) -> Call:
+        """The `Call` that describes running `prim` with this config on `x` and `w`."""
+        return Call(op, prim, tuple(x.shape), tuple(w.shape), jnp.dtype(x.dtype).name,
+                    self.axis_size, platform, self.bidirectional, self.precision,
+                    self.options)
+
 
 def out_shape(prim: str, x_shape, w_shape, n: int) -> tuple[int, int]:
     """Result shape of `prim` on local operands of these shapes over a ring of `n`."""

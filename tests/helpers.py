@@ -33,12 +33,13 @@ def assert_close(got, want, dtype, what=""):
             f"{what} leaf {i}: max error {err:.3g} > {tolerance(dtype):.1g} x scale {scale:.3g}")
 
 
-def mesh(shape, names):
-    """A mesh of the first prod(shape) devices with Auto axes (skips if there are fewer)."""
+def mesh(shape, names, axis_type=AxisType.Auto):
+    """A mesh of the first prod(shape) devices, its axes all of `axis_type` (Auto by
+    default); skips the test if there are fewer devices."""
     n = int(np.prod(shape))
     if len(jax.devices()) < n:
         pytest.skip(f"needs {n} devices, {jax.default_backend()} has {len(jax.devices())}")
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape),
+    return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape),
                          devices=jax.devices()[:n])
 
 

@@ -58,8 +58,7 @@ def test_matches_dense_in_every_context(sp):
 
     assert_close(jax.value_and_grad(loss)(emb, IDS)[1].weight, want[1], F32, "no mesh")
     for kind in (AxisType.Auto, AxisType.Explicit):
-        m = jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(kind,) * 2,
-                          devices=jax.devices()[:8])
+        m = mesh((2, 4), ("fsdp", "tp"), kind)
         with jax.set_mesh(m):
             value, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(
                 fusedpar.shard(emb, m), IDS)

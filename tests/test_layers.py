@@ -155,8 +155,7 @@ def test_three_contexts_agree():
     assert_close(local(layers, x), want, F32, "shard_map")
     with jax.set_mesh(m):
         assert_close(eqx.filter_jit(mlp)(*layers, x), want, F32, "global, Auto axes")
-    em = jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(AxisType.Explicit,) * 2,
-                       devices=jax.devices()[:8])
+    em = mesh((2, 4), ("fsdp", "tp"), AxisType.Explicit)
     with jax.set_mesh(em):
         ls = fusedpar.shard(layers, em)
         y = eqx.filter_jit(mlp)(*ls, x)
@@ -166,8 +165,7 @@ def test_three_contexts_agree():
 
 def test_explicit_mesh_keeps_other_axes():
     """Tensor-parallel layers on an Explicit (data, tp) mesh keep "data" on the batch."""
-    m = jax.make_mesh((2, 4), ("data", "tp"), axis_types=(AxisType.Explicit,) * 2,
-                      devices=jax.devices()[:8])
+    m = mesh((2, 4), ("data", "tp"), AxisType.Explicit)
     layers, dense = make("tp", "ring", sp=True)
     x = normal(11, (4, 8, IN), F32)
     with jax.set_mesh(m):
@@ -264,8 +262,7 @@ def test_vmap_vmap_matches_dense():
     grad = eqx.filter_jit(eqx.filter_value_and_grad(per_token))
     check_grads(grad((layers, x)), want, "no mesh")
     for kind in (AxisType.Auto, AxisType.Explicit):
-        m = jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(kind,) * 2,
-                          devices=jax.devices()[:8])
+        m = mesh((2, 4), ("fsdp", "tp"), kind)
         with jax.set_mesh(m):
             check_grads(grad((fusedpar.shard(layers, m), x)), want, str(kind))
 

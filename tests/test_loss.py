@@ -48,8 +48,7 @@ def test_matches_log_softmax_in_every_context(dtype):
 
     check(jax.value_and_grad(ce)(logits, LABELS), "no mesh")
     for kind in (AxisType.Auto, AxisType.Explicit):
-        m = jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(kind,) * 2,
-                          devices=jax.devices()[:8])
+        m = mesh((2, 4), ("fsdp", "tp"), kind)
         with jax.set_mesh(m):
             check(jax.jit(jax.value_and_grad(ce))(logits, LABELS), f"global {kind}")
             if kind == AxisType.Auto:

@@ -119,8 +119,8 @@ def test_misaligned_ring_halves_are_refused_before_lowering():
 
 def test_backward_windows_are_checked_too():
     """rs_rows at 256 x 1024 x 1024: its forward and its keep_gathered backward lower,
-    but the keep_gathered=False backward gathers x.T's columns in halves of 32 lanes."""
-    _lower_checked("rs_rows", True, SMALL)
+    but the keep_gathered=False backward gathers x.T's columns in halves of 32 lanes (the
+    forward and keep_gathered backward: test_lowers_for_tpu_all_in_vmem[rs_rows])."""
     with pytest.raises(NotImplementedError, match=r"ag_contract: .* window of 32 along "
                                                   r"dimension 1 of x \(1024, 256\)"):
         _lower("rs_rows", True, SMALL, keep_gathered=False)
