@@ -11,10 +11,11 @@ Mixed precision follows `jnp.matmul` users' expectations: products accumulate in
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from . import _target
 
 
 def accumulation_dtype(dtype) -> np.dtype:
@@ -25,10 +26,11 @@ def accumulation_dtype(dtype) -> np.dtype:
 def matmul(x, w, *, precision=None):
     """`jnp.matmul(x, w)` accumulating in `accumulation_dtype`; the result stays in it."""
     acc = accumulation_dtype(x.dtype)
-    if x.dtype != acc and jax.default_backend() == "cpu":
+    if x.dtype != acc and _target.current(x, w).platform == "cpu":
         # XLA's CPU runtime fails on some bf16 x bf16 -> f32 dots once several share a
         # program ("Unsupported element type for DotThunk::Execute"). Widening to f32 is
-        # exact, so multiplying the widened operands gives the same result.
+        # exact, so multiplying the widened operands gives the same result. Only for a
+        # CPU target: a program compiled here for a GPU or TPU keeps its 16-bit dots.
         x, w = x.astype(acc), w.astype(acc)
     return jnp.matmul(x, w, precision=precision, preferred_element_type=acc)
 

@@ -54,7 +54,7 @@ from equinox import field
 from jax import lax
 from jaxtyping import Array
 
-from . import _context, _definition, _dispatch, _folding, _specs, _vma, _whole_model
+from . import _context, _definition, _dispatch, _folding, _specs, _target, _vma, _whole_model
 from ._ops import all_gather_matmul, matmul_reduce_scatter
 from ._specs import Rule
 
@@ -188,7 +188,7 @@ class ParallelLinear(eqx.Module):
         return _context.shard_mapped(
             functools.partial(type(self)._local, rule=rule), mesh, rule.axes, manual, self,
             pspecs, [x], [x_spec], y_spec,
-            _dispatch.check_vma(self.backend, jax.default_backend()))
+            _dispatch.check_vma(self.backend, _target.current(x).platform))
 
     # --- helpers for `_local` ----------------------------------------------------
 

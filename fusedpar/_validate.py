@@ -128,7 +128,7 @@ def op_call(op, x, w, n, gather, dim, bidirectional) -> tuple[int, prims.Call]:
                   f"it is scattered over {n} devices")
     prim = prims.primitive_of(op, gather, dim, x.ndim)
     call = prims.Call(op, prim, (math.prod(xs[:-1]), xs[-1]), ws, str(np.dtype(x.dtype)), n,
-                      platform="", bidirectional=bidirectional)
+                      target=None, bidirectional=bidirectional)
     if bidirectional and call.block_length % 2:
         what = "rows" if prims.GATHER_AXIS[prim] == 0 else "columns"
         raise ValueError(

@@ -286,7 +286,7 @@ OPS = [
     Row("ops", "explain: unknown platform",
         lambda: fusedpar.explain("all_gather_matmul", S((4, 8), jnp.float32),
                                  S((8, 12), jnp.float32), 4, platform="GPU"), ValueError,
-        ("explain: platform must be one of 'cpu', 'gpu', 'cuda', 'tpu'", "got 'GPU'")),
+        ("explain: platform must be one of 'cpu', 'gpu', 'tpu', 'cuda'", "got 'GPU'")),
     Row("ops", "an option the backend does not read",
         in_shard_map(lambda x, w: AGM(x, w, "x", backend="ring", options={"tile_mm": 3})),
         ValueError, ("options ['tile_mm'] are not read by backend 'ring'",
