@@ -11,6 +11,7 @@ import sys
 import time
 
 PROGRAMS = ("ops", "mlp", "block", "demo")
+_LAST_MESH = None  # the mesh the programs being compiled are laid out on
 BACKENDS = ("reference", "ring", "pallas", "auto")
 
 
@@ -68,6 +69,7 @@ def _user_program(spec):
 
 
 def _mesh(args, n_default_axes):
+    global _LAST_MESH
     from . import aot
 
     axes = tuple(args.axes.split(",")) if args.axes else n_default_axes
@@ -78,7 +80,8 @@ def _mesh(args, n_default_axes):
         shape = (2, devices // 2)
     else:
         shape = (devices,)
-    return aot.mesh(args.target, shape, axes)
+    _LAST_MESH = aot.mesh(args.target, shape, axes)
+    return _LAST_MESH
 
 
 def _programs(args):
@@ -117,11 +120,19 @@ def main(argv=None):
         compiled = fn.lower(*arguments).compile(compiler_options=options or None)
         seconds = time.perf_counter() - start
         report = aot.overlap(compiled)
+        predicted = aot.predict(compiled, _LAST_MESH)
         print(report.markdown(f"{args.target}: {label}, backend={args.backend} "
                               f"(compiled in {seconds:.1f} s)"))
+        print(f"Predicted per device: {predicted.seconds * 1e6:,.0f} us (lower bound "
+              f"{predicted.lower_bound * 1e6:,.0f} us: compute "
+              f"{predicted.compute * 1e6:,.0f} us, communication "
+              f"{predicted.communication * 1e6:,.0f} us; waiting on transfers "
+              f"{predicted.exposed * 1e6:,.0f} us).")
         print()
         rows.append(dict(target=args.target, program=label, backend=args.backend,
                          compile_s=round(seconds, 2), hidden=report.hidden,
+                         predicted_us=round(predicted.seconds * 1e6, 1),
+                         lower_bound_us=round(predicted.lower_bound * 1e6, 1),
                          transfers=report.total,
                          ops=[dict(op=s.op[0], backend=s.op[1], direction=s.op[2],
                                    transfers=s.transfers, hidden=s.hidden, bytes=s.bytes,

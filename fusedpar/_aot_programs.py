@@ -80,6 +80,33 @@ def op_program(mesh, prim, backend="ring", *, bidirectional=None, backward=True,
     return program, args
 
 
+def ops_program(mesh, prim, variants, *, rows=ROWS, k=K, cols=COLS, dtype=jnp.bfloat16):
+    """Primitive `prim` in every variant (`(backend, bidirectional)` pairs) in one
+    program, forward and backward: one compile checks that they all build. (Whether a
+    variant overlaps is read from a program of its own: in a shared one, one variant's
+    transfers could hide behind another's matmuls.)"""
+    n = mesh.shape["x"]
+    call, xs, ws, xspec, wspec, ospec = _op(prim)(n, rows, k, cols)
+    args = [_struct(mesh, xs, dtype, xspec), _struct(mesh, ws, dtype, wspec)]
+    out = jax.eval_shape(jax.shard_map(functools.partial(call, backend="reference"),
+                                       mesh=mesh, in_specs=(xspec, wspec), out_specs=ospec,
+                                       check_vma=False), *args)
+    args.append(_struct(mesh, out.shape, dtype, ospec))
+
+    def body(x, w, ct):
+        outs = []
+        for backend, bidirectional in variants:
+            fn = functools.partial(call, backend=backend, bidirectional=bidirectional)
+            y, vjp = jax.vjp(fn, x, w)
+            outs.append((y,) + vjp(ct))
+        return outs
+
+    spec = (ospec, xspec, wspec)
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(xspec, wspec, ospec),
+                                    out_specs=[spec] * len(variants), check_vma=False))
+    return program, args
+
+
 class _MLP(eqx.Module):
     up: eqx.nn.Linear
     down: eqx.nn.Linear

@@ -19,16 +19,20 @@ from . import _backends, _definition, _primitives as prims
 from ._vma import cotangent_like
 
 
-def scope(prim: str, backend: str) -> str:
-    """The name scope every run of `prim` on `backend` is traced in: compiled programs
-    carry it in each instruction's `op_name`, so `fusedpar.aot` can say which op a
-    transfer belongs to (a backward pass's runs sit under `transpose(...)`)."""
-    return f"fusedpar.{prim}.{backend}"
+def scope(prim: str, cfg) -> str:
+    """The name scope every run of `prim` with `cfg` is traced in, e.g.
+    `fusedpar.ag_rows.ring.bidirectional`: compiled programs carry it in each
+    instruction's `op_name`, so `fusedpar.aot` can say which op a transfer belongs to
+    (a backward pass's runs sit under `transpose(...)`)."""
+    if cfg.backend == "reference":
+        return f"fusedpar.{prim}.reference"
+    ring = "bidirectional" if cfg.bidirectional else "unidirectional"
+    return f"fusedpar.{prim}.{cfg.backend}.{ring}"
 
 
 def run(prim, cfg, x, w, return_gathered=False):
     """Run `prim` on the configured backend, without custom differentiation."""
-    with jax.named_scope(scope(prim, cfg.backend)):
+    with jax.named_scope(scope(prim, cfg)):
         return _backends.get(cfg.backend).run(prim, cfg, x, w, return_gathered)
 
 

@@ -62,10 +62,12 @@ class Instruction:
 
 @dataclasses.dataclass
 class Module:
-    """A parsed HLO module: computations by name, each its instructions in order."""
+    """A parsed HLO module: computations by name, each its instructions in order, and
+    the name of each computation's ROOT instruction."""
 
     computations: dict
     entry: Optional[str]
+    roots: dict = dataclasses.field(default_factory=dict)
 
     def instruction(self, name: str) -> Optional[Instruction]:
         for instructions in self.computations.values():
@@ -161,7 +163,7 @@ def parse_instruction(line: str) -> Optional[Instruction]:
 
 def parse(text: str) -> Module:
     """Parse a scheduled HLO module's text."""
-    computations, entry, current = {}, None, None
+    computations, roots, entry, current = {}, {}, None, None
     for line in text.splitlines():
         if current is None:
             m = _HEADER.match(line)
@@ -177,7 +179,27 @@ def parse(text: str) -> Module:
         instruction = parse_instruction(line)
         if instruction is not None:
             computations[current].append(instruction)
-    return Module(computations, entry)
+            if line.lstrip().startswith("ROOT "):
+                roots[current] = instruction
+    return Module(computations, entry, roots)
+
+
+def in_place_bytes(module: Module, i: Instruction, by_name: dict) -> Optional[int]:
+    """The bytes of the update when `i` updates a buffer in place (a dynamic-update-slice,
+    alone or as the root of its fusion), else None: it moves the update, not the buffer."""
+    if i.opcode == "dynamic-update-slice":
+        update = by_name.get(i.operands[1]) if len(i.operands) > 1 else None
+        return None if update is None else update.bytes
+    if i.opcode != "fusion":
+        return None
+    for c in i.calls:
+        root = module.roots.get(c)
+        if root is not None and root.opcode == "dynamic-update-slice" and len(root.operands) > 1:
+            inner = {j.name: j for j in module.computations.get(c, ())}
+            update = inner.get(root.operands[1])
+            if update is not None:
+                return update.bytes
+    return None
 
 
 def collective_kind(module: Module, instruction: Instruction) -> Optional[str]:

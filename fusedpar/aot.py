@@ -17,6 +17,9 @@ or from the shell, for the programs this package ships or your own:
     python -m fusedpar.aot --target v5e:2x4 --program mlp
     python -m fusedpar.aot --target h100x8 --program my_model.py:aot_program
 
+`predict` replays the schedule with the target's numbers (`fusedpar.cost_model` presets)
+and gives the time per device and its lower bound, max(compute, communication).
+
 `overlap` reads the scheduled HLO: each transfer (an asynchronous collective's start ...
 done) with the matmuls scheduled while it is in flight, each op's (every fusedpar op runs
 under a name scope `fusedpar.<primitive>.<backend>`, its backward under `transpose(...)`)
@@ -140,16 +143,18 @@ def _flag_value(value: str):
 
 # -- what overlaps ------------------------------------------------------------------------
 
-_SCOPE = re.compile(r"fusedpar\.(\w+)\.(\w+)")
+_SCOPE = re.compile(r"fusedpar\.(\w+)\.(\w+)(?:\.(bi|uni)directional)?")
 
 
 def _op_of(op_name: str) -> tuple[str, str, str]:
-    """`(primitive, backend, pass)` of an instruction from its `op_name` scope."""
+    """`(primitive, backend, pass)` of an instruction from its `op_name` scope (the
+    backend with " bidirectional" for a bidirectional ring)."""
     scopes = _SCOPE.findall(op_name)
+    pass_ = "backward" if "transpose(" in op_name else "forward"
     if not scopes:
-        return "other", "", "backward" if "transpose(" in op_name else "forward"
-    prim, backend = scopes[-1]
-    return prim, backend, "backward" if "transpose(" in op_name else "forward"
+        return "other", "", pass_
+    prim, backend, ring = scopes[-1]
+    return prim, backend + (" bidirectional" if ring == "bi" else ""), pass_
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +199,7 @@ class OpSummary:
             return "no communication"
         if self.hidden == self.transfers:
             return f"overlapped: every transfer has a matmul in flight"
-        if backend == "reference" or prim == "other":
+        if backend in ("reference", ""):
             kind = "collective" if backend == "reference" else "transfer"
             return (f"not overlapped: {self.transfers - self.hidden} of {self.transfers} "
                     f"{kind}s run with no matmul in flight")
@@ -303,6 +308,34 @@ def _transfer(i, kind, by_name, computation, matmuls) -> Transfer:
         nbytes = _hlo.shape_bytes(f"{arrays[0][0]}[{','.join(map(str, arrays[0][1]))}]") \
             if arrays else 0
     return Transfer(i.name, kind, _op_of(i.op_name), nbytes, computation, matmuls)
+
+
+def predict(program, target):
+    """The time `program` (a compiled program or its `as_text()`) is predicted to take
+    per device on `target`, replaying its schedule (`fusedpar._simulate`).
+
+    `target`: a target name (`TARGETS`), a `jax.sharding.Mesh` (its devices say which
+    hardware, and on a TPU slice their coordinates give each transfer's hop count), or a
+    `cost_model.Hardware`. Returns a `Prediction` (seconds, compute, communication,
+    exposed waits, and the lower bound max(compute, communication)).
+    """
+    from . import _simulate, _target, cost_model
+
+    coords = None
+    if isinstance(target, cost_model.Hardware):
+        hardware = target
+    else:
+        if isinstance(target, str):
+            target = mesh(target)
+        found = _target.of_mesh(target)
+        if found is None:
+            raise ValueError(f"predict: target must be a target name, a Mesh of devices or "
+                             f"a cost_model.Hardware, got {target!r}.")
+        hardware = cost_model.get_hardware(found.cost_preset)
+        devices = list(target.devices.flat)
+        if all(getattr(d, "coords", None) is not None for d in devices):
+            coords = [tuple(d.coords) for d in devices]
+    return _simulate.predict(_text(program), hardware, coords)
 
 
 def main(argv=None):
