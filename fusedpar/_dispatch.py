@@ -111,7 +111,8 @@ def _pallas_why_not(call: Call) -> Optional[str]:
 
 
 def auto_ring_shape(call: Call) -> tuple[bool, str]:
-    """`(bidirectional, why)`: the ring shape `"auto"` uses when none was requested.
+    """`(bidirectional, why)`: the ring shape a call runs with when none was requested,
+    for the call's target (whatever the backend: the shape is the hardware's question).
 
     Where a bidirectional ring is possible (more than 2 devices, even blocks) it is used
     only if the cost model estimates it faster than the unidirectional one: on hardware
@@ -167,9 +168,9 @@ def auto_choice(call: Call) -> tuple[str, str]:
 
 def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
     """Pick the backend for `call`: `requested` itself, or the `"auto"` policy's pick."""
+    bidirectional, why = auto_ring_shape(call)
+    call = dataclasses.replace(call, bidirectional=bidirectional)
     if requested == AUTO:
-        bidirectional, why = auto_ring_shape(call)
-        call = dataclasses.replace(call, bidirectional=bidirectional)
         name, reason = auto_choice(call)
         reason = "auto: " + reason + (f"; {why}" if why and name != REFERENCE else "")
     else:
