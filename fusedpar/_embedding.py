@@ -150,7 +150,7 @@ class Embedding(eqx.Module):
         return _folding.fold(self._apply, (x,), self, where="Embedding", hint=hint)
 
     def _apply(self, ids):
-        kind, mesh = _context.detect("Embedding", self.rule.axes)
+        kind, mesh = _context.detect("Embedding", self.rule.axes, self.weight)
         if self.rule.sequence_parallel and ids.ndim < 1 and kind != _context.DENSE:
             raise ValueError("Embedding: sequence_parallel=True needs ids (..., seq) whose "
                              "last dimension is the sequence, got a scalar id.")

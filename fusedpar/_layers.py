@@ -149,7 +149,7 @@ class ParallelLinear(eqx.Module):
     def _apply(self, x):
         """The layer on `x` with every vmapped axis folded in."""
         where = type(self).__name__
-        kind, mesh = _context.detect(where, self.rule.axes)
+        kind, mesh = _context.detect(where, self.rule.axes, self.weight)
         if kind == _context.LOCAL:
             y = self._local(x, self.rule)
         elif x.shape[-1] != self.in_features:
