@@ -18,7 +18,7 @@ import jax
 from jax import lax
 from jax.sharding import AxisType
 
-from . import _specs
+from . import _specs, _whole_model
 
 LOCAL, GLOBAL, DENSE = "local", "global", "dense"
 
@@ -56,7 +56,8 @@ def check_no_stray_mesh(where: str, axes: tuple, weight) -> None:
             "shard_map sees, so the layer cannot run its collective ops; use "
             "`with jax.set_mesh(mesh):` instead.")
     placed = _placed_mesh(weight)
-    if placed is None:
+    # shard_map_specs traces the model with no mesh only to read its layouts.
+    if placed is None or _whole_model.tracing():
         return
     sizes = dict(zip(placed.axis_names, placed.axis_sizes))
     used = [a for a in axes if sizes.get(a, 1) > 1]

@@ -40,6 +40,11 @@ def record(where: str, owner, inputs, output) -> None:
         calls.append(Call(where, owner, tuple(inputs), output))
 
 
+def tracing() -> bool:
+    """Whether `shard_map_specs` is tracing a model right now."""
+    return _CALLS.get() is not None
+
+
 def spec_of(array):
     """While `shard_map_specs` traces: the spec of `array` if a fusedpar call returned it."""
     calls = _CALLS.get() or ()

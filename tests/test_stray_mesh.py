@@ -61,3 +61,10 @@ def test_legacy_with_mesh_is_refused():
         warnings.simplefilter("ignore", DeprecationWarning)
         with m, pytest.raises(ValueError, match=r"`with mesh:`.*jax.set_mesh\(mesh\)"):
             _layer()(jnp.ones((4, 16)))
+
+
+def test_shard_map_specs_of_a_placed_model_outside_a_mesh():
+    # Reading the layouts traces the model with no mesh: that is no dense run.
+    layer = fusedpar.shard(_layer(), mesh((2, 4), ("fsdp", "tp")))
+    (_, x_spec), y_spec = fusedpar.shard_map_specs(layer, jnp.ones((4, 16)))
+    assert tuple(y_spec) == (None, "tp")
