@@ -167,7 +167,7 @@ class ParallelLinear(eqx.Module):
     def _dense(self, x):
         w, x = _same_dtype(self.weight, x)
         y = _definition.matmul(x, w.T).astype(x.dtype)
-        return y if self.bias is None else y + self.bias.astype(y.dtype)
+        return add_bias(y, self.bias)
 
     def _global(self, x, mesh):
         where = type(self).__name__
@@ -265,12 +265,16 @@ def _bias_grad_sum(layer) -> list:
 
 
 def _same_dtype(w, x):
-    dt = jnp.result_type(w, x)
+    # The promotion of `jnp.result_type`, without the strict-promotion check: an input
+    # of another dtype than the weight is what mixed-precision models pass on purpose.
+    with jax.numpy_dtype_promotion("standard"):
+        dt = jnp.result_type(w, x)
     return w.astype(dt), x.astype(dt)
 
 
 def add_bias(y, b):
-    return y if b is None else y + b.astype(y.dtype)
+    # Broadcast explicitly: jax_numpy_rank_promotion="raise" refuses `y + b` on batches.
+    return y if b is None else y + jnp.broadcast_to(b.astype(y.dtype), y.shape)
 
 
 def gather_fsdp(w, rule: Rule):
