@@ -8,7 +8,8 @@ from typing import Optional
 import jax
 import numpy as np
 
-from . import _autodiff, _definition, _dispatch, _primitives as prims, _validate
+from . import _autodiff, _definition, _dispatch, _interpret, _validate
+from . import _primitives as prims
 from ._dispatch import AUTO, Choice
 from ._primitives import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Config
 
@@ -78,6 +79,7 @@ def _run(op, x, w, axis_name, gather, dim, s: _Settings):
     out_dtype = _validate.float_dtype(op, "preferred_element_type", s.preferred_element_type)
     reduce_dtype = _validate.float_dtype(op, "reduce_dtype", s.reduce_dtype)
     choice = _choose(call, s.backend, s.unroll, s.precision, s.options, _platform())
+    _interpret.check_threads(op, choice.backend, s.options)  # before a kernel can hang
     cfg = Config(
         backend=choice.backend, axis_name=axis_name, axis_size=n,
         bidirectional=choice.bidirectional, unroll=choice.unroll,
