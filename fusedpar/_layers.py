@@ -64,6 +64,16 @@ def _positive_int(where, name, v):
         raise ValueError(f"{where}: {name} must be a positive int, got {v!r}.")
 
 
+def _features(where, name, v):
+    """A positive int, or "scalar" as `eqx.nn.Linear` takes it (a dimension of 1)."""
+    if v != "scalar":
+        _positive_int(where, f"{name} (a positive int or 'scalar')", v)
+
+
+def _length(features) -> int:
+    return 1 if features == "scalar" else features
+
+
 def _new(cls, **fields):
     """An instance of the module `cls` with these fields, without running `__init__`."""
     obj = object.__new__(cls)
@@ -88,8 +98,8 @@ class ParallelLinear(eqx.Module):
 
     def _setup(self, in_features, out_features, use_bias, dtype, key, rule, backend):
         where = type(self).__name__
-        _positive_int(where, "in_features", in_features)
-        _positive_int(where, "out_features", out_features)
+        _features(where, "in_features", in_features)
+        _features(where, "out_features", out_features)
         if not isinstance(use_bias, bool):
             raise TypeError(f"{where}: use_bias must be True or False, got {use_bias!r}.")
         _dispatch.check_backend_name(where, backend)
@@ -108,7 +118,7 @@ class ParallelLinear(eqx.Module):
             raise TypeError(f"{cls.__name__}.from_linear: linear must be an eqx.nn.Linear "
                             f"(or a fusedpar linear layer), got {type(linear).__name__}.")
         for name in ("in_features", "out_features"):
-            _positive_int(cls.__name__, name, getattr(linear, name))
+            _features(cls.__name__, name, getattr(linear, name))
         _dispatch.check_backend_name(cls.__name__, backend)
         return _new(cls, weight=linear.weight, bias=linear.bias,
                     in_features=linear.in_features, out_features=linear.out_features,
@@ -138,13 +148,16 @@ class ParallelLinear(eqx.Module):
         """
         where = type(self).__name__
         x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+        if self.in_features == "scalar":  # as eqx.nn.Linear: (...) -> (..., 1)
+            x = x[..., None]
         if x.ndim < 1:
             raise ValueError(f"{where}: x must have shape (..., {self.in_features}), got a "
                              "scalar.")
         hint = (f"sequence_parallel=True inside shard_map gathers or scatters the sequence "
                 f"over {self.rule.tp.axis!r}, so call the layer on (..., seq, features) and "
                 "vmap over the batch only" if self.rule.sequence_parallel else "")
-        return _folding.fold(self._apply, (x,), self, where=where, hint=hint)
+        y = _folding.fold(self._apply, (x,), self, where=where, hint=hint)
+        return y[..., 0] if self.out_features == "scalar" else y
 
     def _apply(self, x):
         """The layer on `x` with every vmapped axis folded in."""
@@ -152,7 +165,7 @@ class ParallelLinear(eqx.Module):
         kind, mesh = _context.detect(where, self.rule.axes, self.weight)
         if kind == _context.LOCAL:
             y = self._local(x, self.rule)
-        elif x.shape[-1] != self.in_features:
+        elif x.shape[-1] != _length(self.in_features):
             raise ValueError(f"{where}: x has shape {x.shape}; its last dimension must be "
                              f"in_features={self.in_features}.")
         elif kind == _context.DENSE:
@@ -172,6 +185,7 @@ class ParallelLinear(eqx.Module):
     def _global(self, x, mesh):
         where = type(self).__name__
         rule = self.rule
+        _specs.check_scalar(where, rule, self.in_features, self.out_features)
         _check_sequence(where, rule, x)
         data = _specs.has_data_dim(rule, x.ndim)
         if rule.fsdp is not None and not data:
@@ -195,8 +209,9 @@ class ParallelLinear(eqx.Module):
     def _operands(self, x, rule, local_in):
         """Check local shapes; return (w, b, x) in one dtype. `local_in`: x's features."""
         where = type(self).__name__
+        _specs.check_scalar(where, rule, self.in_features, self.out_features)
         sizes = {a: lax.axis_size(a) for a in rule.axes}
-        shape = (self.out_features, self.in_features)
+        shape = (_length(self.out_features), _length(self.in_features))
         want = rule.local_weight_shape(shape, sizes)
         if self.weight.shape != want:
             hint = (" — its global shape: pass the layer through shard_map as an argument "
@@ -351,7 +366,7 @@ class ColumnLinear(ParallelLinear):
 
     def _local(self, x, rule):
         tp = rule.tp
-        w, b, x = self._operands(x, rule, self.in_features)
+        w, b, x = self._operands(x, rule, _length(self.in_features))
         if tp.sequence_parallel:
             w = gather_fsdp(w, rule)
             y = all_gather_matmul(x, w.T, tp.axis, gather="lhs", dim=x.ndim - 2,
@@ -453,5 +468,5 @@ class FSDPLinear(ParallelLinear):
                 [f"matmul_reduce_scatter dW over {axis}"] + _bias_grad_sum(self))
 
     def _local(self, x, rule):
-        w, b, x = self._operands(x, rule, self.in_features)
+        w, b, x = self._operands(x, rule, _length(self.in_features))
         return add_bias(fsdp_matmul(x, w, rule, self.backend), b)
