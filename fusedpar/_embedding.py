@@ -167,7 +167,8 @@ class Embedding(eqx.Module):
         else:
             out = self._global(ids, mesh)
         ids_spec, out_spec = self._specs(self.rule, ids.ndim)
-        _whole_model.record("Embedding", self.weight, [(ids, ids_spec)], (out, out_spec))
+        _whole_model.record("Embedding", self.weight, [(ids, ids_spec)], (out, out_spec),
+                            ids.ndim - 1 if self.rule.sequence_parallel else None)
         return out
 
     @staticmethod

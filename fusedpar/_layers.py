@@ -174,7 +174,8 @@ class ParallelLinear(eqx.Module):
             y = self._global(x, mesh)
         rule = self.rule
         x_spec, y_spec = rule.activation_specs(x.ndim, _specs.has_data_dim(rule, x.ndim))
-        _whole_model.record(where, self.weight, [(x, x_spec)], (y, y_spec))
+        _whole_model.record(where, self.weight, [(x, x_spec)], (y, y_spec),
+                            x.ndim - 2 if rule.sequence_parallel else None)
         return y
 
     def _dense(self, x):

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import jax
 
-from . import _specs
+from . import _folding, _specs
 
 _CALLS: contextvars.ContextVar = contextvars.ContextVar("fusedpar_calls", default=None)
 
@@ -31,13 +31,20 @@ class Call:
     owner: object  # the layer's weight (to name its path), or None
     inputs: tuple  # ((array, PartitionSpec), ...)
     output: tuple  # (array, PartitionSpec)
+    seq_dim: Optional[int] = None  # a sequence-parallel call's sequence dim of inputs[0]
+    folded: int = 0  # leading dims of the inputs that are folded vmapped axes
 
 
-def record(where: str, owner, inputs, output) -> None:
-    """Note a fusedpar call while `shard_map_specs` traces a model (else do nothing)."""
+def record(where: str, owner, inputs, output, seq_dim: Optional[int] = None) -> None:
+    """Note a fusedpar call while `shard_map_specs` traces a model (else do nothing).
+
+    `seq_dim`: for a sequence-parallel call, the dimension of its first input that is
+    the sequence it gathers or scatters.
+    """
     calls = _CALLS.get()
     if calls is not None:
-        calls.append(Call(where, owner, tuple(inputs), output))
+        calls.append(Call(where, owner, tuple(inputs), output, seq_dim,
+                          _folding.folded_axes()))
 
 
 def tracing() -> bool:
@@ -120,6 +127,18 @@ def _resolve(model, calls, x, out):
         raise ValueError("shard_map_specs: call(model, x) called no fusedpar layer; every "
                          "array it uses is replicated, use in_specs=P() and out_specs=P().")
     names = _names(model, calls)
+    for name, c in zip(names, calls):
+        if c.seq_dim is not None and c.seq_dim < c.folded:
+            raise ValueError(
+                f"shard_map_specs: {name} is sequence parallel, and call(model, x) applies "
+                f"it under a jax.vmap over the sequence (per-token code, e.g. "
+                f"jax.vmap(embed)(tokens)): its input's dim {c.seq_dim}, the sequence, is "
+                "a vmapped axis. Inside your own shard_map the layer gathers or scatters "
+                "the sequence, which would change the length of that vmapped axis, so "
+                "this model cannot run there. Apply the layer to the whole (..., seq, "
+                "features) array (vmap over the batch only), or run the model on global "
+                "arrays under jax.set_mesh (the layers wrap themselves in shard_map, and "
+                "per-token vmaps work), or use sequence_parallel=False.")
 
     def input_spec(path, leaf):
         uses = [(names[i], s) for i, c in enumerate(calls) for a, s in c.inputs if a is leaf]
