@@ -96,6 +96,19 @@ def detect(where: str, axes: tuple, weight=None):
     return GLOBAL, mesh
 
 
+def shard_map_sizes(axes) -> str:
+    """The axes (and sizes) the enclosing `shard_map` binds, for an error message of a
+    layer over `axes`: every bound axis, not only the layer's, e.g. `{'fsdp': 2, 'tp': 4}
+    (the layer's: ('tp',))`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(getattr(mesh, "manual_axes", ()) or ())
+    sizes = {a: n for a, n in zip(mesh.axis_names, mesh.axis_sizes) if a in manual}
+    if not sizes:
+        sizes = {a: lax.axis_size(a) for a in axes}
+    extra = set(sizes) - set(axes)
+    return f"{sizes}" + (f" (the layer's: {tuple(axes)})" if extra else "")
+
+
 def is_explicit(mesh, axes) -> bool:
     """Whether any of `axes` is an Explicit axis of `mesh` (inputs must be resharded)."""
     types = dict(zip(mesh.axis_names, mesh.axis_types))

@@ -206,11 +206,12 @@ class Embedding(eqx.Module):
 
     def _local(self, ids, rule):
         sizes = {a: lax.axis_size(a) for a in rule.axes}
+        over = _context.shard_map_sizes(rule.axes)
         shape = (self.num_embeddings, self.embedding_size)
         want = rule.local_weight_shape(shape, sizes)
         if self.weight.shape != want:
             raise ValueError(
-                f"Embedding: inside shard_map over {sizes} the local table must have shape "
+                f"Embedding: inside shard_map over {over} the local table must have shape "
                 f"{want} (spec {rule.param_specs('Embedding')['weight']} of {shape}), got "
                 f"{self.weight.shape}; pass the embedding through shard_map as an argument "
                 "with in_specs from fusedpar.param_specs.")
@@ -235,7 +236,7 @@ class Embedding(eqx.Module):
             return lax.psum(rows, tp.axis)
         seq, size = ids.shape[-1], sizes[tp.axis]
         if seq % size:
-            raise ValueError(f"Embedding: inside shard_map over {sizes} the ids' sequence "
+            raise ValueError(f"Embedding: inside shard_map over {over} the ids' sequence "
                              f"(last dim, {seq}) must divide by {size} to be scattered, got "
                              f"ids of shape {ids.shape}.")
         return lax.psum_scatter(rows, tp.axis, scatter_dimension=ids.ndim - 1, tiled=True)

@@ -66,8 +66,8 @@ def _positive_int(where, name, v):
 
 def _features(where, name, v):
     """A positive int, or "scalar" as `eqx.nn.Linear` takes it (a dimension of 1)."""
-    if v != "scalar":
-        _positive_int(where, f"{name} (a positive int or 'scalar')", v)
+    if v != "scalar" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(f"{where}: {name} must be a positive int or 'scalar', got {v!r}.")
 
 
 def _length(features) -> int:
@@ -212,6 +212,7 @@ class ParallelLinear(eqx.Module):
         where = type(self).__name__
         _specs.check_scalar(where, rule, self.in_features, self.out_features)
         sizes = {a: lax.axis_size(a) for a in rule.axes}
+        over = _context.shard_map_sizes(rule.axes)
         shape = (_length(self.out_features), _length(self.in_features))
         want = rule.local_weight_shape(shape, sizes)
         if self.weight.shape != want:
@@ -219,12 +220,12 @@ class ParallelLinear(eqx.Module):
                     "with in_specs from fusedpar.param_specs / fusedpar.shard_map_specs"
                     if self.weight.shape == shape else "")
             raise ValueError(
-                f"{where}: inside shard_map over {sizes} the local weight must have shape "
+                f"{where}: inside shard_map over {over} the local weight must have shape "
                 f"{want} (spec {rule.param_specs(where, False)['weight']} of {shape}), got "
                 f"{self.weight.shape}{hint}.")
         if x.shape[-1] != local_in:
             raise ValueError(
-                f"{where}: inside shard_map over {sizes} the local input must have "
+                f"{where}: inside shard_map over {over} the local input must have "
                 f"{local_in} features (last dim), got x of shape {x.shape}.")
         _check_sequence(where, rule, x)
         x_spec = rule.activation_specs(x.ndim, _specs.has_data_dim(rule, x.ndim))[0]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import inspect
 from typing import Callable, Optional
 
 import jax
@@ -63,7 +64,7 @@ def _names(model, calls):
     """`where` of each call, with the path of its layer in `model` where known."""
     paths = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(model, is_leaf=_specs.is_layer)[0]:
-        if _specs.is_layer(leaf):
+        if _specs.is_layer(leaf) and path:  # a bare layer is named by its class alone
             paths[id(leaf.weight)] = _specs.path_str(path)
     return [f"{paths[id(c.owner)]} ({c.where})" if id(c.owner) in paths else c.where
             for c in calls]
@@ -104,6 +105,8 @@ def shard_map_specs(model, x, *, call: Optional[Callable] = None,
             f"shard_map_specs: x must be the model's input (an array or "
             f"jax.ShapeDtypeStruct of its global shape), got the int {x}; the specs are "
             "read from a trace of the model on it.")
+    if call is not None:
+        _check_call(call)
     call = call or (lambda m, x: m(x))
     result = {}
 
@@ -120,6 +123,23 @@ def shard_map_specs(model, x, *, call: Optional[Callable] = None,
     jax.eval_shape(traced, x)
     x_spec, out_spec = result["specs"]
     return (_specs.param_specs(model), x_spec), out_spec
+
+
+def _check_call(call) -> None:
+    """`call` must take `(model, x)`: several inputs travel as one pytree `x`."""
+    if not callable(call):
+        raise TypeError(f"shard_map_specs: call must be a function call(model, x), got "
+                        f"{type(call).__name__}.")
+    try:
+        inspect.signature(call).bind(None, None)
+    except TypeError as e:
+        raise TypeError(
+            f"shard_map_specs: call is called as call(model, x), with the model and x, "
+            f"but its signature {inspect.signature(call)} does not take that ({e}). For "
+            "several inputs pass them as one pytree, x=(tokens, labels), with "
+            "call=lambda m, xs: f(m, *xs).") from None
+    except ValueError:  # no signature to read (a builtin): let the call itself say
+        pass
 
 
 def _resolve(model, calls, x, out):
