@@ -1,4 +1,4 @@
-"""Train a small transformer-style MLP stack with fusedpar layers, once per backend.
+"""Train a small transformer-style MLP stack with fusedpar layers, once per backend asked.
 
     python -m fusedpar.demo                      # 8 simulated CPU devices, fsdp=2 x tp=4
     python -m fusedpar.demo --backends reference,ring,pallas_tpu --steps 5
@@ -11,7 +11,7 @@ with plain SGD on a fixed batch towards a fixed random target:
 
 - once densely on one device (the same layers with no mesh compute `eqx.nn.Linear`'s
   math), which is the baseline every parallel run is compared with;
-- once per backend on the mesh.
+- once on the mesh for each backend in `--backends` (default: reference and ring).
 
 The final table gives the median step time, the final loss, the largest difference of
 any trained parameter from the dense run, and the bytes each device sends per training
