@@ -19,8 +19,15 @@ from . import _target
 
 
 def accumulation_dtype(dtype) -> np.dtype:
-    """Dtype a matmul of `dtype` inputs accumulates in: at least float32."""
-    return np.dtype(jnp.promote_types(dtype, jnp.float32))
+    """Dtype a matmul of `dtype` inputs accumulates in: at least float32 (floats), at
+    least int32 (integers, whose sums wrap as the narrow type's would)."""
+    # Not jnp.promote_types: it raises under jax_numpy_dtype_promotion="strict".
+    d = np.dtype(dtype)
+    if d.itemsize >= 4:
+        return d
+    if jnp.issubdtype(d, jnp.floating):
+        return np.dtype(np.float32)
+    return np.dtype(np.int32) if jnp.issubdtype(d, jnp.integer) else d
 
 
 def matmul(x, w, *, precision=None):

@@ -8,7 +8,8 @@ from typing import Optional
 import jax
 import numpy as np
 
-from . import _autodiff, _definition, _dispatch, _primitives as prims, _target, _validate
+from . import _autodiff, _definition, _dispatch, _interpret, _target, _validate
+from . import _primitives as prims
 from ._dispatch import AUTO, Choice
 from ._primitives import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Config
 
@@ -100,6 +101,7 @@ def _run(op, x, w, axis_name, gather, dim, s: _Settings):
     reduce_dtype = _validate.float_dtype(op, "reduce_dtype", s.reduce_dtype)
     target = _target.current(x, w)
     choice = _choose(call, s.backend, s.unroll, s.precision, s.options, target)
+    _interpret.check_threads(op, choice.backend, s.options, target)  # before a hang
     cfg = Config(
         backend=choice.backend, axis_name=axis_name, axis_size=n,
         bidirectional=choice.bidirectional, unroll=choice.unroll,
