@@ -192,7 +192,7 @@ OPS = [
         ("x and w must be floating point or integer, got bool",)),
     Row("ops", "TPU kernel interpreted on CPU with too few threads (NPROC)",
         lambda: _few_threads(), RuntimeError,
-        ("all_gather_matmul: backend 'pallas_tpu' runs in TPU interpret mode",
+        ("all_gather_matmul: backend 'pallas_tpu' runs the TPU kernels in interpret mode",
          "8 simulated devices", "at least 9 threads (NPROC=4)", "the kernel would hang",
          "Set NPROC=9")),
     Row("ops", "not an array",
