@@ -17,18 +17,20 @@ this check switched off (`tests/test_tpu_mosaic.py` keeps the proof):
 
 - rows: windows of 8, 16, 24 and 32 rows compile in both dtypes on every generation (a
   bfloat16 window of 8 or 24 rows is *not* refused: the tile of a bfloat16 layout has 8
-  rows, not 16); windows of 4 or 12 rows are refused — in VMEM with "E2003:
+  rows, not 16). In VMEM windows of 4 or 12 rows are refused: "E2003:
   CompileTimeMosaicUnprovenMemoryAccessAlignment: cannot statically prove that index in
-  dimension 0 is a multiple of 8" (vector loads and stores), as DMA windows with
-  "Offsets along tiled dimensions must be aligned to tiles ... divisible by the tile
-  dimension 8" (`tpu.memref_slice`).
+  dimension 0 is a multiple of 8" (vector loads and stores); as DMA windows (the tiled
+  path) 12 or 3 rows are refused: "Offsets along tiled dimensions must be aligned to
+  tiles ... divisible by the tile dimension 8" (`tpu.memref_slice`).
 - lanes: windows of 128 and 256 lanes compile; 64 and 192 are refused ("... multiple of
   128", "Offsets/Slice sizes along tiled dimensions must be aligned to tiles ... 128").
 - The same on all four generations: the rule has no per-generation number.
 
-Not relied on: windows of fewer than 8 rows that divide 8 (2 or 4 rows, DMA-only on the
-tiled path) compiled where XLA gave the array a smaller tile (`T(4,128)` for a 4-row
-operand), and single-row float32 windows compiled in VMEM; the kernels ask for 8.
+Stricter than Mosaic, by choice: on the tiled path a ring window is only DMA'd, and
+there Mosaic also accepted windows of 4 rows on every generation (and 2 rows on v5e;
+not 1 row of bfloat16, half a packed word), even in arrays laid out `T(8,128)`; whole-in-VMEM kernels load and store the same windows with vector ops, which
+need 8 (a single float32 row aside). The check runs before the path is chosen, so it asks
+8 rows on both paths (`tests/test_tpu_mosaic.py` records the 4-row DMA measurement).
 8-bit values are not measured (the kernels accumulate in float32, which Mosaic refuses
 for integer operands, and the backend accepts only float32 and bfloat16): their tile is
 taken as the packed `(32, 128)`, a guess on the safe side.
