@@ -255,7 +255,7 @@ OPS = [
                      check_vma=False), NotImplementedError,
         ("ag_cols: backend 'pallas_tpu' cannot build this call for TPU",
          "a window of 32 along dimension 1 of w (128, 64) float32",
-         "not a multiple of 128 lanes", "Mosaic's tile for float32 is (8, 128)",
+         "not a multiple of 128 lanes", "Mosaic for TPU v5e lays float32 out in (8, 128) tiles",
          "over 4 devices, bidirectional halves", "pad the operands")),
     Row("ops", "TPU kernel option: unknown TPU generation",
         in_shard_map(lambda x, w: AGM(x, w, "x", backend="pallas_tpu",

@@ -133,7 +133,7 @@ def test_mixed_precision_and_tile_options():
     x = normal(0, (n * 32, 256), jnp.bfloat16)
     w = normal(1, (256, n * 256), jnp.bfloat16)
     # vmem=False: operands stay in HBM and every step is an emit_pipeline over 2-8 tiles
-    # (16 rows: the bfloat16 tile).
+    # (16 rows: two of the 8-row tiles bfloat16 has, like float32).
     opts = {"vmem": False, "block_m": 16, "block_k": 128, "block_n": 128}
 
     def f(x, w, backend):
@@ -182,10 +182,12 @@ def test_unavailable_reasons():
     why = pallas_tpu.unavailable(_call(x_shape=(4096, 8192), w_shape=(8192, 2000)))
     assert "length 2000" in why and "block_n=1024" in why
     # On TPU, ring segments start on tile boundaries (the interpreter does not care).
-    assert pallas_tpu.unavailable(_call(x_shape=(24, 512), dtype="bfloat16")) is None
-    why = pallas_tpu.unavailable(_call(x_shape=(24, 512), dtype="bfloat16", target="tpu"))
-    assert "window of 24 along dimension 0 of out (96, 256) bfloat16" in why
-    assert "multiple of 16 sublanes" in why
+    # bfloat16's tile has 8 rows (as float32's): 24-row windows are whole tiles, 12 not.
+    assert pallas_tpu.unavailable(_call(x_shape=(24, 512), dtype="bfloat16", target="tpu")) is None
+    assert pallas_tpu.unavailable(_call(x_shape=(12, 512), dtype="bfloat16")) is None
+    why = pallas_tpu.unavailable(_call(x_shape=(12, 512), dtype="bfloat16", target="tpu"))
+    assert "window of 12 along dimension 0 of out (48, 256) bfloat16" in why
+    assert "not a multiple of 8 rows of bfloat16" in why and "TPU v5e" in why
     why = pallas_tpu.unavailable(_call(prim="ag_cols", w_shape=(512, 192), target="tpu",
                                     bidirectional=True))
     assert "window of 96 along dimension 1 of w (512, 192)" in why

@@ -10,9 +10,10 @@ the all-in-VMEM variant.
 
 Neither the interpreter nor the Pallas lowering checks Mosaic's (sublane, lane) tiles, so
 every window the kernels cut is recorded while they are built and checked against those
-rules here (`kernels/tpu/_layout.py`); a size whose ring halves are 32 lanes wide is
-refused before lowering. Mosaic's final compilation (and running) still needs a TPU:
-these kernels have not run on one.
+rules here (`kernels/tpu/_layout.py`: 8 rows for float32 and bfloat16, 128 lanes, as
+measured with Mosaic); a size whose ring halves are 32 lanes wide is refused before
+lowering. Mosaic's own compilation, deviceless, is `tests/test_tpu_mosaic.py` (needs
+libtpu); running still needs a TPU: these kernels have not run on one.
 """
 
 import re
@@ -129,3 +130,14 @@ def test_backward_windows_are_checked_too():
 def test_lowers_with_tile_options():
     text = _lower("ag_rows", True, options={"block_m": 256, "block_n": 1024, "block_k": 256})
     assert "tpu_custom_call" in text
+
+
+def test_bfloat16_ring_windows_of_eight_rows_lower_and_twelve_are_refused():
+    """bfloat16's tile has 8 rows (T(8,128)(2,1)): ag_rows' bidirectional halves of 8 rows
+    (16 per device) lower; halves of 12 rows are refused before lowering."""
+    _, windows = _lower_checked("ag_rows", True, (16, 1024, 1024))
+    assert 8 in {w.length for w in windows if w.name == "out"}
+    with pytest.raises(NotImplementedError, match=r"window of 12 along dimension 0 of x "
+                                                  r"\(24, 1024\) bfloat16 is not a multiple "
+                                                  "of 8 rows of bfloat16"):
+        _lower("ag_rows", True, (24, 1024, 1024))

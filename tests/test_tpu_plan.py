@@ -12,23 +12,28 @@ from fusedpar._target import of_platform
 MiB = 2**20
 
 
-def test_tiles_follow_sublane_packing():
+def test_tiles_are_eight_rows_for_32_and_16_bit_values():
+    """Measured with Mosaic (kernels/tpu/_layout.py; tests/test_tpu_mosaic.py proves it):
+    bfloat16 is laid out T(8,128)(2,1), so its tile has 8 rows like float32's. 8-bit
+    values are not measured: the packed (32, 128) is kept."""
     assert _layout.tile(jnp.float32) == (8, 128)
-    assert _layout.tile(jnp.bfloat16) == (16, 128)
+    assert _layout.tile(jnp.bfloat16) == (8, 128)
     assert _layout.tile(jnp.int8) == (32, 128)
     assert _layout.tile(jnp.float8_e4m3fn) == (32, 128)
 
 
 @pytest.mark.parametrize("dtype,rows_ok,rows_bad", [
-    ("float32", 8, 4), ("bfloat16", 16, 8), ("int8", 32, 16), ("float8_e5m2", 32, 16)])
+    ("float32", 8, 4), ("bfloat16", 8, 12), ("int8", 32, 16), ("float8_e5m2", 32, 16)])
 def test_row_windows(dtype, rows_ok, rows_bad):
     def window(length):
         return _layout.Window("x", (256, 512), dtype, -2, length)
 
     assert window(rows_ok).problem() is None
-    assert window(4 * rows_ok).problem() is None
-    why = window(rows_bad).problem()
-    assert f"not a multiple of {rows_ok} sublanes (rows of {dtype})" in why
+    assert window(3 * rows_ok).problem() is None
+    why = window(rows_bad).problem(_chips.chip("v6e"))
+    assert f"not a multiple of {rows_ok} rows of {dtype}" in why
+    assert f"Mosaic for TPU v6e lays {dtype} out in ({rows_ok}, 128) tiles" in why
+    assert f"make that dimension's blocks multiples of {rows_ok}" in why
     assert window(256).problem() is None  # the whole dimension is always a window
 
 
@@ -46,7 +51,10 @@ def test_the_bad_window_is_raised_only_when_enforced():
         _layout.check(bad, enforce=False)
         with pytest.raises(_layout.LayoutError, match="window of 32 along dimension 1"):
             _layout.check(bad, enforce=True)
-    assert seen == [bad, bad]
+        with pytest.raises(_layout.LayoutError, match="Mosaic for TPU v5p lays"):
+            _layout.check(bad, enforce=_chips.chip("v5p"))  # the chip built for
+        _layout.check(bad, enforce=None)
+    assert seen == [bad, bad, bad, bad]
 
 
 @pytest.mark.parametrize("name", _chips.NAMES)
@@ -89,9 +97,11 @@ class _Launch:
 
 def test_tiles_are_aligned_for_the_dtypes_they_cut():
     chip = _chips.chip("v5e")
-    # bf16 operands: rows in steps of 16, even where 8 would divide.
-    t, why = _tile_plan.tiles((24 * 40, 4096, 4096), jnp.bfloat16, jnp.bfloat16, (100, 512, 512))
-    assert why is None and t == (96, 512, 512)
+    # bf16 operands: rows in steps of 8 (bf16's tile has 8 rows, measured with Mosaic):
+    # 984 = 8 * 123 rows have the tile 24, none that is a multiple of 16.
+    t, why = _tile_plan.tiles((24 * 41, 4096, 4096), jnp.bfloat16, jnp.bfloat16, (100, 512, 512))
+    assert why is None and t == (24, 512, 512)
+    assert _tile_plan.pick(24 * 41, 100, 16) is None
     t, _ = _tile_plan.tiles((24 * 40, 4096, 4096), jnp.float32, jnp.float32, (100, 512, 512))
     assert t == (96, 512, 512) and _tile_plan.pick(24 * 40, 100, 8) == 96
     assert _tile_plan.pick(40, 20, 16) is None  # no multiple of 16 divides 40

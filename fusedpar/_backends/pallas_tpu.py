@@ -150,7 +150,7 @@ def _params(prim, *, axis_name, axis_size, bidirectional, out_dtype, reduce_dtyp
 def _misaligned(module, params, x, w):
     """Why Mosaic would refuse a window the kernel cuts (None if every one is aligned)."""
     for window in module.windows(params, x, w):
-        why = window.problem()
+        why = window.problem(params.launch.chip)
         if why is not None:
             ring = params.launch.ring
             return (f"{why} (x {tuple(x.shape)}, w {tuple(w.shape)} over "

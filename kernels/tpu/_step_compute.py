@@ -34,9 +34,10 @@ def _split(cores):
     return {} if cores == 1 else {"core_axis": 0}
 
 
-def matmul(a, b, o, tiles, *, prev=None, precision=None, cores=1, enforce=False):
+def matmul(a, b, o, tiles, *, prev=None, precision=None, cores=1, enforce=None):
     """`o = a @ b (+ prev)` with f32 accumulation: whole VMEM refs (`tiles` None), or refs
-    tiled by `tiles = (bm, bk, bn)`. `enforce`: check tiles against Mosaic's layout."""
+    tiled by `tiles = (bm, bk, bn)`. `enforce`: the `Chip` built for (check tiles
+    against Mosaic's layout), or None."""
     if tiles is None:
         y = jnp.dot(a[...], b[...], preferred_element_type=jnp.float32, precision=precision)
         if prev is not None:
@@ -106,7 +107,7 @@ def _whole(a, b, o, prev, precision):
     pl.run_scoped(scoped, *[pltpu.VMEM(r.shape, r.dtype) for r in refs + [o]])
 
 
-def add(a, b, o, tiles, *, cores=1, enforce=False):
+def add(a, b, o, tiles, *, cores=1, enforce=None):
     """`o = a + b` (in f32, cast to o's dtype): whole VMEM refs (`tiles` None), or refs in
     `tiles = (bm, bn)` tiles (split between `cores` as `matmul` splits its tiles)."""
 

@@ -6,7 +6,7 @@ Otherwise operands stay in HBM and each step's matmul is an `emit_pipeline` over
 `(bm, bk) x (bk, bn)` tiles (`_step_compute`). Tile targets come from the chip
 (`_chips.Chip.tiles`) or the caller; each tile is the whole dimension if it is at most
 its target, else the largest divisor that is a multiple of Mosaic's tile for every dtype
-it cuts (`_layout.tile`: 8/16/32 rows for 32/16/8-bit values, 128 lanes) and at most the
+it cuts (`_layout.tile`: 8 rows for 32- and 16-bit values, 128 lanes) and at most the
 target.
 
 On the tiled path the plan also keeps some buffers *resident* in VMEM for the whole

@@ -94,7 +94,8 @@ def shapes(params: AllGatherMatmulParams, x_shape, w_shape) -> _Geometry:
 def _kernel(refs, *, params, geometry, layout):
     launch = params.launch
     ring, n, nd = launch.ring, launch.ring.size, launch.ring.num_directions
-    enforce, tiles = launch.for_mosaic, layout.tiles
+    # Built for Mosaic: every window is checked against its tiles, naming the chip.
+    enforce, tiles = launch.chip if launch.for_mosaic else None, layout.tiles
     w, out, acc, outbox = (refs.get(k) for k in ("w", "out", "acc", "outbox"))
     stationary = _launch.operand(refs, geometry.stationary)
     travelling = refs[geometry.travelling]

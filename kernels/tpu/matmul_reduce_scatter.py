@@ -87,7 +87,9 @@ def _kernel(refs, *, params, geometry, layout):
     stationary = _launch.operand(refs, geometry.stationary)
     length = geometry.segment[geometry.axis]
     link, cores = _launch.ring_of(refs, launch, layout)
-    enforce, tiles, me = launch.for_mosaic, layout.tiles, link.me
+    # Built for Mosaic: every window is checked against its tiles, naming the chip.
+    enforce = launch.chip if launch.for_mosaic else None
+    tiles, me = layout.tiles, link.me
     late = launch.broken == _protocol.BROKEN_READ_BEFORE_WAIT
     add_tiles = None if tiles is None else (tiles[0], tiles[2])
     how = dict(cores=layout.cores, enforce=enforce)
