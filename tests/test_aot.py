@@ -64,7 +64,8 @@ def test_every_op_compiles(target, prim):
     # "pallas" (with no options) compiled to the target's kernels: Mosaic GPU custom calls
     # on H100, Mosaic TPU kernels on the TPU slices (never the CPU interpreter's
     # callbacks).
-    assert (KERNELS[platform] in text) == (target in KERNELS_HERE)
+    if target in KERNELS_HERE:
+        assert KERNELS[platform] in text
     assert "xla_python_cpu_callback" not in text and "io_callback" not in text
 
 
