@@ -147,8 +147,9 @@ def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=()):
     axes = ring_axes.union(*(varying_axes(a) for a in (travelling,) + tuple(inputs)))
     carry = jax.tree.map(lambda a: as_varying(a, axes), carry)
     pieces = _split(ring, travelling, axis, "the travelling block")
-    # After one ppermute a piece varies over the ring axis even if `travelling` did not.
-    pieces = tuple(as_varying(p, ring_axes | varying_axes(p)) for p in pieces)
+    # After one ppermute a piece varies over the ring axis even if `travelling` did not,
+    # and after the barrier that ties it to the carry (`_after`) over the carry's axes.
+    pieces = tuple(as_varying(p, axes) for p in pieces)
     state = (carry, pieces)
     carry, pieces = _loop(cfg, 0, ring.num_transfers, step, state)
     return compute(ring.num_steps - 1, carry, _after(pieces, carry))
