@@ -267,3 +267,21 @@ def test_axis_tuple_in_reverse_mesh_order(case):
     all_gather and psum_scatter do, although ppermute numbers devices in mesh order."""
     compare_on_2x4(case, ("b", "a"), case.x_shape, case.w_shape, case.x_spec, case.w_spec,
                    case.out_spec)
+
+
+# A ring that visits the devices out of index order (as on a TPU slice, where it follows
+# the wires): the same values, the blocks stacked in index order.
+ORDER_8 = (0, 2, 4, 6, 7, 5, 3, 1)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_ring_in_physical_order(case, monkeypatch):
+    from fusedpar._backends import ring
+    from fusedpar._schedule import Ring
+
+    def ordered(axis_name, size, bidirectional=False):
+        return Ring(size, bidirectional, ORDER_8 if size == 8 else None)
+
+    monkeypatch.setattr(ring, "ring_for", ordered)
+    check(run_case(case, 8, jnp.float32, CONFIGS[1:]), jnp.float32,
+          f"{case.name} ring order {ORDER_8}")

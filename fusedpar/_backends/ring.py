@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import _definition, _primitives as prims
-from .._schedule import Ring, mesh_coordinates
+from .._schedule import mesh_coordinates, ring_for
 from .._vma import as_varying, axis_names, varying_axes
 
 DESCRIPTION = "ppermute ring schedules in lax, uni- or bidirectional, unrolled or rolled"
@@ -129,7 +129,7 @@ def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=()):
     `inputs`: the other arrays `step_fn` reads, so a rolled loop's carry is typed as
     varying over every mesh axis its result will vary over.
     """
-    ring = Ring(cfg.axis_size, cfg.bidirectional)
+    ring = ring_for(cfg.axis_name, cfg.axis_size, cfg.bidirectional)
     me = lax.axis_index(cfg.axis_name)
 
     def compute(i, carry, pieces):
@@ -164,7 +164,7 @@ def ring_reduce_scatter(cfg, accumulate, out_len, axis):
     alone and adds it to the accumulator that arrived itself (see `step`). Each device
     adds into the accumulator it holds, for the segment that accumulator is bound for.
     """
-    ring = Ring(cfg.axis_size, cfg.bidirectional)
+    ring = ring_for(cfg.axis_name, cfg.axis_size, cfg.bidirectional)
     me = lax.axis_index(cfg.axis_name)
     length = ring.split_size(out_len, "each output block")
 
