@@ -1,6 +1,6 @@
 """fusedpar: tensor-parallel and FSDP linear layers whose collectives overlap the matmul."""
 
-from . import cost_model as cost_model
+from . import _interpret, cost_model as cost_model
 from ._context import local_size as local_size
 from ._describe import describe as describe
 from ._dispatch import Choice as Choice, names as backend_names
@@ -49,3 +49,8 @@ __all__ = [
     # GPU
     "gpu_overlap_flags", "set_gpu_overlap_flags",
 ]
+
+# Before JAX starts its CPU backend: threads enough for the TPU interpreter's simulated
+# devices (see fusedpar._interpret); a no-op once the backend runs.
+_interpret.setup_threads()
+

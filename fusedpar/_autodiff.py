@@ -19,9 +19,21 @@ from . import _backends, _definition, _primitives as prims
 from ._vma import cotangent_like
 
 
+def scope(prim: str, cfg) -> str:
+    """The name scope every run of `prim` with `cfg` is traced in, e.g.
+    `fusedpar.ag_rows.ring.bidirectional`: compiled programs carry it in each
+    instruction's `op_name`, so `fusedpar.aot` can say which op a transfer belongs to
+    (a backward pass's runs sit under `transpose(...)`)."""
+    if cfg.backend == "reference":
+        return f"fusedpar.{prim}.reference"
+    ring = "bidirectional" if cfg.bidirectional else "unidirectional"
+    return f"fusedpar.{prim}.{cfg.backend}.{ring}"
+
+
 def run(prim, cfg, x, w, return_gathered=False):
     """Run `prim` on the configured backend, without custom differentiation."""
-    return _backends.get(cfg.backend).run(prim, cfg, x, w, return_gathered)
+    with jax.named_scope(scope(prim, cfg)):
+        return _backends.get(cfg.backend).run(prim, cfg, x, w, return_gathered)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -46,7 +58,7 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False):
     backend may not tile: that is an error here, before any kernel is traced.
     """
     op = prims.ALL_GATHER_MATMUL if fwd_prim in prims.GATHERS else prims.MATMUL_REDUCE_SCATTER
-    call = cfg.call(op, prim, x, w, jax.default_backend())
+    call = cfg.call(op, prim, x, w)
     why = _backends.get(cfg.backend).unavailable(call)
     if why is not None:
         raise NotImplementedError(

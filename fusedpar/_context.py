@@ -4,6 +4,12 @@
 - `GLOBAL`: `jax.set_mesh(mesh)` is active and the axes are not manual; the layer wraps
   itself in `shard_map` over its own axes (the others stay as they were).
 - `DENSE`: no mesh; plain single-device math.
+
+A layer whose weight already lives on a mesh (placed by `fusedpar.shard`, or traced
+from such an array) but is called with no mesh set would compute dense math on the
+gathered weight: correct numbers without a single fused collective. That is refused
+(`check_no_stray_mesh`), as is the deprecated `with mesh:` context, which sets no mesh
+that `jax.sharding.get_abstract_mesh` (and so `shard_map` without `mesh=`) sees.
 """
 
 from __future__ import annotations
@@ -12,15 +18,67 @@ import jax
 from jax import lax
 from jax.sharding import AxisType
 
-from . import _specs
+from . import _specs, _whole_model
 
 LOCAL, GLOBAL, DENSE = "local", "global", "dense"
 
 
-def detect(where: str, axes: tuple):
-    """`(kind, abstract_mesh)` for a layer named `where` that uses mesh `axes`."""
+def _legacy_mesh():
+    """The mesh of an enclosing `with mesh:` (deprecated by JAX), or None."""
+    try:
+        from jax._src import mesh as mesh_lib
+
+        physical = mesh_lib.thread_resources.env.physical_mesh
+    except (ImportError, AttributeError):  # a JAX without the old context
+        return None
+    return None if physical.empty else physical
+
+
+def _placed_mesh(array):
+    """The mesh `array` is placed on (a concrete array's sharding, or the sharding in a
+    traced array's type), or None."""
+    if array is None:
+        return None
+    sharding = getattr(array, "sharding", None) if not isinstance(
+        array, jax.core.Tracer) else getattr(jax.typeof(array), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    return None if mesh is None or mesh.empty else mesh
+
+
+def check_no_stray_mesh(where: str, axes: tuple, weight) -> None:
+    """Raise if a layer over `axes` runs with no mesh set although a mesh is in sight:
+    an enclosing `with mesh:`, or its `weight` placed on a mesh with those axes."""
+    legacy = _legacy_mesh()
+    if legacy is not None and any(a in legacy.axis_names for a in axes):
+        raise ValueError(
+            f"{where}: called inside `with mesh:` (mesh axes "
+            f"{dict(legacy.shape)}), which JAX has deprecated and which sets no mesh that "
+            "shard_map sees, so the layer cannot run its collective ops; use "
+            "`with jax.set_mesh(mesh):` instead.")
+    placed = _placed_mesh(weight)
+    # shard_map_specs traces the model with no mesh only to read its layouts.
+    if placed is None or _whole_model.tracing():
+        return
+    sizes = dict(zip(placed.axis_names, placed.axis_sizes))
+    used = [a for a in axes if sizes.get(a, 1) > 1]
+    if used:
+        raise ValueError(
+            f"{where}: its weight is placed on a mesh {sizes} that has the layer's axes "
+            f"{tuple(used)}, but no mesh is set, so the layer would compute dense math "
+            "on the gathered weight without any fused collective; call it (and "
+            "jax.jit it) inside `with jax.set_mesh(mesh):`, or inside jax.shard_map.")
+
+
+def detect(where: str, axes: tuple, weight=None):
+    """`(kind, abstract_mesh)` for a layer named `where` that uses mesh `axes`.
+
+    `weight`: the layer's sharded parameter, to refuse running it densely when it was
+    placed on a mesh but none is set (`check_no_stray_mesh`).
+    """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not axes:
+        if mesh.empty and axes:
+            check_no_stray_mesh(where, axes, weight)
         return DENSE, None
     manual = set(getattr(mesh, "manual_axes", ()) or ())
     bound = [a for a in axes if a in manual]
@@ -36,6 +94,19 @@ def detect(where: str, axes: tuple):
         raise ValueError(f"{where}: mesh axis {missing[0]!r} is not in the current mesh, "
                          f"whose axes are {tuple(mesh.axis_names)}.")
     return GLOBAL, mesh
+
+
+def shard_map_sizes(axes) -> str:
+    """The axes (and sizes) the enclosing `shard_map` binds, for an error message of a
+    layer over `axes`: every bound axis, not only the layer's, e.g. `{'fsdp': 2, 'tp': 4}
+    (the layer's: ('tp',))`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(getattr(mesh, "manual_axes", ()) or ())
+    sizes = {a: n for a, n in zip(mesh.axis_names, mesh.axis_sizes) if a in manual}
+    if not sizes:
+        sizes = {a: lax.axis_size(a) for a in axes}
+    extra = set(sizes) - set(axes)
+    return f"{sizes}" + (f" (the layer's: {tuple(axes)})" if extra else "")
 
 
 def is_explicit(mesh, axes) -> bool:

@@ -11,24 +11,33 @@ Mixed precision follows `jnp.matmul` users' expectations: products accumulate in
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import _target
+
 
 def accumulation_dtype(dtype) -> np.dtype:
-    """Dtype a matmul of `dtype` inputs accumulates in: at least float32."""
-    return np.dtype(jnp.promote_types(dtype, jnp.float32))
+    """Dtype a matmul of `dtype` inputs accumulates in: at least float32 (floats), at
+    least int32 (integers, whose sums wrap as the narrow type's would)."""
+    # Not jnp.promote_types: it raises under jax_numpy_dtype_promotion="strict".
+    d = np.dtype(dtype)
+    if d.itemsize >= 4:
+        return d
+    if jnp.issubdtype(d, jnp.floating):
+        return np.dtype(np.float32)
+    return np.dtype(np.int32) if jnp.issubdtype(d, jnp.integer) else d
 
 
 def matmul(x, w, *, precision=None):
     """`jnp.matmul(x, w)` accumulating in `accumulation_dtype`; the result stays in it."""
     acc = accumulation_dtype(x.dtype)
-    if x.dtype != acc and jax.default_backend() == "cpu":
+    if x.dtype != acc and _target.current(x, w).platform == "cpu":
         # XLA's CPU runtime fails on some bf16 x bf16 -> f32 dots once several share a
         # program ("Unsupported element type for DotThunk::Execute"). Widening to f32 is
-        # exact, so multiplying the widened operands gives the same result.
+        # exact, so multiplying the widened operands gives the same result. Only for a
+        # CPU target: a program compiled here for a GPU or TPU keeps its 16-bit dots.
         x, w = x.astype(acc), w.astype(acc)
     return jnp.matmul(x, w, precision=precision, preferred_element_type=acc)
 

@@ -37,18 +37,21 @@ __all__ = ["Call", "Choice", "choose", "auto_choice", "auto_ring_shape", "ring_s
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """The backend that runs a call, the ring shape it uses, and why."""
+    """The backend that runs a call, the ring shape it uses, why, and the target (the
+    hardware, read from the mesh's devices) the decision was made for."""
 
     backend: str
     reason: str
     bidirectional: bool = False
     unroll: bool = True
+    target: object = None
 
     def __str__(self):
         ring = "bidirectional" if self.bidirectional else "unidirectional"
         loop = "unrolled" if self.unroll else "rolled (fori_loop)"
         extra = "" if self.backend == REFERENCE else f", {ring}, {loop}"
-        return f"{self.backend}{extra}: {self.reason}"
+        where = "" if self.target is None else f" [target: {self.target}]"
+        return f"{self.backend}{extra}: {self.reason}{where}"
 
 
 def names() -> tuple[str, ...]:
@@ -108,7 +111,8 @@ def _pallas_why_not(call: Call) -> Optional[str]:
 
 
 def auto_ring_shape(call: Call) -> tuple[bool, str]:
-    """`(bidirectional, why)`: the ring shape `"auto"` uses when none was requested.
+    """`(bidirectional, why)`: the ring shape a call runs with when none was requested,
+    for the call's target (whatever the backend: the shape is the hardware's question).
 
     Where a bidirectional ring is possible (more than 2 devices, even blocks) it is used
     only if the cost model estimates it faster than the unidirectional one: on hardware
@@ -118,7 +122,7 @@ def auto_ring_shape(call: Call) -> tuple[bool, str]:
     default = call.runs_bidirectional
     if call.bidirectional is not None or not default or call.platform in ("cpu", ""):
         return default, ""
-    hw = cost_model.get_hardware(None, call.platform)
+    hw = cost_model.get_hardware(None, call.target)
     uni, bi = (cost_model.estimate_call(dataclasses.replace(call, bidirectional=b), hw)[RING]
                for b in (False, True))
     if bi.seconds < uni.seconds:
@@ -141,7 +145,7 @@ def auto_choice(call: Call) -> tuple[str, str]:
     if call.platform == "cpu":
         return REFERENCE, ("on CPU the collectives are memory copies: decomposing the "
                            "matmul into ring steps only adds overhead")
-    hw = cost_model.get_hardware(None, call.platform)
+    hw = cost_model.get_hardware(None, call.target)
     est = cost_model.estimate_call(call, hw)
     candidates = [RING]
     why_not = _pallas_why_not(call)
@@ -164,9 +168,9 @@ def auto_choice(call: Call) -> tuple[str, str]:
 
 def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
     """Pick the backend for `call`: `requested` itself, or the `"auto"` policy's pick."""
+    bidirectional, why = auto_ring_shape(call)
+    call = dataclasses.replace(call, bidirectional=bidirectional)
     if requested == AUTO:
-        bidirectional, why = auto_ring_shape(call)
-        call = dataclasses.replace(call, bidirectional=bidirectional)
         name, reason = auto_choice(call)
         reason = "auto: " + reason + (f"; {why}" if why and name != REFERENCE else "")
     else:
@@ -176,7 +180,7 @@ def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
     if why_not is not None:
         raise NotImplementedError(f"{call.op}: backend {name!r} cannot run this call: {why_not}")
     bidirectional, unroll = ring_shape(call, unroll)
-    choice = Choice(name, reason, bidirectional, unroll)
+    choice = Choice(name, reason, bidirectional, unroll, call.target)
     logger.debug("fusedpar: %s %s x%s w%s %s over %d devices -> %s", call.op, call.prim,
                  call.x_shape, call.w_shape, call.dtype, call.axis_size, choice)
     return choice

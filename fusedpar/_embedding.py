@@ -41,18 +41,22 @@ from . import _context, _folding, _specs, _vma, _whole_model
 from ._specs import TableRule
 
 
-def _lookup(table, ids, start, vocab):
-    """Rows `ids - start` of `table` (zeros for ids outside it), NaN rows for ids outside
-    `[0, vocab)`."""
+def _normalize(ids, vocab):
+    """The row `table[ids]` reads in NumPy/JAX indexing, which `eqx.nn.Embedding` uses: a
+    negative id counts from the end (-1 is the last row) and an id still outside
+    `[0, vocab)` is clamped to the nearest row. Done on the global id, before any device
+    looks for it in its shard, so every context reads the same row."""
+    ids = ids.astype(jnp.int32)
+    ids = jnp.where(ids < 0, ids + jnp.int32(vocab), ids)
+    return jnp.clip(ids, 0, vocab - 1)
+
+
+def _lookup(table, ids, start):
+    """Rows `ids - start` of `table` (normalised ids), zeros for ids outside it."""
     local = ids - start
     hit = (local >= 0) & (local < table.shape[0])
     rows = jnp.take(table, jnp.clip(local, 0, table.shape[0] - 1), axis=0)
     return jnp.where(hit[..., None], rows, jnp.zeros((), table.dtype))
-
-
-def _poison(out, valid):
-    """NaN rows where an id is outside the vocabulary: a bad id never gives a number."""
-    return jnp.where(valid[..., None], out, jnp.full((), jnp.nan, out.dtype))
 
 
 class Embedding(eqx.Module):
@@ -61,8 +65,10 @@ class Embedding(eqx.Module):
 
     Takes integer ids of any shape `(...)` and returns `(..., embedding_size)`,
     replicated over `axis`, or with `sequence_parallel=True` sharded over `axis` along
-    the sequence (the last dimension of the ids). An id outside `[0, num_embeddings)`
-    gives a row of NaN in every context (`eqx.nn.Embedding` would clamp it).
+    the sequence (the last dimension of the ids). Ids are read as `eqx.nn.Embedding`
+    reads them (`table[id]`): a negative id counts from the end (-1 is the last row)
+    and an id still out of range is clamped to the first or last row, in every context
+    (on a mesh the id is resolved before the device holding its row is found).
     """
 
     weight: Array
@@ -150,7 +156,7 @@ class Embedding(eqx.Module):
         return _folding.fold(self._apply, (x,), self, where="Embedding", hint=hint)
 
     def _apply(self, ids):
-        kind, mesh = _context.detect("Embedding", self.rule.axes)
+        kind, mesh = _context.detect("Embedding", self.rule.axes, self.weight)
         if self.rule.sequence_parallel and ids.ndim < 1 and kind != _context.DENSE:
             raise ValueError("Embedding: sequence_parallel=True needs ids (..., seq) whose "
                              "last dimension is the sequence, got a scalar id.")
@@ -161,7 +167,8 @@ class Embedding(eqx.Module):
         else:
             out = self._global(ids, mesh)
         ids_spec, out_spec = self._specs(self.rule, ids.ndim)
-        _whole_model.record("Embedding", self.weight, [(ids, ids_spec)], (out, out_spec))
+        _whole_model.record("Embedding", self.weight, [(ids, ids_spec)], (out, out_spec),
+                            ids.ndim - 1 if self.rule.sequence_parallel else None)
         return out
 
     @staticmethod
@@ -170,8 +177,7 @@ class Embedding(eqx.Module):
 
     def _dense(self, ids, table=None):
         table = self.weight if table is None else table
-        return _poison(_lookup(table, ids, 0, self.num_embeddings),
-                       (ids >= 0) & (ids < self.num_embeddings))
+        return jnp.take(table, _normalize(ids, self.num_embeddings), axis=0)
 
     def _global(self, ids, mesh):
         rule = self.rule
@@ -200,11 +206,12 @@ class Embedding(eqx.Module):
 
     def _local(self, ids, rule):
         sizes = {a: lax.axis_size(a) for a in rule.axes}
+        over = _context.shard_map_sizes(rule.axes)
         shape = (self.num_embeddings, self.embedding_size)
         want = rule.local_weight_shape(shape, sizes)
         if self.weight.shape != want:
             raise ValueError(
-                f"Embedding: inside shard_map over {sizes} the local table must have shape "
+                f"Embedding: inside shard_map over {over} the local table must have shape "
                 f"{want} (spec {rule.param_specs('Embedding')['weight']} of {shape}), got "
                 f"{self.weight.shape}; pass the embedding through shard_map as an argument "
                 "with in_specs from fusedpar.param_specs.")
@@ -223,16 +230,13 @@ class Embedding(eqx.Module):
         if tp is None:
             return self._dense(ids, table)
         n = table.shape[0]
-        rows = _lookup(table, ids, lax.axis_index(tp.axis) * n, self.num_embeddings)
-        valid = (ids >= 0) & (ids < self.num_embeddings)
+        rows = _lookup(table, _normalize(ids, self.num_embeddings),
+                       lax.axis_index(tp.axis) * n)
         if not tp.sequence_parallel:
-            return _poison(lax.psum(rows, tp.axis), valid)
+            return lax.psum(rows, tp.axis)
         seq, size = ids.shape[-1], sizes[tp.axis]
         if seq % size:
-            raise ValueError(f"Embedding: inside shard_map over {sizes} the ids' sequence "
+            raise ValueError(f"Embedding: inside shard_map over {over} the ids' sequence "
                              f"(last dim, {seq}) must divide by {size} to be scattered, got "
                              f"ids of shape {ids.shape}.")
-        out = lax.psum_scatter(rows, tp.axis, scatter_dimension=ids.ndim - 1, tiled=True)
-        mine = lax.dynamic_slice_in_dim(valid, lax.axis_index(tp.axis) * (seq // size),
-                                        seq // size, axis=ids.ndim - 1)
-        return _poison(out, mine)
+        return lax.psum_scatter(rows, tp.axis, scatter_dimension=ids.ndim - 1, tiled=True)

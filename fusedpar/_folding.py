@@ -20,6 +20,7 @@ a JAX version lacks them, nothing is folded.
 
 from __future__ import annotations
 
+import contextvars
 from typing import Callable, Sequence
 
 import jax
@@ -31,6 +32,17 @@ try:  # which vmap an array belongs to: JAX has no public API for it
     from jax._src.interpreters.batching import BatchTracer as _BatchTracer
 except ImportError:  # pragma: no cover - then nothing is folded
     _trace_ctx = _BatchTracer = None
+
+
+# How many leading dimensions of the arrays a folded `fn` is running on came from vmaps.
+_FOLDED: contextvars.ContextVar = contextvars.ContextVar("fusedpar_folded", default=0)
+
+
+def folded_axes() -> int:
+    """How many leading dimensions of the current layer's input are folded vmapped axes
+    (0 outside a fold). `shard_map_specs` uses it to refuse per-token vmaps over a
+    sequence-parallel layer's sequence."""
+    return _FOLDED.get()
 
 
 def _current_vmap():
@@ -71,7 +83,11 @@ def fold(fn: Callable, args: Sequence, params=None, *, where: str, hint: str = "
     def rule(axis_size, in_batched, *args):
         args = [a if b else jnp.broadcast_to(a, (axis_size,) + jnp.shape(a))
                 for a, b in zip(args, in_batched)]
-        out = fold(fn, args, params, where=where, hint=hint)
+        token = _FOLDED.set(_FOLDED.get() + 1)
+        try:
+            out = fold(fn, args, params, where=where, hint=hint)
+        finally:
+            _FOLDED.reset(token)
         if out.ndim == 0 or out.shape[0] != axis_size:
             raise ValueError(
                 f"{where}: under jax.vmap the mapped axis (size {axis_size}) is dim 0 of "

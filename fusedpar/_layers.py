@@ -54,7 +54,7 @@ from equinox import field
 from jax import lax
 from jaxtyping import Array
 
-from . import _context, _definition, _dispatch, _folding, _specs, _vma, _whole_model
+from . import _context, _definition, _dispatch, _folding, _specs, _target, _vma, _whole_model
 from ._ops import all_gather_matmul, matmul_reduce_scatter
 from ._specs import Rule
 
@@ -62,6 +62,16 @@ from ._specs import Rule
 def _positive_int(where, name, v):
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{where}: {name} must be a positive int, got {v!r}.")
+
+
+def _features(where, name, v):
+    """A positive int, or "scalar" as `eqx.nn.Linear` takes it (a dimension of 1)."""
+    if v != "scalar" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(f"{where}: {name} must be a positive int or 'scalar', got {v!r}.")
+
+
+def _length(features) -> int:
+    return 1 if features == "scalar" else features
 
 
 def _new(cls, **fields):
@@ -88,8 +98,8 @@ class ParallelLinear(eqx.Module):
 
     def _setup(self, in_features, out_features, use_bias, dtype, key, rule, backend):
         where = type(self).__name__
-        _positive_int(where, "in_features", in_features)
-        _positive_int(where, "out_features", out_features)
+        _features(where, "in_features", in_features)
+        _features(where, "out_features", out_features)
         if not isinstance(use_bias, bool):
             raise TypeError(f"{where}: use_bias must be True or False, got {use_bias!r}.")
         _dispatch.check_backend_name(where, backend)
@@ -108,7 +118,7 @@ class ParallelLinear(eqx.Module):
             raise TypeError(f"{cls.__name__}.from_linear: linear must be an eqx.nn.Linear "
                             f"(or a fusedpar linear layer), got {type(linear).__name__}.")
         for name in ("in_features", "out_features"):
-            _positive_int(cls.__name__, name, getattr(linear, name))
+            _features(cls.__name__, name, getattr(linear, name))
         _dispatch.check_backend_name(cls.__name__, backend)
         return _new(cls, weight=linear.weight, bias=linear.bias,
                     in_features=linear.in_features, out_features=linear.out_features,
@@ -138,21 +148,24 @@ class ParallelLinear(eqx.Module):
         """
         where = type(self).__name__
         x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+        if self.in_features == "scalar":  # as eqx.nn.Linear: (...) -> (..., 1)
+            x = x[..., None]
         if x.ndim < 1:
             raise ValueError(f"{where}: x must have shape (..., {self.in_features}), got a "
                              "scalar.")
         hint = (f"sequence_parallel=True inside shard_map gathers or scatters the sequence "
                 f"over {self.rule.tp.axis!r}, so call the layer on (..., seq, features) and "
                 "vmap over the batch only" if self.rule.sequence_parallel else "")
-        return _folding.fold(self._apply, (x,), self, where=where, hint=hint)
+        y = _folding.fold(self._apply, (x,), self, where=where, hint=hint)
+        return y[..., 0] if self.out_features == "scalar" else y
 
     def _apply(self, x):
         """The layer on `x` with every vmapped axis folded in."""
         where = type(self).__name__
-        kind, mesh = _context.detect(where, self.rule.axes)
+        kind, mesh = _context.detect(where, self.rule.axes, self.weight)
         if kind == _context.LOCAL:
             y = self._local(x, self.rule)
-        elif x.shape[-1] != self.in_features:
+        elif x.shape[-1] != _length(self.in_features):
             raise ValueError(f"{where}: x has shape {x.shape}; its last dimension must be "
                              f"in_features={self.in_features}.")
         elif kind == _context.DENSE:
@@ -161,17 +174,19 @@ class ParallelLinear(eqx.Module):
             y = self._global(x, mesh)
         rule = self.rule
         x_spec, y_spec = rule.activation_specs(x.ndim, _specs.has_data_dim(rule, x.ndim))
-        _whole_model.record(where, self.weight, [(x, x_spec)], (y, y_spec))
+        _whole_model.record(where, self.weight, [(x, x_spec)], (y, y_spec),
+                            x.ndim - 2 if rule.sequence_parallel else None)
         return y
 
     def _dense(self, x):
         w, x = _same_dtype(self.weight, x)
         y = _definition.matmul(x, w.T).astype(x.dtype)
-        return y if self.bias is None else y + self.bias.astype(y.dtype)
+        return add_bias(y, self.bias)
 
     def _global(self, x, mesh):
         where = type(self).__name__
         rule = self.rule
+        _specs.check_scalar(where, rule, self.in_features, self.out_features)
         _check_sequence(where, rule, x)
         data = _specs.has_data_dim(rule, x.ndim)
         if rule.fsdp is not None and not data:
@@ -188,27 +203,29 @@ class ParallelLinear(eqx.Module):
         return _context.shard_mapped(
             functools.partial(type(self)._local, rule=rule), mesh, rule.axes, manual, self,
             pspecs, [x], [x_spec], y_spec,
-            _dispatch.check_vma(self.backend, jax.default_backend()))
+            _dispatch.check_vma(self.backend, _target.current(x).platform))
 
     # --- helpers for `_local` ----------------------------------------------------
 
     def _operands(self, x, rule, local_in):
         """Check local shapes; return (w, b, x) in one dtype. `local_in`: x's features."""
         where = type(self).__name__
+        _specs.check_scalar(where, rule, self.in_features, self.out_features)
         sizes = {a: lax.axis_size(a) for a in rule.axes}
-        shape = (self.out_features, self.in_features)
+        over = _context.shard_map_sizes(rule.axes)
+        shape = (_length(self.out_features), _length(self.in_features))
         want = rule.local_weight_shape(shape, sizes)
         if self.weight.shape != want:
             hint = (" — its global shape: pass the layer through shard_map as an argument "
                     "with in_specs from fusedpar.param_specs / fusedpar.shard_map_specs"
                     if self.weight.shape == shape else "")
             raise ValueError(
-                f"{where}: inside shard_map over {sizes} the local weight must have shape "
+                f"{where}: inside shard_map over {over} the local weight must have shape "
                 f"{want} (spec {rule.param_specs(where, False)['weight']} of {shape}), got "
                 f"{self.weight.shape}{hint}.")
         if x.shape[-1] != local_in:
             raise ValueError(
-                f"{where}: inside shard_map over {sizes} the local input must have "
+                f"{where}: inside shard_map over {over} the local input must have "
                 f"{local_in} features (last dim), got x of shape {x.shape}.")
         _check_sequence(where, rule, x)
         x_spec = rule.activation_specs(x.ndim, _specs.has_data_dim(rule, x.ndim))[0]
@@ -265,12 +282,16 @@ def _bias_grad_sum(layer) -> list:
 
 
 def _same_dtype(w, x):
-    dt = jnp.result_type(w, x)
+    # The promotion of `jnp.result_type`, without the strict-promotion check: an input
+    # of another dtype than the weight is what mixed-precision models pass on purpose.
+    with jax.numpy_dtype_promotion("standard"):
+        dt = jnp.result_type(w, x)
     return w.astype(dt), x.astype(dt)
 
 
 def add_bias(y, b):
-    return y if b is None else y + b.astype(y.dtype)
+    # Broadcast explicitly: jax_numpy_rank_promotion="raise" refuses `y + b` on batches.
+    return y if b is None else y + jnp.broadcast_to(b.astype(y.dtype), y.shape)
 
 
 def gather_fsdp(w, rule: Rule):
@@ -347,7 +368,7 @@ class ColumnLinear(ParallelLinear):
 
     def _local(self, x, rule):
         tp = rule.tp
-        w, b, x = self._operands(x, rule, self.in_features)
+        w, b, x = self._operands(x, rule, _length(self.in_features))
         if tp.sequence_parallel:
             w = gather_fsdp(w, rule)
             y = all_gather_matmul(x, w.T, tp.axis, gather="lhs", dim=x.ndim - 2,
@@ -449,5 +470,5 @@ class FSDPLinear(ParallelLinear):
                 [f"matmul_reduce_scatter dW over {axis}"] + _bias_grad_sum(self))
 
     def _local(self, x, rule):
-        w, b, x = self._operands(x, rule, self.in_features)
+        w, b, x = self._operands(x, rule, _length(self.in_features))
         return add_bias(fsdp_matmul(x, w, rule, self.backend), b)

@@ -8,46 +8,68 @@ from typing import Optional
 import jax
 import numpy as np
 
-from . import _autodiff, _definition, _dispatch, _primitives as prims, _validate
+from . import _autodiff, _definition, _dispatch, _interpret, _target, _validate
+from . import _primitives as prims
 from ._dispatch import AUTO, Choice
 from ._primitives import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Config
 
 
-# What `explain(platform=...)` accepts: the names `jax.default_backend()` gives.
-_PLATFORMS = ("cpu", "gpu", "cuda", "tpu")
-
-
-def _platform() -> str:
-    return jax.default_backend()
+def _explain_target(target, platform) -> _target.Target:
+    """The `Target` `explain` decides for: `target` (a mesh, a device or a `Target`), or
+    a platform name, else the mesh in context, else the local default device."""
+    if target is not None and platform is not None:
+        raise ValueError("explain: pass target= or platform=, not both.")
+    if platform is not None:
+        valid = _target.PLATFORMS + ("cuda",)
+        if platform not in valid:
+            raise ValueError(f"explain: platform must be one of "
+                             f"{', '.join(map(repr, valid))} (or None: the mesh in "
+                             f"context, else the local devices), got {platform!r}.")
+        return _target.of_platform(platform)
+    if target is None:
+        return _target.current()
+    if isinstance(target, _target.Target):
+        return target
+    if isinstance(target, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        found = _target.of_mesh(target)
+        if found is None:
+            raise ValueError(f"explain: target mesh {target} does not say what its devices "
+                             "are (an empty mesh, or an AbstractMesh built without devices).")
+        return found
+    if hasattr(target, "platform") and hasattr(target, "device_kind"):
+        return _target.of_device(target)
+    raise TypeError(f"explain: target must be a jax.sharding.Mesh, an AbstractMesh, a "
+                    f"jax.Device or a fusedpar Target, got {type(target).__name__}.")
 
 
 def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
             bidirectional=None, unroll=None, precision=None, options=None,
-            platform=None) -> Choice:
+            platform=None, target=None) -> Choice:
     """Which backend (and ring shape) `op` would use for these local operands, and why.
 
     `x` and `w` may be arrays or `jax.ShapeDtypeStruct`s with per-device shapes;
-    `axis_size` is the size of the mesh axis the op runs over; `platform` ("cpu", "gpu",
-    "tpu") defaults to JAX's default backend. The other arguments are the op's.
+    `axis_size` is the size of the mesh axis the op runs over. The hardware decided for
+    (`Choice.target`) is `target` (a `jax.sharding.Mesh`, its devices say; or a device),
+    else the mesh in context (`jax.set_mesh`, or inside `shard_map`), else this process's
+    default device; `platform` ("cpu", "gpu", "tpu") instead names only a platform, with
+    its default cost preset. The other arguments are the op's.
     """
     if op not in prims.OPS:
         raise ValueError(f"explain: op must be {ALL_GATHER_MATMUL!r} or "
                          f"{MATMUL_REDUCE_SCATTER!r}, got {op!r}.")
     _validate.ring_size("explain", axis_size)
-    if platform is not None and platform not in _PLATFORMS:
-        raise ValueError(f"explain: platform must be one of {', '.join(map(repr, _PLATFORMS))} "
-                         f"(or None: JAX's default backend), got {platform!r}.")
+    where = _explain_target(target, platform)
     _validate.flag("explain", "unroll", unroll)
     _, call = _validate.op_call(op, x, w, axis_size, gather, dim, bidirectional)
-    return _choose(call, backend, unroll, precision, options, platform or _platform())
+    return _choose(call, backend, unroll, precision, options, where)
 
 
-def _choose(call, backend, unroll, precision, options, platform) -> Choice:
-    """The backend for `call` on `platform`, its `options` checked against it."""
+def _choose(call, backend, unroll, precision, options, target) -> Choice:
+    """The backend for `call` on `target`, its `options` checked against it."""
     choice = _dispatch.choose(dataclasses.replace(
-        call, platform=platform, precision=precision, options=_pairs(options)),
+        call, target=target, precision=precision, options=_pairs(options)),
         backend, unroll)
-    _dispatch.check_options(call.op, options, backend, choice.backend, platform)
+    _dispatch.check_options(call.op, options, backend, choice.backend, target.platform)
     return choice
 
 
@@ -77,14 +99,17 @@ def _run(op, x, w, axis_name, gather, dim, s: _Settings):
         raise TypeError(f"{op}: keep_gathered must be True or False, got {s.keep_gathered!r}.")
     out_dtype = _validate.float_dtype(op, "preferred_element_type", s.preferred_element_type)
     reduce_dtype = _validate.float_dtype(op, "reduce_dtype", s.reduce_dtype)
-    choice = _choose(call, s.backend, s.unroll, s.precision, s.options, _platform())
+    target = _target.current(x, w)
+    choice = _choose(call, s.backend, s.unroll, s.precision, s.options, target)
+    _interpret.check_threads(op, choice.backend, s.options, target)  # before a hang
     cfg = Config(
         backend=choice.backend, axis_name=axis_name, axis_size=n,
         bidirectional=choice.bidirectional, unroll=choice.unroll,
         out_dtype=np.dtype(x.dtype if out_dtype is None else out_dtype),
         reduce_dtype=np.dtype(_definition.accumulation_dtype(x.dtype)
                               if reduce_dtype is None else reduce_dtype),
-        precision=s.precision, keep_gathered=s.keep_gathered, options=_pairs(s.options))
+        precision=s.precision, keep_gathered=s.keep_gathered, options=_pairs(s.options),
+        target=target)
     c = prims.canonicalize(op, gather, dim, x, w, n)
     return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
 

@@ -4,6 +4,7 @@ layers by a plan."""
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Mapping
 
 import equinox as eqx
@@ -47,7 +48,10 @@ def parallelize(model, plan: dict, *, backend: str = "auto"):
     - `backend`: the backend of the new linear layers.
 
     **Returns:** the model with the same weights. Each pattern must match at least one
-    `eqx.nn.Linear` or `eqx.nn.Embedding`. `fusedpar.describe(model)` shows what each
+    `eqx.nn.Linear` or `eqx.nn.Embedding`. A linear layer with `"scalar"` features whose
+    styles would shard that dimension (of length 1) stays an `eqx.nn.Linear` with a
+    warning when only globs match it (`"*"`), and is an error when a pattern is its path.
+    `fusedpar.describe(model)` shows what each
     became.
     """
     if not isinstance(plan, Mapping):
@@ -55,7 +59,7 @@ def parallelize(model, plan: dict, *, backend: str = "auto"):
                         f"{{'blocks.*.up': 'column'}}, got {type(plan).__name__}.")
     plan = {p: tuple(_style(p, s) for s in (v if isinstance(v, tuple) else (v,)))
             for p, v in plan.items()}
-    used = set()
+    used, skipped = set(), []
 
     def is_target(x):
         return ((isinstance(x, eqx.nn.Linear) and not isinstance(x, ParallelLinear)) or
@@ -65,22 +69,33 @@ def parallelize(model, plan: dict, *, backend: str = "auto"):
         if not is_target(x):
             return x
         where = _specs.path_str(path)
-        styles = []
+        styles, matched = [], []
         for pattern, s in plan.items():
             if fnmatch.fnmatchcase(where, pattern):
                 used.add(pattern)
+                matched.append(pattern)
                 styles.extend(s)
         if not styles:
             return x
         rule = _specs.compose(*styles, where=where)
         if isinstance(x, eqx.nn.Embedding):
             return Embedding.from_embedding(x, rule, where)
-        if "scalar" in (x.in_features, x.out_features):
-            raise ValueError(f"parallelize: {where} has in/out_features='scalar', which "
-                             "cannot be sharded.")
+        try:
+            _specs.check_scalar(f"parallelize: {where}", rule, x.in_features, x.out_features)
+        except ValueError:
+            # A glob ("*") means "every layer that can be": a "scalar" dimension cannot.
+            # A pattern that names the layer exactly asked for the impossible: an error.
+            if any(p == where for p in matched):
+                raise
+            skipped.append(where)
+            return x
         return layer_class(rule).from_linear(x, rule, backend)
 
     out = jax.tree_util.tree_map_with_path(one, model, is_leaf=is_target)
+    if skipped:
+        warnings.warn(f"parallelize: left {skipped} as eqx.nn.Linear: their plan patterns "
+                      "would shard a 'scalar' feature dimension (of length 1); name the "
+                      "paths in the plan to make this an error.", stacklevel=2)
     unused = [p for p in plan if p not in used]
     if unused:
         leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_target)[0]

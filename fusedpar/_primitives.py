@@ -23,6 +23,7 @@ from typing import Any, Callable, Hashable, Optional
 
 import jax.numpy as jnp
 
+from . import _target
 from ._schedule import prefers_bidirectional
 
 # The two public ops.
@@ -54,10 +55,12 @@ class Call:
     """One primitive call described statically: what a dispatch decision, a backend's
     `unavailable` check and the cost model look at.
 
-    `x_shape`, `w_shape` are the canonical 2-D local shapes; `platform` is "cpu", "gpu"
-    or "tpu" ("" when unknown); `bidirectional` is the ring shape as requested (None: the
-    default, `_schedule.prefers_bidirectional`); `precision` is the matmuls' (some
-    kernels cannot compute every precision); `options` the backend options, as pairs.
+    `x_shape`, `w_shape` are the canonical 2-D local shapes; `target` is the
+    `_target.Target` the call is built for (None when unknown; a platform name "cpu",
+    "gpu", "tpu" stands for a target known only by its platform); `bidirectional` is the
+    ring shape as requested (None: the default, `_schedule.prefers_bidirectional`);
+    `precision` is the matmuls' (some kernels cannot compute every precision); `options`
+    the backend options, as pairs.
     """
 
     op: str
@@ -66,10 +69,20 @@ class Call:
     w_shape: tuple
     dtype: str
     axis_size: int
-    platform: str
+    target: Any
     bidirectional: Optional[bool] = None
     precision: Any = None
     options: tuple = ()
+
+    def __post_init__(self):
+        if isinstance(self.target, str):
+            object.__setattr__(self, "target",
+                               _target.of_platform(self.target) if self.target else None)
+
+    @property
+    def platform(self) -> str:
+        """The target's platform, "" when unknown."""
+        return "" if self.target is None else self.target.platform
 
     def option(self, name, default=None):
         return dict(self.options).get(name, default)
@@ -98,6 +111,7 @@ class Config:
     - `keep_gathered`: the forward keeps the gathered operand for the backward (memory)
       instead of gathering it again (communication).
     - `options`: backend-specific settings (e.g. kernel tile sizes), a tuple of pairs.
+    - `target`: the `_target.Target` the call is built for (from the mesh it runs on).
     """
 
     backend: str
@@ -110,14 +124,20 @@ class Config:
     precision: Any = None
     keep_gathered: bool = True
     options: tuple = ()
+    target: Any = None
 
     def option(self, name, default=None):
         return dict(self.options).get(name, default)
 
-    def call(self, op: str, prim: str, x, w, platform: str) -> Call:
+    @property
+    def on(self) -> "_target.Target":
+        """The target: as configured, else read from the code being traced."""
+        return self.target if self.target is not None else _target.current()
+
+    def call(self, op: str, prim: str, x, w) -> Call:
         """The `Call` that describes running `prim` with this config on `x` and `w`."""
         return Call(op, prim, tuple(x.shape), tuple(w.shape), jnp.dtype(x.dtype).name,
-                    self.axis_size, platform, self.bidirectional, self.precision,
+                    self.axis_size, self.target, self.bidirectional, self.precision,
                     self.options)
 
 

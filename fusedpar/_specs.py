@@ -340,6 +340,24 @@ def mesh_sizes(mesh) -> dict:
     return dict(zip(mesh.axis_names, mesh.axis_sizes))
 
 
+def check_scalar(where: str, rule: Rule, in_features, out_features) -> None:
+    """Refuse a rule that shards a "scalar" feature dimension of a linear layer.
+
+    `eqx.nn.Linear` takes `"scalar"` features (a weight dimension of length 1); a layer
+    with them computes as it does with no mesh, but no mesh axis can split that dimension.
+    """
+    names = {0: ("out_features", out_features), 1: ("in_features", in_features)}
+    for pl in rule.placements(use_bias=False):
+        name, value = names[pl.dim]
+        if value == "scalar":
+            style = "FSDP" if pl.role == "fsdp" else type(rule.tp).__name__
+            raise ValueError(
+                f"{where}: {name}='scalar' is a weight dimension of length 1, which its "
+                f"{style} style shards over mesh axis {pl.axis!r}; keep this layer an "
+                "eqx.nn.Linear (leave it out of the parallelize plan), or use a style "
+                "that shards the other dimension.")
+
+
 def check_spec(path: str, shape, spec: P, sizes: dict, what="parameter",
                vocab_dim: Optional[int] = None):
     """Raise unless every axis of `spec` is in the mesh and divides its dimension.
@@ -392,6 +410,11 @@ def path_str(path) -> str:
     return ".".join(parts) or "model"
 
 
+def layer_name(path, layer) -> str:
+    """How errors name `layer` at `path`: the path, or its class when it is the model."""
+    return path_str(path) if path else type(layer).__name__
+
+
 def layer_param_specs(layer, where: str, rule: Optional[Rule] = None) -> Any:
     """`layer` with each array replaced by its PartitionSpec (under `rule`, default its own)."""
     rule = layer.rule if rule is None else rule
@@ -437,7 +460,7 @@ def param_specs(model) -> Any:
 def _specs_of(model) -> Any:
     def one(path, x):
         if is_layer(x):
-            return layer_param_specs(x, path_str(path))
+            return layer_param_specs(x, layer_name(path, x))
         return P() if is_param(x) else None
 
     return jax.tree_util.tree_map_with_path(one, model, is_leaf=is_layer)
@@ -496,7 +519,7 @@ def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
     def one(path, x):
         if not is_layer(x):
             return x
-        where = path_str(path)
+        where = layer_name(path, x)
         for a in x.rule.axes:
             if a not in sizes:
                 raise ValueError(f"{where}: mesh axis {a!r} is not in the mesh, whose axes "
@@ -508,6 +531,8 @@ def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
                 x = x.with_rule(rule)
                 if not is_layer(x):
                     return x
+        if hasattr(x, "in_features"):
+            check_scalar(where, x.rule, x.in_features, x.out_features)
         specs = layer_param_specs(x, where)
         if is_param(x.weight):  # else tied: checked where its array is stored
             shape = x.weight.shape

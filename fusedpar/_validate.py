@@ -13,7 +13,7 @@ from . import _primitives as prims
 
 
 def operands(op, x, w):
-    """Check x (..., k) and w (k, n) are floating arrays of one dtype; return them."""
+    """Check x (..., k) and w (k, n) are floating or integer arrays of one dtype."""
     for name, a in (("x", x), ("w", w)):
         if not (hasattr(a, "shape") and hasattr(a, "dtype")):
             raise TypeError(f"{op}: {name} must be an array, got {type(a).__name__}.")
@@ -24,8 +24,10 @@ def operands(op, x, w):
     if x.dtype != w.dtype:
         raise TypeError(f"{op}: x and w must have the same dtype, got x {x.dtype} and "
                         f"w {w.dtype}; cast one of them (e.g. w.astype(x.dtype)).")
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-        raise TypeError(f"{op}: x and w must be floating point, got {x.dtype}.")
+    # Integers too: the lax expression is defined for them (products accumulate in
+    # int32 and wrap as the narrow type would); a kernel that cannot take them says so.
+    if not (jnp.issubdtype(x.dtype, jnp.inexact) or jnp.issubdtype(x.dtype, jnp.integer)):
+        raise TypeError(f"{op}: x and w must be floating point or integer, got {x.dtype}.")
 
 
 def axis_size(op, axis_name) -> int:
@@ -128,7 +130,7 @@ def op_call(op, x, w, n, gather, dim, bidirectional) -> tuple[int, prims.Call]:
                   f"it is scattered over {n} devices")
     prim = prims.primitive_of(op, gather, dim, x.ndim)
     call = prims.Call(op, prim, (math.prod(xs[:-1]), xs[-1]), ws, str(np.dtype(x.dtype)), n,
-                      platform="", bidirectional=bidirectional)
+                      target=None, bidirectional=bidirectional)
     if bidirectional and call.block_length % 2:
         what = "rows" if prims.GATHER_AXIS[prim] == 0 else "columns"
         raise ValueError(

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import inspect
 from typing import Callable, Optional
 
 import jax
 
-from . import _specs
+from . import _folding, _specs
 
 _CALLS: contextvars.ContextVar = contextvars.ContextVar("fusedpar_calls", default=None)
 
@@ -31,13 +32,25 @@ class Call:
     owner: object  # the layer's weight (to name its path), or None
     inputs: tuple  # ((array, PartitionSpec), ...)
     output: tuple  # (array, PartitionSpec)
+    seq_dim: Optional[int] = None  # a sequence-parallel call's sequence dim of inputs[0]
+    folded: int = 0  # leading dims of the inputs that are folded vmapped axes
 
 
-def record(where: str, owner, inputs, output) -> None:
-    """Note a fusedpar call while `shard_map_specs` traces a model (else do nothing)."""
+def record(where: str, owner, inputs, output, seq_dim: Optional[int] = None) -> None:
+    """Note a fusedpar call while `shard_map_specs` traces a model (else do nothing).
+
+    `seq_dim`: for a sequence-parallel call, the dimension of its first input that is
+    the sequence it gathers or scatters.
+    """
     calls = _CALLS.get()
     if calls is not None:
-        calls.append(Call(where, owner, tuple(inputs), output))
+        calls.append(Call(where, owner, tuple(inputs), output, seq_dim,
+                          _folding.folded_axes()))
+
+
+def tracing() -> bool:
+    """Whether `shard_map_specs` is tracing a model right now."""
+    return _CALLS.get() is not None
 
 
 def spec_of(array):
@@ -51,7 +64,7 @@ def _names(model, calls):
     """`where` of each call, with the path of its layer in `model` where known."""
     paths = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(model, is_leaf=_specs.is_layer)[0]:
-        if _specs.is_layer(leaf):
+        if _specs.is_layer(leaf) and path:  # a bare layer is named by its class alone
             paths[id(leaf.weight)] = _specs.path_str(path)
     return [f"{paths[id(c.owner)]} ({c.where})" if id(c.owner) in paths else c.where
             for c in calls]
@@ -92,6 +105,8 @@ def shard_map_specs(model, x, *, call: Optional[Callable] = None,
             f"shard_map_specs: x must be the model's input (an array or "
             f"jax.ShapeDtypeStruct of its global shape), got the int {x}; the specs are "
             "read from a trace of the model on it.")
+    if call is not None:
+        _check_call(call)
     call = call or (lambda m, x: m(x))
     result = {}
 
@@ -110,11 +125,40 @@ def shard_map_specs(model, x, *, call: Optional[Callable] = None,
     return (_specs.param_specs(model), x_spec), out_spec
 
 
+def _check_call(call) -> None:
+    """`call` must take `(model, x)`: several inputs travel as one pytree `x`."""
+    if not callable(call):
+        raise TypeError(f"shard_map_specs: call must be a function call(model, x), got "
+                        f"{type(call).__name__}.")
+    try:
+        inspect.signature(call).bind(None, None)
+    except TypeError as e:
+        raise TypeError(
+            f"shard_map_specs: call is called as call(model, x), with the model and x, "
+            f"but its signature {inspect.signature(call)} does not take that ({e}). For "
+            "several inputs pass them as one pytree, x=(tokens, labels), with "
+            "call=lambda m, xs: f(m, *xs).") from None
+    except ValueError:  # no signature to read (a builtin): let the call itself say
+        pass
+
+
 def _resolve(model, calls, x, out):
     if not calls:
         raise ValueError("shard_map_specs: call(model, x) called no fusedpar layer; every "
                          "array it uses is replicated, use in_specs=P() and out_specs=P().")
     names = _names(model, calls)
+    for name, c in zip(names, calls):
+        if c.seq_dim is not None and c.seq_dim < c.folded:
+            raise ValueError(
+                f"shard_map_specs: {name} is sequence parallel, and call(model, x) applies "
+                f"it under a jax.vmap over the sequence (per-token code, e.g. "
+                f"jax.vmap(embed)(tokens)): its input's dim {c.seq_dim}, the sequence, is "
+                "a vmapped axis. Inside your own shard_map the layer gathers or scatters "
+                "the sequence, which would change the length of that vmapped axis, so "
+                "this model cannot run there. Apply the layer to the whole (..., seq, "
+                "features) array (vmap over the batch only), or run the model on global "
+                "arrays under jax.set_mesh (the layers wrap themselves in shard_map, and "
+                "per-token vmaps work), or use sequence_parallel=False.")
 
     def input_spec(path, leaf):
         uses = [(names[i], s) for i, c in enumerate(calls) for a, s in c.inputs if a is leaf]

@@ -152,13 +152,13 @@ _ALIASES = {"h100": "h100_sxm", "h200_sxm": "h200", "v4": "tpu_v4", "v5e": "tpu_
 _default: Optional[Hardware] = None
 
 
-def get_hardware(spec: Union[str, Hardware, None] = None,
-                 platform: Optional[str] = None) -> Hardware:
-    """A `Hardware`: `spec` itself, a preset by name, or the one for `platform`.
+def get_hardware(spec: Union[str, Hardware, None] = None, target=None) -> Hardware:
+    """A `Hardware`: `spec` itself, a preset by name, or the one for `target`.
 
-    With `spec=None`: the hardware set by `set_hardware`, else a preset guessed from the
-    local device kind when it is of `platform`, else H100 SXM for "gpu", TPU v5e for
-    "tpu" and the simulated-device preset for "cpu".
+    With `spec=None`: the hardware set by `set_hardware`, else the preset for `target` (a
+    `fusedpar` target, as the ops read it from the mesh's devices, or a platform name:
+    H100 SXM for "gpu", TPU v5e for "tpu", the simulated-device preset for "cpu"), else
+    the preset for this process's default device.
     """
     if isinstance(spec, Hardware):
         return spec
@@ -170,44 +170,19 @@ def get_hardware(spec: Union[str, Hardware, None] = None,
         return PRESETS[key]
     if _default is not None:
         return _default
-    platform = _family(platform or _local_platform())
-    guess = _guess_from_device_kind(platform)
-    if guess is not None:
-        return guess
-    return PRESETS[{"gpu": "h100_sxm", "tpu": "tpu_v5e"}.get(platform, "cpu")]
+    from . import _target  # jax is imported only when a target must be read
+
+    if target is None:
+        target = _target.local()
+    elif isinstance(target, str):
+        target = _target.of_platform(target)
+    return PRESETS[target.cost_preset]
 
 
 def set_hardware(spec: Union[str, Hardware, None]) -> None:
-    """Make `spec` the hardware `"auto"` assumes (None: guess from the devices again)."""
+    """Make `spec` the hardware `"auto"` assumes (None: the target's preset again)."""
     global _default
     _default = None if spec is None else get_hardware(spec)
-
-
-def _family(platform: str) -> str:
-    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
-
-
-def _local_platform() -> str:
-    import jax
-
-    return jax.default_backend()
-
-
-def _guess_from_device_kind(platform: str) -> Optional[Hardware]:
-    try:
-        import jax
-
-        if _family(jax.default_backend()) != platform:
-            return None
-        kind = jax.devices()[0].device_kind.lower()
-    except Exception:  # no backend initialised for that platform
-        return None
-    for needle, key in (("h200", "h200"), ("h100", "h100_sxm"), ("v5 lite", "tpu_v5e"),
-                        ("v5e", "tpu_v5e"), ("v5p", "tpu_v5p"), ("tpu v5", "tpu_v5p"),
-                        ("v6 lite", "tpu_v6e"), ("v6e", "tpu_v6e"), ("tpu v4", "tpu_v4")):
-        if needle in kind:
-            return PRESETS[key]
-    return None
 
 
 def calibrate(base: Union[str, Hardware], *, matmul: Optional[tuple] = None,
@@ -370,7 +345,7 @@ def _full(prim, x_shape, w_shape, n):
 def estimate_call(call, hardware=None, reduce_dtype=None) -> dict[str, Breakdown]:
     """The model for a `_primitives.Call`, with the ring shape the call runs with."""
     return breakdown(call.prim, call.x_shape, call.w_shape, call.axis_size, call.dtype,
-                     get_hardware(hardware, call.platform or None),
+                     get_hardware(hardware, call.target),
                      bidirectional=call.runs_bidirectional, reduce_dtype=reduce_dtype)
 
 
@@ -381,7 +356,7 @@ def _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, pl
     x = jax.ShapeDtypeStruct(tuple(x_shape), np.dtype(dtype))
     w = jax.ShapeDtypeStruct(tuple(w_shape), np.dtype(dtype))
     _, call = _validate.op_call(op, x, w, int(ring_size), gather, dim, bidirectional)
-    return dataclasses.replace(call, platform=platform)
+    return dataclasses.replace(call, target=platform)
 
 
 def estimate(op: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",

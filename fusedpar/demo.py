@@ -1,4 +1,4 @@
-"""Train a small transformer-style MLP stack with fusedpar layers, once per backend.
+"""Train a small transformer-style MLP stack with fusedpar layers, once per backend asked.
 
     python -m fusedpar.demo                      # 8 simulated CPU devices, fsdp=2 x tp=4
     python -m fusedpar.demo --backends reference,ring,pallas_tpu --steps 5
@@ -11,7 +11,7 @@ with plain SGD on a fixed batch towards a fixed random target:
 
 - once densely on one device (the same layers with no mesh compute `eqx.nn.Linear`'s
   math), which is the baseline every parallel run is compared with;
-- once per backend on the mesh.
+- once on the mesh for each backend in `--backends` (default: reference and ring).
 
 The final table gives the median step time, the final loss, the largest difference of
 any trained parameter from the dense run, and the bytes each device sends per training
@@ -79,14 +79,34 @@ def _parse(argv):
 
 
 def _start_jax(devices: int):
-    """Simulate `devices` CPU devices, unless JAX's backends are already up."""
-    os.environ["NPROC"] = str(max(int(os.environ.get("NPROC", "0") or 0), devices + 1))
+    """Simulate `devices` CPU devices, unless JAX's backends are already up.
+
+    Before they start: threads enough for the TPU interpreter (`fusedpar._interpret`),
+    and, with no accelerator plugin installed, a longer wait for the CPU collectives: the
+    interpreted kernels of a slow (or busy) machine can keep some simulated devices away
+    from an XLA collective for longer than its default 40 s, which aborts the run.
+    """
     import jax
     from jax._src import xla_bridge
 
+    from . import _interpret
+
     if not xla_bridge.backends_are_initialized():
+        _interpret.setup_threads(devices)
+        flag = "--xla_cpu_collective_call_terminate_timeout_seconds"
+        flags = os.environ.get("XLA_FLAGS", "")
+        if flag not in flags and not _accelerator_plugin():
+            os.environ["XLA_FLAGS"] = f"{flags} {flag}=1200".strip()
         jax.config.update("jax_num_cpu_devices", devices)
     return jax
+
+
+def _accelerator_plugin() -> bool:
+    """Whether a JAX GPU or TPU plugin is installed (whose XLA may know other flags)."""
+    from importlib import metadata
+
+    names = {(d.metadata["Name"] or "").lower() for d in metadata.distributions()}
+    return any(n.startswith(("jax-cuda", "jax_cuda", "jax-rocm", "libtpu")) for n in names)
 
 
 def _model(args, backend, key):

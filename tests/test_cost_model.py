@@ -184,7 +184,7 @@ def test_auto_picks_pallas_only_when_it_can_run_and_the_model_says_so(monkeypatc
         assert name == "reference" and "pallas cannot run it: no kernel for this shape" in reason
         # Never on CPU, where Pallas is an interpreter, even if it says it can run.
         _fake_pallas(monkeypatch, None)
-        cpu = dataclasses.replace(call, platform="cpu")
+        cpu = dataclasses.replace(call, target="cpu")
         assert _dispatch.auto_choice(cpu)[0] == "reference"
     finally:
         cost_model.set_hardware(None)

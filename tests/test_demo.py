@@ -40,3 +40,19 @@ def test_demo_rejects_a_mesh_that_does_not_divide():
     with pytest.raises(SystemExit):
         demo._parse(["--mesh", "2x3"])  # seq 64 does not divide by 3
     assert len(jax.devices()) >= 8
+
+
+@pytest.mark.slow
+def test_demo_runs_the_pallas_backends_at_the_default_mesh(capsys):
+    # The default 2x4 mesh (8 simulated devices: the TPU kernels interpreted, one thread
+    # each) at small shapes (per-device blocks of 16 rows, as the Triton steps need); `python -m fusedpar.demo --backends pallas_tpu` is the same
+    # program at the default shapes.
+    rows = demo.main(["--steps", "2", "--batch", "2", "--seq", "128", "--dim", "16",
+                      "--hidden", "64", "--blocks", "1", "--lr", "0.5", "--quiet",
+                      "--backends", "pallas_tpu,pallas_gpu"])
+    assert "fsdp=2 x tp=4" in capsys.readouterr().out
+    by = {r["backend"]: r for r in rows}
+    for name in ("pallas_tpu", "pallas_gpu"):
+        assert by[name]["max_diff"] <= 4 * tolerance(np.float32), (name, by[name])
+        assert by[name]["final_loss"] == pytest.approx(by["dense (1 device)"]["final_loss"],
+                                                       rel=1e-5)

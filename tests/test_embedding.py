@@ -73,20 +73,21 @@ def test_matches_dense_in_every_context(sp):
     assert_close((value, grads.weight), want, F32, "shard_map")
 
 
-def test_bad_ids_give_nan_in_every_context():
-    """Ids outside [0, vocab) are NaN rows (never another row's numbers), the same in
-    every context; the good ids around them are unaffected."""
-    emb = fusedpar.Embedding(VOCAB, DIM, key=KEY)
-    ids = IDS.at[0, 0].set(-1).at[1, 3].set(VOCAB)
-    bad = np.zeros(ids.shape, bool)
-    bad[0, 0] = bad[1, 3] = True
+@pytest.mark.parametrize("sp", [False, True], ids=["replicated", "sp"])
+def test_out_of_range_ids_as_eqx_embedding_in_every_context(sp):
+    """Negative ids count from the end and ids still out of range are clamped, as
+    `eqx.nn.Embedding` (`table[id]`) does, in every context, on any device's shard."""
+    emb = fusedpar.Embedding(VOCAB, DIM, key=KEY, sequence_parallel=sp)
+    ids = (IDS.at[0, 0].set(-1).at[0, 1].set(-VOCAB).at[1, 3].set(VOCAB)
+           .at[1, 2].set(-VOCAB - 5).at[1, 0].set(10 * VOCAB))
     want = jax.vmap(jax.vmap(eqx.nn.Embedding(weight=emb.weight)))(ids)
+    np.testing.assert_array_equal(want[0, 0], emb.weight[-1])  # what eqx.nn.Embedding does
     m = mesh((4,), ("tp",))
     with jax.set_mesh(m):
-        global_out = eqx.filter_jit(lambda e, i: e(i))(emb, ids)
-    for what, out in (("no mesh", emb(ids)), ("global", global_out)):
-        assert np.isnan(np.asarray(out)[bad]).all(), what
-        assert_close(np.asarray(out)[~bad], np.asarray(want)[~bad], F32, what)
+        global_out = eqx.filter_jit(lambda e, i: e(i))(fusedpar.shard(emb, m), ids)
+    for what, out in (("no mesh", emb(ids)), ("vmap", jax.vmap(jax.vmap(emb))(ids)),
+                      ("global", global_out)):
+        assert_close(out, want, F32, what)
 
 
 def test_parallelize_and_relaxed():

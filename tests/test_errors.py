@@ -134,6 +134,26 @@ def _emb(vocab=16, **k):
     return fusedpar.Embedding(vocab, 8, key=KEY, **k)
 
 
+def _legacy_mesh_call():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # JAX's, for `with mesh:`
+        with mesh((4,), ("tp",)):
+            return _col(8, 8)(jnp.ones((2, 8)))
+
+
+def _few_threads():
+    """An interpreted TPU kernel traced as if JAX had started with NPROC=4."""
+    old = os.environ.get("NPROC")
+    os.environ["NPROC"] = "4"
+    try:
+        return in_shard_map(lambda x, w: AGM(x, w, "x", backend="pallas_tpu"), (8, 128),
+                            (128, 128), n=8, check_vma=False)()
+    finally:
+        os.environ["NPROC"] = old if old is not None else ""
+
+
 def _emb_head():
     """Token ids -> vocabulary-parallel embedding -> column-parallel head, per example."""
     embed, head = _emb(), _col(8, 16)
@@ -167,9 +187,14 @@ OPS = [
     Row("ops", "x and w dtypes differ",
         in_shard_map(lambda x, w: AGM(x, w, "x"), w_dtype=jnp.bfloat16), TypeError,
         ("x and w must have the same dtype", "x float32 and w bfloat16", "w.astype(x.dtype)")),
-    Row("ops", "integer dtype",
-        in_shard_map(lambda x, w: MRS(x, w, "x"), x_dtype=jnp.int32), TypeError,
-        ("x and w must be floating point, got int32",)),
+    Row("ops", "boolean dtype",
+        in_shard_map(lambda x, w: MRS(x, w, "x"), x_dtype=jnp.bool_), TypeError,
+        ("x and w must be floating point or integer, got bool",)),
+    Row("ops", "TPU kernel interpreted on CPU with too few threads (NPROC)",
+        lambda: _few_threads(), RuntimeError,
+        ("all_gather_matmul: backend 'pallas_tpu' runs the TPU kernels in interpret mode",
+         "8 simulated devices", "at least 9 threads (NPROC=4)", "the kernel would hang",
+         "Set NPROC=9")),
     Row("ops", "not an array",
         in_shard_map(lambda x, w: AGM([[1.0] * 8] * 4, w, "x")), TypeError,
         ("x must be an array, got list",)),
@@ -286,7 +311,7 @@ OPS = [
     Row("ops", "explain: unknown platform",
         lambda: fusedpar.explain("all_gather_matmul", S((4, 8), jnp.float32),
                                  S((8, 12), jnp.float32), 4, platform="GPU"), ValueError,
-        ("explain: platform must be one of 'cpu', 'gpu', 'cuda', 'tpu'", "got 'GPU'")),
+        ("explain: platform must be one of 'cpu', 'gpu', 'tpu', 'cuda'", "got 'GPU'")),
     Row("ops", "an option the backend does not read",
         in_shard_map(lambda x, w: AGM(x, w, "x", backend="ring", options={"tile_mm": 3})),
         ValueError, ("options ['tile_mm'] are not read by backend 'ring'",
@@ -311,10 +336,23 @@ LAYERS = [
         ("ColumnLinear: use_bias must be True or False, got 'yes'",)),
     Row("layers", "in_features not a positive int",
         lazy(lambda: _col(0, 8)), ValueError,
-        ("ColumnLinear: in_features must be a positive int, got 0",)),
+        ("ColumnLinear: in_features must be a positive int or 'scalar', got 0",)),
     Row("layers", "unknown backend",
         lazy(lambda: fusedpar.FSDPLinear(8, 8, key=KEY, backend="nope")), ValueError,
         ("FSDPLinear: unknown backend='nope'", "valid backends are 'auto', 'reference'")),
+    Row("layers", "weight placed on a mesh, called with no mesh set",
+        lambda: fusedpar.shard(_col(8, 8), mesh((2, 4), ("fsdp", "tp")))(jnp.ones((2, 8))),
+        ValueError, ("ColumnLinear: its weight is placed on a mesh {'fsdp': 2, 'tp': 4}",
+                     "no mesh is set", "without any fused collective",
+                     "inside `with jax.set_mesh(mesh):`")),
+    Row("layers", "called under the deprecated `with mesh:`",
+        lambda: _legacy_mesh_call(), ValueError,
+        ("ColumnLinear: called inside `with mesh:`", "{'tp': 4}",
+         "use `with jax.set_mesh(mesh):` instead")),
+    Row("layers", "'scalar' features that the layer's rule shards, on a mesh",
+        global_call(_col(8, "scalar"), (2, 8)), ValueError,
+        ("ColumnLinear: out_features='scalar' is a weight dimension of length 1",
+         "Column style shards over mesh axis 'tp'", "keep this layer an eqx.nn.Linear")),
     Row("layers", "x a scalar",
         lambda: _col(8, 8)(jnp.float32(1)), ValueError,
         ("ColumnLinear: x must have shape (..., 8), got a scalar",)),
@@ -351,7 +389,8 @@ LAYERS = [
          "fusedpar.param_specs")),
     Row("layers", "local input with the wrong number of features",
         local_call(_col(8, 8), P(None, "tp"), (2, 8)), ValueError,
-        ("inside shard_map over {'tp': 4} the local input must have 8 features",
+        ("inside shard_map over {'fsdp': 2, 'tp': 4} (the layer's: ('tp',)) the local "
+         "input must have 8 features",
          "got x of shape (2, 2)")),
     Row("layers", "sequence-parallel layer given a 1-D input",
         local_call(fusedpar.RowLinear(8, 8, key=KEY, sequence_parallel=True), P("tp"), (8,)),
@@ -417,7 +456,8 @@ EMBEDDING = [
         lambda: jax.eval_shape(jax.shard_map(
             lambda i: _emb()(i), mesh=mesh((2, 4), ("fsdp", "tp")), in_specs=P(),
             out_specs=P()), S((2, 8), jnp.int32)), ValueError,
-        ("Embedding: inside shard_map over {'tp': 4} the local table must have shape (4, 8)",
+        ("Embedding: inside shard_map over {'fsdp': 2, 'tp': 4} (the layer's: ('tp',)) the "
+         "local table must have shape (4, 8)",
          "got (16, 8)", "fusedpar.param_specs")),
     Row("embedding", "Column style on an embedding in a plan",
         lambda: fusedpar.parallelize({"embed": eqx.nn.Embedding(16, 8, key=KEY)},
@@ -483,7 +523,7 @@ SPECS = [
          "different axes")),
     Row("specs", "shard: axis not in the mesh",
         lambda: fusedpar.shard(_col(8, 8, axis="model"), mesh((2, 4), ("fsdp", "tp"))),
-        ValueError, ("mesh axis 'model' is not in the mesh", "('fsdp', 'tp')")),
+        ValueError, ("ColumnLinear: mesh axis 'model' is not in the mesh", "('fsdp', 'tp')")),
     Row("specs", "shard: dimension not divisible",
         lambda: fusedpar.shard({"up": _col(8, 6)}, mesh((2, 4), ("fsdp", "tp"))), ValueError,
         ("up.weight: parameter dim 0 has size 6, not divisible by 4", "relaxed=True")),
@@ -507,6 +547,15 @@ SPECS = [
         ValueError, ("the output (shape (4, 8, 16)) is not what a fusedpar call returned",
                      "the last fusedpar call is 1 (ColumnLinear)",
                      "write the out_specs yourself")),
+    Row("specs", "shard_map_specs: a sequence-parallel layer applied per token (vmap)",
+        specs_of(_emb(sequence_parallel=True), (4, 8),
+                 lambda m, t: jax.vmap(jax.vmap(m))(t)), ValueError,
+        ("Embedding is sequence parallel", "under a jax.vmap over the sequence",
+         "this model cannot run there", "vmap over the batch only", "jax.set_mesh")),
+    Row("specs", "shard_map_specs: call with several inputs",
+        specs_of(_emb(), (4, 8), lambda m, t, labels: m(t)), TypeError,
+        ("call is called as call(model, x)", "signature (m, t, labels)",
+         "x=(tokens, labels)", "call=lambda m, xs: f(m, *xs)")),
     Row("specs", "shard_map_specs: the input goes into layers with different layouts",
         specs_of((_emb(fsdp_axis="fsdp"), _emb()), (4, 8), lambda m, t: m[0](t) + m[1](t)),
         ValueError, ("the input x goes into fusedpar layers that want different layouts",
@@ -530,10 +579,11 @@ PARALLELIZE = [
     Row("parallelize", "two tensor-parallel styles on one layer",
         lambda: fusedpar.parallelize(mlp(), {"*": "column", "layers.1": "row"}), ValueError,
         ("layers.1: two tensor-parallel styles",)),
-    Row("parallelize", "in/out_features='scalar'",
-        lambda: fusedpar.parallelize(eqx.nn.Sequential([eqx.nn.Linear("scalar", 4, key=KEY)]),
-                                     {"*": "column"}), ValueError,
-        ("layers.0 has in/out_features='scalar'", "cannot be sharded")),
+    Row("parallelize", "a pattern naming a layer whose 'scalar' features it would shard",
+        lambda: fusedpar.parallelize(eqx.nn.Sequential([eqx.nn.Linear(4, "scalar", key=KEY)]),
+                                     {"layers.0": "column"}), ValueError,
+        ("parallelize: layers.0: out_features='scalar' is a weight dimension of length 1",
+         "Column style shards over mesh axis 'tp'", "leave it out of the parallelize plan")),
     Row("parallelize", "unknown backend",
         lambda: fusedpar.parallelize(mlp(), {"layers.0": "column"}, backend="nope"),
         ValueError, ("unknown backend='nope'",)),

@@ -233,6 +233,6 @@ def test_stacked_layers_shard_each_layer():
     # A feature dimension that does not divide is named as the stack's dimension.
     odd = eqx.filter_vmap(lambda k: fusedpar.ColumnLinear(D, 30, key=k))(
         jax.random.split(jax.random.key(0), 4))
-    with pytest.raises(ValueError, match=r"model.weight: parameter dim 1 has size 30, not "
-                                         r"divisible by 4"):
+    with pytest.raises(ValueError, match=r"ColumnLinear.weight: parameter dim 1 has size "
+                                         r"30, not divisible by 4"):
         fusedpar.shard(odd, mesh((4,), ("tp",)))

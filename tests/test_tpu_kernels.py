@@ -166,14 +166,14 @@ def test_check_vma_true_error_names_the_fix():
 
 def _call(**kw):
     base = dict(op="all_gather_matmul", prim="ag_rows", x_shape=(256, 512), w_shape=(512, 256),
-                dtype="float32", axis_size=4, platform="cpu", bidirectional=False)
+                dtype="float32", axis_size=4, target="cpu", bidirectional=False)
     return Call(**{**base, **kw})
 
 
 def test_unavailable_reasons():
     assert pallas_tpu.unavailable(_call()) is None
-    assert pallas_tpu.unavailable(_call(platform="tpu", dtype="bfloat16")) is None
-    assert "platform 'gpu'" in pallas_tpu.unavailable(_call(platform="gpu"))
+    assert pallas_tpu.unavailable(_call(target="tpu", dtype="bfloat16")) is None
+    assert "platform 'gpu'" in pallas_tpu.unavailable(_call(target="gpu"))
     assert "float16 is not supported" in pallas_tpu.unavailable(_call(dtype="float16"))
     assert pallas_tpu.unavailable(_call(w_shape=(512, 200))) is None  # fits VMEM: no tiles
     # Too big for VMEM, and 2000 columns (over the v5e preset of 1024) have no tile that
@@ -183,16 +183,16 @@ def test_unavailable_reasons():
     assert "length 2000" in why and "block_n=1024" in why
     # On TPU, ring segments start on tile boundaries (the interpreter does not care).
     assert pallas_tpu.unavailable(_call(x_shape=(24, 512), dtype="bfloat16")) is None
-    why = pallas_tpu.unavailable(_call(x_shape=(24, 512), dtype="bfloat16", platform="tpu"))
+    why = pallas_tpu.unavailable(_call(x_shape=(24, 512), dtype="bfloat16", target="tpu"))
     assert "window of 24 along dimension 0 of out (96, 256) bfloat16" in why
     assert "multiple of 16 sublanes" in why
-    why = pallas_tpu.unavailable(_call(prim="ag_cols", w_shape=(512, 192), platform="tpu",
+    why = pallas_tpu.unavailable(_call(prim="ag_cols", w_shape=(512, 192), target="tpu",
                                     bidirectional=True))
     assert "window of 96 along dimension 1 of w (512, 192)" in why
     assert "multiple of 128 lanes" in why and "bidirectional halves" in why
     # The direction dispatch resolves is the one checked: 128 columns per block are whole
     # tiles, but a ring of 4 defaults to bidirectional, whose halves of 64 are not.
-    cols = dict(prim="ag_cols", w_shape=(512, 128), platform="tpu")
+    cols = dict(prim="ag_cols", w_shape=(512, 128), target="tpu")
     assert pallas_tpu.unavailable(_call(**cols, bidirectional=False)) is None
     why = pallas_tpu.unavailable(_call(**cols, bidirectional=None))
     assert "window of 64 along dimension 1 of w (512, 128)" in why

@@ -7,6 +7,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from fusedpar.kernels.tpu import _chips, _layout, _tile_plan
+from fusedpar._target import of_platform
 
 MiB = 2**20
 
@@ -113,7 +114,7 @@ def _resident(prim, chip, m, k, c, n=4):
               "rs_cols": ((m, k), (k, c))}[prim]
     module, params = pallas_tpu._params(
         prim, axis_name=None, axis_size=n, bidirectional=True, out_dtype="bfloat16",
-        reduce_dtype="float32", return_gathered=False, platform="cpu", get={"chip": chip}.get)
+        reduce_dtype="float32", return_gathered=False, target=of_platform("cpu"), get={"chip": chip}.get)
     x, w = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes)
     return {name.replace("_resident", "") for name in module.plan(params, x, w)[1].resident}
 

@@ -30,6 +30,7 @@ from fusedpar._backends import pallas_tpu
 from fusedpar.kernels.tpu import Chip, _tile_plan
 
 from helpers import assert_close, mesh, normal
+from fusedpar._target import of_platform
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -162,7 +163,7 @@ def _layout(prim, n, **options):
     """The StepLayout `pallas_tpu` plans for `prim` on this file's shapes."""
     module, params = pallas_tpu._params(
         prim, axis_name=None, axis_size=n, bidirectional=False, out_dtype="float32",
-        reduce_dtype="float32", return_gathered=False, platform="cpu", get=options.get)
+        reduce_dtype="float32", return_gathered=False, target=of_platform("cpu"), get=options.get)
     xs, ws = _shapes(prim, n)
     return module.plan(params, jax.ShapeDtypeStruct(xs, jnp.float32),
                        jax.ShapeDtypeStruct(ws, jnp.float32))[1]

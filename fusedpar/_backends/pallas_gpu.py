@@ -17,14 +17,15 @@ Two kernel families compute these steps (option `kernels`): `"mosaic"` (Mosaic G
 TMA, wgmma, warp specialisation), the default on Hopper and newer (compute capability
 9.0+); `"triton"` (Pallas Triton, deprecated by jax 0.11 in favour of Mosaic GPU), the
 default before Hopper, where wgmma and TMA do not exist, and on CPU, where Pallas
-interpret mode runs it at any small shape. On CPU the kernels run in interpret mode;
-`options={"interpret": False}` forces the GPU lowering (to lower for CUDA on a machine
-without a GPU).
+interpret mode runs it at any small shape. Which GPU it is comes from the target (the
+mesh's devices, `fusedpar._target`), so a program compiled on a CPU host for H100s gets
+the Mosaic kernels. On a CPU mesh the kernels run in interpret mode;
+`options={"interpret": False}` forces the GPU lowering there (to lower for CUDA from a
+CPU mesh).
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from .. import _batching, _primitives as prims
@@ -36,7 +37,6 @@ DESCRIPTION = "a lax ppermute ring whose per-step compute is Pallas GPU kernels"
 CHECK_VMA = False
 MOSAIC, TRITON = "mosaic", "triton"
 _DTYPES = ("float32", "bfloat16", "float16")
-_GPU_PLATFORMS = ("gpu", "cuda")
 
 
 def _kernels():
@@ -58,28 +58,18 @@ def options(platform: str) -> frozenset:
     return _family_options(MOSAIC) | _family_options(TRITON) | {"kernels", "interpret"}
 
 
-def _compute_capability():
-    """`(major, minor)` of the first GPU, or None if it does not say (not NVIDIA)."""
-    try:
-        cc = jax.devices("gpu")[0].compute_capability
-    except (RuntimeError, AttributeError):
-        return None
-    return tuple(int(v) for v in str(cc).split(".")[:2])
+def default_family(target) -> str:
+    """The kernels that run on `target` (a `fusedpar._target.Target`) unless
+    `options["kernels"]` says otherwise: Mosaic GPU from compute capability 9.0 (Hopper)."""
+    cc = target.compute_capability if target.platform == "gpu" else None
+    return MOSAIC if cc is not None and cc >= (9, 0) else TRITON
 
 
-def default_family(platform: str) -> str:
-    """The kernels that run on `platform` unless `options["kernels"]` says otherwise."""
-    if platform in _GPU_PLATFORMS:
-        cc = _compute_capability()
-        return MOSAIC if cc is not None and cc >= (9, 0) else TRITON
-    return TRITON  # CPU: Pallas interpret mode
-
-
-def _family(cfg, platform=None) -> str:
+def _family(cfg, target) -> str:
     """The family `cfg` (a `Config` or a `Call`: anything with `option`) runs on."""
     family = cfg.option("kernels")
     if family is None:
-        return default_family(platform or jax.default_backend())
+        return default_family(target)
     if family not in (MOSAIC, TRITON):
         raise ValueError(f"options['kernels'] must be {MOSAIC!r} or {TRITON!r}, got "
                          f"{family!r}.")
@@ -88,18 +78,22 @@ def _family(cfg, platform=None) -> str:
 
 def unavailable(call):
     """Why the step kernels of the family `call` runs cannot run it, or None."""
-    if call.platform not in ("cpu",) + _GPU_PLATFORMS:
+    if call.platform not in ("cpu", "gpu"):
         return (f"the Pallas GPU kernels run on NVIDIA GPUs (and interpreted on CPU), "
                 f"not on {call.platform!r}")
-    if call.platform in _GPU_PLATFORMS and _compute_capability() is None:
-        return "the Pallas GPU kernels need an NVIDIA GPU (no compute capability found)"
+    if call.platform == "gpu" and call.target.compute_capability is None:
+        return (f"the Pallas GPU kernels need an NVIDIA GPU of a known compute capability; "
+                f"the mesh's devices are {call.target}")
     if call.dtype not in _DTYPES:
         return f"dtype {call.dtype} is not supported (only {', '.join(_DTYPES)})"
+    if call.option("interpret") and call.platform != "cpu":
+        return (f"options['interpret']=True runs the kernels in Pallas interpret mode on CPU "
+                f"devices, but the mesh's devices are {call.target}")
     rows, k, cols = prims.step_matmul(call.prim, call.x_shape, call.w_shape,
                                       call.axis_size, 2 if call.runs_bidirectional else 1)
     gpu = _kernels()
     try:
-        family = _family(call, call.platform)
+        family = _family(call, call.target)
     except ValueError as e:
         return str(e)
     if family == MOSAIC:
@@ -121,7 +115,8 @@ def unavailable(call):
 
 def _step_kernels(cfg):
     """The kernel module of the family that runs `cfg`, and the arguments it takes."""
-    family = _family(cfg)
+    target = cfg.on
+    family = _family(cfg, target)
     own = _family_options(family)
     other = sorted(k for k in dict(cfg.options) if k in _family_options(
         TRITON if family == MOSAIC else MOSAIC) and k not in own)
@@ -132,7 +127,7 @@ def _step_kernels(cfg):
             f"{', '.join(sorted(own))}; options={{'kernels': ...}} picks the family).")
     interpret = cfg.option("interpret")
     if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+        interpret = target.interpret
     config = tuple((k, v) for k, v in cfg.options if k in own)
     gpu = _kernels()
     module = gpu.mosaic if family == MOSAIC else gpu.triton

@@ -14,13 +14,15 @@ These are collective kernels: the enclosing `jax.shard_map` must use `check_vma=
 
 Options (`options={...}` of the public ops): `block_m`, `block_n`, `block_k` (tile
 targets; default: the chip's presets), `vmem` (force every buffer into VMEM, or force the
-tiled HBM path), `chip` (the TPU generation to plan for: "v4", "v5e", "v5p", "v6e",
-or a `fusedpar.kernels.tpu.Chip`; default: the local TPU's, "v5e" where there is none),
-`cores` (TensorCores per device to
-split the tiled steps between; default: 2 on megacore chips), `interpret` (bool: force
-or forbid interpret mode; lowering for TPU from a CPU host needs False),
-`interpret_params` (a `pltpu.InterpretParams`), and `_broken` (a deliberately broken
-protocol variant, for the tests that prove the checks can fail).
+tiled HBM path), `chip` (the TPU generation to plan for: "v4", "v5e", "v5p", "v6e", or a
+`fusedpar.kernels.tpu.Chip`; default: the generation of the mesh's devices — on a TPU
+mesh another generation is an error — and "v5e" on CPU), `cores` (TensorCores per device
+to split the tiled steps between; default: the mesh's devices' cores, 2 in megacore mode),
+`interpret` (bool: force or forbid interpret mode; default: interpret on a CPU mesh,
+Mosaic on a TPU mesh, where asking for the interpreter is an error; False on a CPU mesh
+builds for Mosaic, to lower for TPU from there), `interpret_params` (a
+`pltpu.InterpretParams`), and `_broken` (a deliberately broken protocol variant, for the
+tests that prove the checks can fail).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import dataclasses
 
 import jax
 
-from .. import _batching, _primitives as prims, _vma
+from .. import _batching, _primitives as prims, _target, _vma
 from .._schedule import Ring, ring_for
 
 DESCRIPTION = "one fused Pallas TPU kernel per op: the ring runs inside it with remote DMAs"
@@ -37,6 +39,9 @@ CHECK_VMA = False
 _DTYPES = ("float32", "bfloat16")
 _OPTIONS = frozenset({"block_m", "block_n", "block_k", "vmem", "chip", "cores", "interpret",
                       "interpret_params", "_broken"})
+# The options that say what the kernels are built for: checked against the target when
+# dispatch asks whether the kernels can run a call.
+_TARGET_OPTIONS = frozenset({"chip", "cores", "interpret", "interpret_params"})
 
 
 def _kernels():
@@ -61,34 +66,44 @@ def _kernel_of(prim):
     return mrs, "matmul_reduce_scatter", {prims.RS_ROWS: mrs.ROWS, prims.RS_COLS: mrs.COLUMNS}[prim]
 
 
-def _chip(platform, chip=None, cores=None):
-    """The `Chip` to plan for: `chip` (a name, or a `Chip` for another or a made-up
-    generation) if given, else the local TPU's, else the default generation."""
+def _chip(target, chip=None, cores=None):
+    """The `Chip` to plan for: on a TPU mesh its devices' generation and cores (`chip`, if
+    given, must agree); elsewhere `chip` (a name, or a `Chip` for another or a made-up
+    generation), else the default generation."""
     tpu = _kernels()
     if isinstance(chip, tpu.Chip):
         return chip if cores is None else dataclasses.replace(chip, cores=cores)
-    if chip is None and platform == "tpu":
-        try:
-            local = tpu.local_chip()
-        except Exception:  # planning for TPU from a host without one (explain, lowering)
-            local = None
-        if local is not None:
-            return local if cores is None else tpu.chip(local.name, cores)
+    if target.platform == "tpu" and target.device_kind:  # not a platform name alone
+        generation = target.tpu_generation
+        if generation is None:
+            raise ValueError(f"no TPU generation is known for the mesh's devices, {target}; "
+                             "pass options={'chip': tpu.Chip(...)} to describe it")
+        if chip is not None and chip != generation:
+            raise ValueError(f"the mesh's devices are {target}, not TPU {chip}: leave "
+                             "options['chip'] out (it is read from the mesh)")
+        if cores is None and target.num_cores in (1, 2):
+            cores = target.num_cores
+        return tpu.chip(generation, cores)
     return tpu.chip(chip or tpu.DEFAULT_CHIP, cores)
 
 
-def _interpret(option, params):
+def _interpret(option, params, target):
     """The `interpret` of the kernels: False (compile with Mosaic) or InterpretParams.
 
-    Default: interpret on CPU, compile on TPU; `interpret_params` implies interpret mode.
+    Default: interpret on a CPU mesh, compile on a TPU mesh; `interpret_params` implies
+    interpret mode, which only a CPU mesh runs.
     """
     from jax.experimental.pallas import tpu as pltpu
 
     interpret = option
     if interpret is None:
-        interpret = params is not None or jax.default_backend() == "cpu"
+        interpret = params is not None or target.interpret
     if not interpret:
         return False
+    if not target.interpret:
+        raise ValueError(f"options['interpret']=True (or interpret_params) runs the kernels "
+                         f"in TPU interpret mode on CPU devices, but the mesh's devices are "
+                         f"{target}: leave it out, and Mosaic compiles them for that TPU")
     return params if params is not None else pltpu.InterpretParams()
 
 
@@ -103,7 +118,7 @@ def _collective_id(kernel_name, axis_name, broken):
 
 
 def _params(prim, *, axis_name, axis_size, bidirectional, out_dtype, reduce_dtype,
-            return_gathered, platform, get=lambda name, default=None: default):
+            return_gathered, target, get=lambda name, default=None: default):
     """The kernel parameters of primitive `prim`; `get(name, default)` reads an option.
     Without `axis_name` (a dispatch check, outside any shard_map) there is no collective
     id."""
@@ -117,7 +132,7 @@ def _params(prim, *, axis_name, axis_size, bidirectional, out_dtype, reduce_dtyp
                          "TensorCores a TPU device splits a step between; 2 on megacore "
                          "chips, v4 and v5p)")
     try:
-        chip = _chip(platform, get("chip"), get("cores"))
+        chip = _chip(target, get("chip"), get("cores"))
     except ValueError as e:
         raise ValueError(f"{prim}: options['chip']={get('chip')!r}, "
                          f"options['cores']={get('cores')!r}: {e}") from None
@@ -127,7 +142,7 @@ def _params(prim, *, axis_name, axis_size, bidirectional, out_dtype, reduce_dtyp
         axis_name=axis_name, ring=ring,
         collective_id=(_collective_id(kernel_name, axis_name, broken)
                        if ring.size > 1 and axis_name is not None else None),
-        chip=chip, interpret=_interpret(get("interpret"), get("interpret_params")),
+        chip=chip, interpret=_interpret(get("interpret"), get("interpret_params"), target),
         vmem=get("vmem"), tile_targets=targets, precision=get("precision"), broken=broken)
     if module is tpu.all_gather_matmul:
         return module, module.AllGatherMatmulParams(layout, out_dtype, return_gathered, launch)
@@ -157,10 +172,13 @@ def unavailable(call):
     w = jax.ShapeDtypeStruct(call.w_shape, call.dtype)
     # Results in the inputs' dtype (the strictest tiles), f32 accumulators, the gathered
     # operand returned: every buffer and window a call of the op can have.
+    # Bad option values and options that contradict the target raise (ValueError).
     module, params = _params(
         call.prim, axis_name=None, axis_size=call.axis_size,
         bidirectional=call.runs_bidirectional, out_dtype=call.dtype, reduce_dtype="float32",
-        return_gathered=True, platform=call.platform)
+        return_gathered=True, target=call.target or _target.current(),
+        get=lambda name, default=None: (dict(call.options).get(name, default)
+                                        if name in _TARGET_OPTIONS else default))
     try:
         _, layout, why = module.plan(params, x, w)
     except ValueError as e:
@@ -182,8 +200,8 @@ def _run(prim, cfg, x, w, return_gathered=False):
     module, params = _params(
         prim, axis_name=cfg.axis_name, axis_size=cfg.axis_size,
         bidirectional=cfg.bidirectional, out_dtype=cfg.out_dtype,
-        reduce_dtype=cfg.reduce_dtype, return_gathered=return_gathered,
-        platform=jax.default_backend(), get=get)
+        reduce_dtype=cfg.reduce_dtype, return_gathered=return_gathered, target=cfg.on,
+        get=get)
     if params.launch.for_mosaic:  # forward and backward calls alike, before lowering
         why = _misaligned(module, params, x, w)
         if why is not None:

@@ -72,13 +72,14 @@ def one_of(name: str, value, valid: tuple) -> None:
 def register_cpu_chip():
     """Let `pltpu.emit_pipeline` run (interpret mode) or lower (for TPU) on a CPU host.
 
-    emit_pipeline asks `get_tpu_info()` for the default device's chip, which fails for
-    "cpu". We register a TPU v5p's description for the device kind "cpu" (a private JAX
-    registry; it only affects CPU hosts and never replaces an existing entry).
+    emit_pipeline asks `get_tpu_info()` for the chip of the mesh's devices (or of the
+    default device), which fails for "cpu". We register a TPU v5p's description for the
+    device kind "cpu" (a private JAX registry; it only answers for CPU devices, a TPU mesh
+    answers with its own kind, and it never replaces an existing entry).
     """
     from jax._src.pallas.mosaic import tpu_info
 
-    if jax.default_backend() == "cpu" and "cpu" not in tpu_info.registry:
+    if "cpu" not in tpu_info.registry:
         tpu_info.registry["cpu"] = lambda: pltpu.get_tpu_info_for_chip(
             pltpu.ChipVersion.TPU_V5P, 1)
 

@@ -1,0 +1,229 @@
+"""The programs `fusedpar.aot` compiles for a target: the ops and two layer programs.
+
+Each builder takes a mesh (of compile-only devices, or any other) and a backend and
+returns `(jitted function, argument ShapeDtypeStructs)`, the arguments laid out on the
+mesh; nothing is materialised (models are built with `eqx.filter_eval_shape`), so
+realistic sizes cost no memory. Backward passes are taken with `jax.vjp` against a
+cotangent argument, or from a loss against a target: a `sum()` loss has a constant
+cotangent, which lets XLA merge the backward's ring steps into one matmul.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from . import _primitives as prims
+from ._ops import all_gather_matmul, matmul_reduce_scatter
+from ._parallelize import parallelize
+from ._specs import Column, FSDP, Row, param_specs
+
+# Per device: x (ROWS, K) @ w (K, COLS) in bfloat16 (the size the README's table and the
+# overlap targets are stated at).
+ROWS, K, COLS = 1024, 4096, 4096
+
+
+def _struct(mesh, shape, dtype, spec):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def _op(prim):
+    """`(call(x, w, axis, **kw), x global shape, w global shape, x spec, w spec, out spec)`
+    of `prim` over a ring of `n` on the axis "x", as functions of n and the sizes."""
+    def ag(gather, dim):
+        return lambda x, w, **kw: all_gather_matmul(x, w, "x", gather=gather, dim=dim, **kw)
+
+    def rs(dim):
+        return lambda x, w, **kw: matmul_reduce_scatter(x, w, "x", dim=dim, **kw)
+
+    return {
+        prims.AG_ROWS: lambda n, r, k, c: (ag("lhs", 0), (n * r, k), (k, c), P("x"), P(),
+                                           P("x")),
+        prims.AG_COLS: lambda n, r, k, c: (ag("rhs", 1), (n * r, k), (k, c), P("x"),
+                                           P(None, "x"), P("x")),
+        prims.AG_CONTRACT: lambda n, r, k, c: (ag("rhs", 0), (n * r, k), (k, c), P("x"),
+                                               P("x"), P("x")),
+        prims.RS_ROWS: lambda n, r, k, c: (rs(0), (r, n * k), (n * k, c), P(None, "x"),
+                                           P("x"), P("x")),
+        prims.RS_COLS: lambda n, r, k, c: (rs(1), (r, n * k), (n * k, c), P(None, "x"),
+                                           P("x"), P(None, "x")),
+    }[prim]
+
+
+def op_program(mesh, prim, backend="ring", *, bidirectional=None, backward=True,
+               rows=ROWS, k=K, cols=COLS, dtype=jnp.bfloat16, options=None):
+    """Primitive `prim` on the mesh's one axis "x": its forward, and with `backward` its
+    vjp against a cotangent argument."""
+    n = mesh.shape["x"]
+    call, xs, ws, xspec, wspec, ospec = _op(prim)(n, rows, k, cols)
+    fn = functools.partial(call, backend=backend, bidirectional=bidirectional,
+                           options=options)
+    args = [_struct(mesh, xs, dtype, xspec), _struct(mesh, ws, dtype, wspec)]
+    if not backward:
+        body, in_specs, out_specs = fn, (xspec, wspec), ospec
+    else:
+        out = jax.eval_shape(jax.shard_map(fn, mesh=mesh, in_specs=(xspec, wspec),
+                                           out_specs=ospec, check_vma=False), *args)
+        args.append(_struct(mesh, out.shape, dtype, ospec))
+
+        def body(x, w, ct):
+            y, vjp = jax.vjp(fn, x, w)
+            return (y,) + vjp(ct)
+
+        in_specs, out_specs = (xspec, wspec, ospec), (ospec, xspec, wspec)
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs,
+                                    out_specs=out_specs, check_vma=False))
+    return program, args
+
+
+def ops_program(mesh, prim, variants, *, rows=ROWS, k=K, cols=COLS, dtype=jnp.bfloat16):
+    """Primitive `prim` in every variant (`(backend, bidirectional)` pairs) in one
+    program, forward and backward: one compile checks that they all build. (Whether a
+    variant overlaps is read from a program of its own: in a shared one, one variant's
+    transfers could hide behind another's matmuls.)"""
+    n = mesh.shape["x"]
+    call, xs, ws, xspec, wspec, ospec = _op(prim)(n, rows, k, cols)
+    args = [_struct(mesh, xs, dtype, xspec), _struct(mesh, ws, dtype, wspec)]
+    out = jax.eval_shape(jax.shard_map(functools.partial(call, backend="reference"),
+                                       mesh=mesh, in_specs=(xspec, wspec), out_specs=ospec,
+                                       check_vma=False), *args)
+    args.append(_struct(mesh, out.shape, dtype, ospec))
+
+    def body(x, w, ct):
+        outs = []
+        for backend, bidirectional in variants:
+            fn = functools.partial(call, backend=backend, bidirectional=bidirectional)
+            y, vjp = jax.vjp(fn, x, w)
+            outs.append((y,) + vjp(ct))
+        return outs
+
+    spec = (ospec, xspec, wspec)
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(xspec, wspec, ospec),
+                                    out_specs=[spec] * len(variants), check_vma=False))
+    return program, args
+
+
+class _MLP(eqx.Module):
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, dim, hidden, dtype, key):
+        k1, k2 = jax.random.split(key)
+        self.up = eqx.nn.Linear(dim, hidden, dtype=dtype, key=k1)
+        self.down = eqx.nn.Linear(hidden, dim, dtype=dtype, key=k2)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(x)))
+
+
+class _Block(eqx.Module):
+    """A transformer block like examples/gpt.py's, on (batch, seq, dim) arrays."""
+
+    q: eqx.nn.Linear
+    k: eqx.nn.Linear
+    v: eqx.nn.Linear
+    out: eqx.nn.Linear
+    mlp: _MLP
+    heads: int = eqx.field(static=True)
+
+    def __init__(self, dim, hidden, heads, dtype, key):
+        keys = jax.random.split(key, 5)
+        self.q, self.k, self.v, self.out = (eqx.nn.Linear(dim, dim, use_bias=False,
+                                                          dtype=dtype, key=kk)
+                                            for kk in keys[:4])
+        self.mlp = _MLP(dim, hidden, dtype, keys[4])
+        self.heads = heads
+
+    def __call__(self, x):
+        from ._context import local_size
+
+        heads = local_size(self.heads, "tp")
+        b, s, _ = x.shape
+        q, k, v = (f(x).reshape(b, -1, heads, f.out_features // self.heads)
+                   for f in (self.q, self.k, self.v))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+        attn = jax.nn.softmax(scores / q.shape[-1] ** 0.5, axis=-1).astype(x.dtype)
+        y = jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(b, q.shape[1], -1)
+        return self.mlp(x + self.out(y))
+
+
+def _is_array(a) -> bool:
+    return isinstance(a, (jax.Array, jax.ShapeDtypeStruct))
+
+
+def _layer_program(mesh, model, plan, backend, x_shape, x_spec, dtype):
+    """A training step's forward and backward on global arrays under `jax.set_mesh`: the
+    mean squared error against a target argument (a real, non-constant cotangent)."""
+    if plan is not None:
+        model = parallelize(model, plan, backend=backend)
+    specs = param_specs(model)
+    params = jax.tree.map(lambda a, s: _struct(mesh, a.shape, a.dtype, s),
+                          eqx.filter(model, _is_array), specs, is_leaf=_is_array)
+    static = eqx.filter(model, _is_array, inverse=True)
+    x = _struct(mesh, x_shape, dtype, x_spec)
+
+    def step(params, x, y):
+        def loss(params):
+            out = eqx.combine(params, static)(x)
+            return jnp.mean(jnp.square((out - y).astype(jnp.float32)))
+
+        return jax.value_and_grad(loss)(params)
+
+    def traced(*args):
+        with jax.set_mesh(mesh):
+            return jax.jit(step).trace(*args)
+
+    return _MeshJit(traced), [params, x, x]
+
+
+class _MeshJit:
+    """`.lower(*args)` tracing under `jax.set_mesh(mesh)` (the layers' global context)."""
+
+    def __init__(self, traced):
+        self._traced = traced
+
+    def lower(self, *args):
+        return self._traced(*args).lower()
+
+
+def mlp_program(mesh, backend="ring", *, dim=4096, hidden=4096 * 4, tokens=1024,
+                dtype=jnp.bfloat16):
+    """A sequence-parallel MLP made by `parallelize` over the mesh's axis "tp": `tokens`
+    sequence positions per device, batch 1."""
+    n = mesh.shape["tp"]
+    model = eqx.filter_eval_shape(_MLP, dim, hidden, dtype, jax.random.key(0))
+    plan = {"up": Column(sequence_parallel=True), "down": Row(sequence_parallel=True)}
+    return _layer_program(mesh, model, plan, backend, (1, n * tokens, dim),
+                          P(None, "tp", None), dtype)
+
+
+def block_program(mesh, backend="ring", *, dim=4096, hidden=4096 * 4, heads=32,
+                  seq=1024, dtype=jnp.bfloat16):
+    """An FSDP x TP transformer block (sequence parallel) over the axes ("fsdp", "tp"):
+    `seq` positions per tensor-parallel device, one sequence per FSDP device."""
+    f, t = mesh.shape["fsdp"], mesh.shape["tp"]
+    model = eqx.filter_eval_shape(_Block, dim, hidden, heads, dtype, jax.random.key(0))
+    plan = {"[qkv]": Column(sequence_parallel=True), "out": Row(sequence_parallel=True),
+            "mlp.up": Column(sequence_parallel=True),
+            "mlp.down": Row(sequence_parallel=True), "*": FSDP()}
+    return _layer_program(mesh, model, plan, backend, (f, t * seq, dim),
+                          P("fsdp", "tp", None), dtype)
+
+
+def demo_program(mesh, backend="ring"):
+    """The demo's model (`python -m fusedpar.demo`, default sizes) and its training step,
+    over the axes ("fsdp", "tp")."""
+    import argparse
+
+    from . import demo
+
+    args = argparse.Namespace(dim=64, hidden=256, blocks=2, dtype="float32", batch=8,
+                              seq=64)
+    model = eqx.filter_eval_shape(demo._model, args, backend, jax.random.key(0))
+    spec = P("fsdp", "tp", None)
+    return _layer_program(mesh, model, None, backend, (args.batch, args.seq, args.dim),
+                          spec, jnp.float32)

@@ -1,0 +1,258 @@
+"""Reading a scheduled HLO module (`compiled.as_text()`): computations, instructions, bytes.
+
+The text of a compiled program lists each computation's instructions in the order the
+scheduler chose, so it says what runs while a transfer is in flight. This module only
+parses; `fusedpar.aot` decides what overlaps. It reads both dialects this package is
+compiled for:
+
+- GPU: matmuls are `kCustom` fusions around a `dot` (Triton GEMMs), `__cublas$...`
+  custom calls, and the Pallas kernels' `mosaic_gpu` / Triton custom calls;
+- TPU: matmuls are `convolution`s (usually inside fusions), Pallas kernels are
+  `tpu_custom_call`s; shapes carry layouts like `{1,0:T(8,128)(2,1)}` and long operand
+  lists carry `/*index=5*/` comments.
+
+Asynchronous collectives are `<kind>-start` ... `<kind>-done` pairs (or `async-start` /
+`async-done` around a computation holding the collective).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional
+
+import numpy as np
+
+COLLECTIVES = ("collective-permute", "all-gather", "reduce-scatter", "all-reduce",
+               "all-to-all", "collective-broadcast", "ragged-all-to-all")
+# Custom calls that are matmuls: cuBLAS, and Pallas kernels (every kernel this package
+# builds multiplies).
+MATMUL_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt", "mosaic_gpu",
+                  "__gpu$xla.gpu.triton", "__triton", "tpu_custom_call")
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1,
+                "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s16": 2,
+                "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8,
+                "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+_HEADER = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-$]+)\s*\((.*)\)\s*->\s*.*\{\s*$")
+_CALLS = re.compile(r"\b(?:calls|body|condition|to_apply|branch_computations)="
+                    r"\{?%?([\w.\-$]+(?:,\s*%?[\w.\-$]+)*)\}?")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One HLO instruction: `name = shape opcode(operands), attributes`."""
+
+    name: str
+    opcode: str
+    shape: str
+    operands: tuple
+    calls: tuple
+    op_name: str
+    target: str
+    line: str
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the result (every array of a tuple)."""
+        return shape_bytes(self.shape)
+
+
+@dataclasses.dataclass
+class Module:
+    """A parsed HLO module: computations by name, each its instructions in order, and
+    the name of each computation's ROOT instruction."""
+
+    computations: dict
+    entry: Optional[str]
+    roots: dict = dataclasses.field(default_factory=dict)
+
+    def instruction(self, name: str) -> Optional[Instruction]:
+        for instructions in self.computations.values():
+            for i in instructions:
+                if i.name == name:
+                    return i
+        return None
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of every array in an HLO shape (`bf16[8,128]{1,0}` or a tuple of them)."""
+    total = 0.0
+    for dtype, dims in _ARRAY.findall(_strip_layouts(shape)):
+        if dtype not in _DTYPE_BYTES:
+            continue
+        total += _DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+    return int(total)
+
+
+def array_shapes(shape: str) -> list:
+    """The arrays of an HLO shape as `(dtype, dims)` pairs, in order."""
+    return [(dtype, tuple(int(d) for d in dims.split(",") if d))
+            for dtype, dims in _ARRAY.findall(_strip_layouts(shape))]
+
+
+def _strip_layouts(text: str) -> str:
+    """Drop `{...}` layouts (their `T(8,128)` tiles look like dims otherwise)."""
+    out, depth = [], 0
+    for ch in text:
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+        elif depth == 0:
+            out.append(ch)
+    return "".join(out)
+
+
+def _split_shape(rest: str) -> tuple[str, str]:
+    """`(shape, the text after it)` from the right-hand side of an instruction."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch in "({"
+            depth -= ch in ")}"
+            if depth == 0:
+                return rest[:i + 1], rest[i + 1:].lstrip()
+    # A shape with a layout can hold spaces only inside braces: find the first space
+    # outside them.
+    depth = 0
+    for i, ch in enumerate(rest):
+        depth += ch == "{"
+        depth -= ch == "}"
+        if ch == " " and depth == 0:
+            return rest[:i], rest[i + 1:].lstrip()
+    return rest, ""
+
+
+def _operands(text: str) -> tuple[tuple, str]:
+    """`(operand names, the attributes after the closing parenthesis)` of `op(...)...`."""
+    depth, i = 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0 and ch == ")":
+            break
+    inner = re.sub(r"/\*.*?\*/", "", text[1:i])
+    names = tuple(m.group(1) for m in re.finditer(r"%([\w.\-$]+)", inner))
+    return names, text[i + 1:]
+
+
+def parse_instruction(line: str) -> Optional[Instruction]:
+    body = line.strip()
+    if body.startswith("ROOT "):
+        body = body[5:]
+    if " = " not in body or not body.startswith("%"):
+        return None
+    name, rest = body.split(" = ", 1)
+    shape, rest = _split_shape(rest)
+    m = re.match(r"([\w\-]+)(\(.*)$", rest)
+    if not m:
+        return None
+    opcode = m.group(1)
+    operands, attributes = _operands(m.group(2))
+    calls = tuple(c.strip().lstrip("%") for group in _CALLS.findall(attributes)
+                  for c in group.split(","))
+    op_name = _OP_NAME.search(attributes)
+    target = _TARGET.search(attributes)
+    return Instruction(name.lstrip("%"), opcode, shape, operands, calls,
+                       op_name.group(1) if op_name else "",
+                       target.group(1) if target else "", line)
+
+
+def parse(text: str) -> Module:
+    """Parse a scheduled HLO module's text."""
+    computations, roots, entry, current = {}, {}, None, None
+    for line in text.splitlines():
+        if current is None:
+            m = _HEADER.match(line)
+            if m:
+                current = m.group(2)
+                computations[current] = []
+                if m.group(1):
+                    entry = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        instruction = parse_instruction(line)
+        if instruction is not None:
+            computations[current].append(instruction)
+            if line.lstrip().startswith("ROOT "):
+                roots[current] = instruction
+    return Module(computations, entry, roots)
+
+
+def in_place_bytes(module: Module, i: Instruction, by_name: dict) -> Optional[int]:
+    """The bytes of the update when `i` updates a buffer in place (a dynamic-update-slice,
+    alone or as the root of its fusion), else None: it moves the update, not the buffer."""
+    if i.opcode == "dynamic-update-slice":
+        update = by_name.get(i.operands[1]) if len(i.operands) > 1 else None
+        return None if update is None else update.bytes
+    if i.opcode != "fusion":
+        return None
+    for c in i.calls:
+        root = module.roots.get(c)
+        if root is not None and root.opcode == "dynamic-update-slice" and len(root.operands) > 1:
+            inner = {j.name: j for j in module.computations.get(c, ())}
+            update = inner.get(root.operands[1])
+            if update is not None:
+                return update.bytes
+    return None
+
+
+def collective_kind(module: Module, instruction: Instruction) -> Optional[str]:
+    """The collective an instruction starts or is (`COLLECTIVES`), else None."""
+    op = instruction.opcode
+    for kind in COLLECTIVES:
+        if op in (kind, kind + "-start"):
+            return kind
+    if op == "async-start":
+        for c in instruction.calls:
+            for inner in module.computations.get(c, ()):
+                if inner.opcode in COLLECTIVES:
+                    return inner.opcode
+    return None
+
+
+def matmul_computations(module: Module) -> set:
+    """Names of the computations that multiply, directly or through what they call."""
+    direct = {name for name, instructions in module.computations.items()
+              if any(_is_matmul_itself(i) for i in instructions)}
+    changed = True
+    while changed:
+        changed = False
+        for name, instructions in module.computations.items():
+            if name not in direct and any(c in direct for i in instructions for c in i.calls):
+                direct.add(name)
+                changed = True
+    return direct
+
+
+def _is_matmul_itself(i: Instruction) -> bool:
+    if i.opcode in ("dot", "convolution", "ragged-dot"):
+        return True
+    return i.opcode == "custom-call" and any(t in i.target for t in MATMUL_TARGETS)
+
+
+def is_matmul(i: Instruction, multiplying: set) -> bool:
+    """Whether instruction `i` runs a matmul (itself, or inside a fusion/call/loop it
+    runs); `multiplying` is `matmul_computations(module)`."""
+    if _is_matmul_itself(i):
+        return True
+    if i.opcode in ("fusion", "call", "while", "conditional"):
+        return any(c in multiplying for c in i.calls)
+    return False
+
+
+def scheduled_computations(module: Module) -> list:
+    """The computations that have a schedule of their own: the entry, loop bodies and
+    conditions, called computations and branches — not fusion bodies (they run inside
+    their fusion's kernel) nor the bodies of async wrappers and reductions."""
+    inside = set()
+    for instructions in module.computations.values():
+        for i in instructions:
+            if i.opcode not in ("while", "call", "conditional"):
+                inside.update(i.calls)
+    return [name for name in module.computations if name not in inside]

@@ -1,0 +1,181 @@
+"""The hardware a program is for, read from the devices of the mesh it runs on.
+
+A program traced on a laptop for "8 x H100" or a TPU v5e slice (compiled ahead of time,
+without the hardware: `fusedpar.aot`) must make the same choices as one traced on that
+hardware: platform, TPU generation or GPU compute capability, the Pallas kernel family,
+interpret mode, tile presets and VMEM limits, the cost preset behind `"auto"`. So none of
+them come from `jax.default_backend()` (the machine doing the tracing, "cpu" when
+compiling for an absent TPU): they come from the `Target` this module reads from
+
+1. the mesh in context: inside `jax.shard_map` (or under `jax.set_mesh`) JAX's abstract
+   mesh carries the kind of its devices (`AbstractMesh.abstract_device`);
+2. else the sharding of the arrays being worked on (`jax.typeof(x).sharding.mesh`);
+3. else, with no mesh anywhere, the local default device (the only place that asks).
+
+Simulated CPU devices are the target "cpu": Pallas kernels run in interpret mode there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional
+
+import jax
+
+CPU, GPU, TPU = "cpu", "gpu", "tpu"
+PLATFORMS = (CPU, GPU, TPU)
+_PLATFORM_ALIASES = {"cuda": GPU, "rocm": GPU}
+
+# TPU device kinds (as `device.device_kind` spells them) -> generation names, the names
+# `jax.experimental.pallas.tpu.ChipVersion` uses.
+_TPU_GENERATIONS = {
+    "TPU v2": "v2", "TPU v3": "v3", "TPU v4": "v4", "TPU v4 lite": "v4i",
+    "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
+    "TPU v6 lite": "v6e", "TPU v6e": "v6e", "TPU7": "7", "TPU7x": "7x",
+}
+# NVIDIA device kinds -> compute capability, for targets without a local GPU to ask
+# (NVIDIA's CUDA GPUs table). Matched as words of the kind, first match wins.
+_COMPUTE_CAPABILITIES = (
+    (("B200", "B100", "GB200"), (10, 0)),
+    (("H100", "H200", "H800", "H20", "GH200"), (9, 0)),
+    (("L4", "L40", "L40S", "RTX 4090", "RTX 6000 Ada"), (8, 9)),
+    (("A10", "A10G", "A40", "RTX 3090", "RTX A6000"), (8, 6)),
+    (("A100", "A800", "A30"), (8, 0)),
+    (("T4",), (7, 5)),
+    (("V100",), (7, 0)),
+)
+# Cost-model presets (`cost_model.PRESETS`) by GPU device kind, and the preset a platform
+# falls back to when its kind has none.
+_GPU_PRESETS = (("H200", "h200"), ("H100", "h100_sxm"), ("H800", "h100_sxm"),
+                ("GH200", "h100_sxm"))
+_DEFAULT_PRESET = {CPU: "cpu", GPU: "h100_sxm", TPU: "tpu_v5e"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The kind of device a program is built for.
+
+    - `platform`: "cpu", "gpu" or "tpu".
+    - `device_kind`: what JAX calls the device ("TPU v5 lite", "NVIDIA H100 80GB HBM3",
+      "cpu"); "" when only the platform is known (`explain(platform=...)`).
+    - `num_cores`: TensorCores one TPU device drives (2 in megacore mode), streaming
+      multiprocessors of a GPU; None when unknown.
+    """
+
+    platform: str
+    device_kind: str = ""
+    num_cores: Optional[int] = None
+
+    def __post_init__(self):
+        platform = _PLATFORM_ALIASES.get(self.platform, self.platform)
+        if platform not in PLATFORMS:
+            raise ValueError(f"target platform must be one of {', '.join(PLATFORMS)}, got "
+                             f"{self.platform!r}.")
+        object.__setattr__(self, "platform", platform)
+
+    @property
+    def interpret(self) -> bool:
+        """Whether Pallas kernels run in interpret mode (simulated CPU devices)."""
+        return self.platform == CPU
+
+    @property
+    def tpu_generation(self) -> Optional[str]:
+        """"v4", "v5e", "v5p", "v6e", ... for a TPU of a known kind, else None."""
+        if self.platform != TPU:
+            return None
+        return _TPU_GENERATIONS.get(self.device_kind)
+
+    @property
+    def compute_capability(self) -> Optional[tuple[int, int]]:
+        """`(major, minor)` of an NVIDIA GPU of a known kind, else None."""
+        if self.platform != GPU or not self.device_kind:
+            return None
+        words = set(re.split(r"[\s\-_]+", self.device_kind.upper()))
+        kind = self.device_kind.upper()
+        for names, cc in _COMPUTE_CAPABILITIES:
+            if any(n in words or (" " in n and n in kind) for n in names):
+                return cc
+        return _local_compute_capability(self.device_kind)
+
+    @property
+    def cost_preset(self) -> str:
+        """The `cost_model.PRESETS` key `"auto"` assumes for this target."""
+        if self.platform == TPU and self.tpu_generation in ("v4", "v5e", "v5p", "v6e"):
+            return "tpu_" + self.tpu_generation
+        if self.platform == GPU:
+            kind = self.device_kind.upper()
+            for needle, preset in _GPU_PRESETS:
+                if needle in kind:
+                    return preset
+        return _DEFAULT_PRESET[self.platform]
+
+    def __str__(self):
+        if not self.device_kind:
+            return f"{self.platform} (device kind unknown)"
+        extra = ""
+        if self.tpu_generation:
+            extra = f", TPU {self.tpu_generation}"
+            extra += ", megacore" if self.num_cores == 2 else ""
+        elif self.compute_capability:
+            extra = ", compute capability {}.{}".format(*self.compute_capability)
+        return f"{self.device_kind} ({self.platform}{extra})"
+
+
+def _local_compute_capability(kind: str) -> Optional[tuple[int, int]]:
+    """A local GPU of this kind says its compute capability (a kind not in the table)."""
+    try:
+        for d in jax.devices(GPU):
+            if d.device_kind == kind and getattr(d, "compute_capability", None):
+                return tuple(int(v) for v in str(d.compute_capability).split(".")[:2])
+    except RuntimeError:  # no GPU backend here
+        pass
+    return None
+
+
+def of_device(device) -> Target:
+    """The target of a `jax.Device` or of an abstract mesh's `AbstractDevice`."""
+    platform = device.platform
+    cores = getattr(device, "num_cores", None)
+    if cores is None and _PLATFORM_ALIASES.get(platform, platform) == GPU:
+        cores = getattr(device, "core_count", None)
+    return Target(platform, device.device_kind, cores)
+
+
+def of_mesh(mesh) -> Optional[Target]:
+    """The target of a `Mesh` or `AbstractMesh`, or None when it does not say."""
+    if mesh is None or mesh.empty:
+        return None
+    if isinstance(mesh, jax.sharding.Mesh):
+        return of_device(mesh.devices.flat[0])
+    abstract = getattr(mesh, "abstract_device", None)
+    return None if abstract is None else of_device(abstract)
+
+
+def of_platform(platform: str) -> Target:
+    """A target known only by its platform ("cpu", "gpu"/"cuda", "tpu")."""
+    if platform == CPU:
+        return Target(CPU, CPU)
+    return Target(platform)
+
+
+def local() -> Target:
+    """The target of this process's default device (used only where no mesh says)."""
+    return of_device(jax.devices()[0])
+
+
+def current(*arrays) -> Target:
+    """The target of the code being traced: the mesh in context, else the mesh of the
+    first of `arrays` that has one, else the local default device."""
+    found = of_mesh(jax.sharding.get_abstract_mesh())
+    if found is not None:
+        return found
+    for a in arrays:
+        try:
+            sharding = jax.typeof(a).sharding
+        except (TypeError, AttributeError):  # not an array, or an aval without sharding
+            continue
+        found = of_mesh(getattr(sharding, "mesh", None))
+        if found is not None:
+            return found
+    return local()

@@ -1,0 +1,115 @@
+"""fusedpar.aot.overlap reads a compiled schedule right: which transfers have a matmul in
+flight, which matmuls are exposed, and which op each belongs to — in the GPU and TPU
+dialects (hand-written schedules) and on a real CPU program, whose collective-permutes
+are synchronous (nothing can overlap)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import fusedpar
+from fusedpar import _hlo, aot
+from helpers import mesh
+
+SCOPE = 'metadata={op_name="jit(f)/shard_map/jvp(fusedpar.ag_rows.ring.unidirectional)/%s"}'
+BWD = 'metadata={op_name="jit(f)/transpose(jvp(fusedpar.ag_rows.ring.unidirectional))/fusedpar.rs_rows.ring.unidirectional/%s"}'
+
+# A 3-step ring as XLA's GPU scheduler writes it: each transfer starts before a step's
+# matmul (a cuBLAS gemm, then a fusion with a dot inside) and is done after it.
+OVERLAPPED = f"""\
+HloModule ring, is_scheduled=true
+
+%fused_dot (p0: f16[8,8], p1: f16[8,8]) -> f16[8,8] {{
+  %p0 = f16[8,8]{{1,0}} parameter(0)
+  %p1 = f16[8,8]{{1,0}} parameter(1)
+  ROOT %d = f16[8,8]{{1,0}} dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+
+ENTRY %main (x: f16[8,8], w: f16[8,8]) -> f16[8,8] {{
+  %x = f16[8,8]{{1,0}} parameter(0)
+  %w = f16[8,8]{{1,0}} parameter(1)
+  %cp-start = (f16[8,8]{{1,0}}, f16[8,8]{{1,0}}) collective-permute-start(%x), channel_id=1, source_target_pairs={{{{0,1}},{{1,2}},{{2,0}}}}, {SCOPE % "ppermute"}
+  %gemm = (f16[8,8]{{1,0}}, s8[0]{{0}}) custom-call(%x, %w), custom_call_target="__cublas$gemm", {SCOPE % "dot_general"}
+  %cp-done = f16[8,8]{{1,0}} collective-permute-done(%cp-start)
+  %cp-start.1 = (f16[8,8]{{1,0}}, f16[8,8]{{1,0}}) collective-permute-start(%cp-done), channel_id=2, source_target_pairs={{{{0,1}},{{1,2}},{{2,0}}}}, {SCOPE % "ppermute"}
+  %fusion = f16[8,8]{{1,0}} fusion(%cp-done, %w), kind=kCustom, calls=%fused_dot, {SCOPE % "dot_general"}
+  %cp-done.1 = f16[8,8]{{1,0}} collective-permute-done(%cp-start.1)
+  ROOT %kernel = f16[8,8]{{1,0}} custom-call(%cp-done.1, %w), custom_call_target="mosaic_gpu", {SCOPE % "pallas_call"}
+}}
+"""
+
+# The TPU dialect: tiled layouts in shapes, u32 sync flags in the start's tuple, matmuls
+# as convolutions inside fusions, index comments in operand lists; a backward step.
+TPU = f"""\
+HloModule ring, is_scheduled=true
+
+%fused_conv (p0: bf16[16,128], p1: bf16[128,128]) -> f32[16,128] {{
+  %p0 = bf16[16,128]{{1,0:T(8,128)(2,1)}} parameter(0)
+  %p1 = bf16[128,128]{{1,0:T(8,128)(2,1)}} parameter(1)
+  ROOT %c = f32[16,128]{{1,0:T(8,128)}} convolution(%p0, %p1), dim_labels=bf_io->bf
+}}
+
+ENTRY %main (x: bf16[16,128], w: bf16[128,128]) -> f32[16,128] {{
+  %x = bf16[16,128]{{1,0:T(8,128)(2,1)}} parameter(0)
+  %w = bf16[128,128]{{1,0:T(8,128)(2,1)}} parameter(1)
+  %collective-permute-start = (bf16[16,128]{{1,0:T(8,128)(2,1)}}, bf16[16,128]{{1,0:T(8,128)(2,1)}}, u32[]{{:S(2)}}, u32[]{{:S(2)}}) collective-permute-start(%x), channel_id=1, source_target_pairs={{{{0,1}},{{1,0}}}}, {BWD % "ppermute"}
+  %fusion.1 = f32[16,128]{{1,0:T(8,128)}} fusion(%x, /*index=1*/%w), kind=kOutput, calls=%fused_conv, {BWD % "dot_general"}
+  %collective-permute-done = bf16[16,128]{{1,0:T(8,128)(2,1)}} collective-permute-done(%collective-permute-start)
+  ROOT %fusion.2 = f32[16,128]{{1,0:T(8,128)}} fusion(%collective-permute-done, %w), kind=kOutput, calls=%fused_conv, {BWD % "dot_general"}
+}}
+"""
+
+
+def test_overlapped_schedule():
+    r = aot.overlap(OVERLAPPED)
+    assert (r.total, r.hidden) == (2, 2)
+    s = r.op("ag_rows", "ring", "forward")
+    assert (s.transfers, s.hidden, s.matmuls, s.exposed) == (2, 2, 3, 1)  # the last step
+    assert s.bytes == 2 * 8 * 8 * 2  # two f16[8,8] blocks sent
+    assert s.verdict.startswith("overlapped")
+    assert r.transfers[0].matmuls == ("gemm",)
+    assert "| ag_rows | ring | forward | 2 / 2 |" in r.markdown()
+
+
+def test_serialised_schedule():
+    # The same program with every transfer done before the matmul that follows it.
+    moved = []
+    for line in OVERLAPPED.splitlines():
+        if "collective-permute-done" in line:
+            moved.insert(len(moved) - 1, line)  # before the matmul just written
+        else:
+            moved.append(line)
+    r = aot.overlap("\n".join(moved))
+    s = r.op("ag_rows", "ring", "forward")
+    assert (s.transfers, s.hidden, s.matmuls, s.exposed) == (2, 0, 3, 3)
+    assert s.verdict.startswith("NOT overlapped")
+
+
+def test_tpu_dialect_and_backward_attribution():
+    r = aot.overlap(TPU)
+    s = r.op("rs_rows", "ring", "backward")  # the innermost fusedpar scope names the op
+    assert (s.transfers, s.hidden, s.matmuls, s.exposed) == (1, 1, 2, 1)
+    assert s.bytes == 16 * 128 * 2
+    assert _hlo.shape_bytes("(bf16[16,128]{1,0:T(8,128)(2,1)}, u32[]{:S(2)})") == 16 * 128 * 2 + 4
+
+
+def test_cpu_program_has_synchronous_transfers():
+    m = mesh((4,), ("x",))
+    f = jax.jit(jax.shard_map(
+        lambda x, w: fusedpar.all_gather_matmul(x, w, "x", backend="ring", bidirectional=False),
+        mesh=m, in_specs=(P("x"), P()), out_specs=P("x")))
+    compiled = f.lower(jax.ShapeDtypeStruct((64, 32), jnp.float32),
+                       jax.ShapeDtypeStruct((32, 16), jnp.float32)).compile()
+    s = aot.overlap(compiled).op("ag_rows", "ring", "forward")
+    assert (s.transfers, s.hidden, s.matmuls, s.exposed) == (3, 0, 4, 4)
+    assert s.bytes == 3 * 16 * 32 * 4
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match=r"overlap: program must be a compiled program"):
+        aot.overlap(42)
+    with pytest.raises(ValueError, match=r"unknown target 'v9x:2x2'; valid: h100x8, v5e:2x4"):
+        aot.devices("v9x:2x2")
+    with pytest.raises(ValueError, match=r"'h100x16'.*'h100xN' with N from 1 to 8"):
+        aot.mesh("h100x16")

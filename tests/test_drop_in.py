@@ -1,0 +1,77 @@
+"""The layers as drop-ins for `eqx.nn.Linear`: "scalar" features, as Equinox's own
+`test_linear` uses them, with no mesh; refused only where a sharding rule splits them."""
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fusedpar
+from helpers import mesh
+
+pytestmark = pytest.mark.timeout(120)
+
+KEY = jax.random.key(0)
+LAYERS = [fusedpar.ColumnLinear, fusedpar.RowLinear, fusedpar.FSDPLinear]
+FEATURES = [("scalar", 3), (3, "scalar"), ("scalar", "scalar")]
+
+
+@pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("features", FEATURES, ids=str)
+def test_scalar_features_with_no_mesh_are_eqx_linear(cls, features):
+    a, b = features
+    lin = eqx.nn.Linear(a, b, key=KEY)
+    layer = cls(a, b, key=KEY)
+    x = jnp.array(2.0) if a == "scalar" else jnp.arange(3.0)
+    assert layer.weight.shape == lin.weight.shape
+    np.testing.assert_allclose(layer(x), lin(x), rtol=1e-6)
+    xs = jnp.stack([x, 2 * x])
+    np.testing.assert_allclose(jax.vmap(layer)(xs), jax.vmap(lin)(xs), rtol=1e-6)
+    g = jax.grad(lambda l: jnp.sum(l(x)))(layer)
+    want = jax.grad(lambda l: jnp.sum(l(x)))(lin)
+    np.testing.assert_allclose(g.weight, want.weight, rtol=1e-6)
+
+
+def test_scalar_dimension_that_a_rule_shards_is_refused_on_a_mesh():
+    m = mesh((4,), ("tp",))
+    head = fusedpar.ColumnLinear(8, "scalar", key=KEY)
+    with pytest.raises(ValueError, match=r"ColumnLinear.*out_features='scalar'.*Column "
+                                         r"style shards over mesh axis 'tp'.*eqx.nn.Linear"):
+        fusedpar.shard(head, m)
+    with jax.set_mesh(m), pytest.raises(ValueError, match=r"out_features='scalar'"):
+        head(jnp.ones((4, 8)))
+    # A rule that shards the other dimension is fine.
+    up = fusedpar.shard(fusedpar.ColumnLinear("scalar", 8, key=KEY), m)
+    with jax.set_mesh(m):
+        y = eqx.filter_jit(lambda l, x: l(x))(up, jnp.arange(4.0))
+    want = jax.vmap(eqx.nn.Linear("scalar", 8, key=KEY))(jnp.arange(4.0))
+    np.testing.assert_allclose(y, want, rtol=1e-6)
+
+
+class _Critic(eqx.Module):
+    body: eqx.nn.Linear
+    value: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.body = eqx.nn.Linear(8, 16, key=k1)
+        self.value = eqx.nn.Linear(16, "scalar", key=k2)
+
+
+def test_a_catch_all_plan_leaves_scalar_layers_with_a_warning():
+    with pytest.warns(UserWarning, match=r"left \['value'\] as eqx.nn.Linear.*'scalar'"):
+        model = fusedpar.parallelize(_Critic(KEY), {"*": "column"})
+    assert isinstance(model.body, fusedpar.ColumnLinear)
+    assert type(model.value) is eqx.nn.Linear
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fusedpar.shard(model, mesh((4,), ("tp",)))
+
+
+def test_a_plan_that_names_a_scalar_layer_is_an_error():
+    with pytest.raises(ValueError, match=r"parallelize: value: out_features='scalar'.*"
+                                         r"leave it out of the parallelize plan"):
+        fusedpar.parallelize(_Critic(KEY), {"body": "column", "value": "column"})

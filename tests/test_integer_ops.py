@@ -1,0 +1,64 @@
+"""Integer operands: the ops equal their lax expressions (JAX's own collective-matmul test
+cases use int32); the kernels, which multiply floating blocks only, refuse them by name."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import fusedpar
+from helpers import mesh
+
+pytestmark = pytest.mark.timeout(300)
+
+CONFIGS = [("reference", {}), ("auto", {}),
+           ("ring", dict(bidirectional=False, unroll=True)),
+           ("ring", dict(bidirectional=True, unroll=False))]
+
+
+def _operands(dtype):
+    rng = np.random.default_rng(0)
+    # int8 products overflow: the ops must wrap exactly as the lax expression does.
+    return (jnp.asarray(rng.integers(-100, 100, (16, 32)), dtype),
+            jnp.asarray(rng.integers(-100, 100, (32, 8)), dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.int8], ids=lambda d: jnp.dtype(d).name)
+def test_integer_ops_equal_the_lax_expression(dtype):
+    m = mesh((4,), ("x",))
+    x, w = _operands(dtype)
+
+    def run(f, out):
+        return jax.jit(jax.shard_map(f, mesh=m, in_specs=(P("x"), P()), out_specs=out,
+                                     check_vma=False))(x, w)
+
+    want = {
+        "lhs": run(lambda a, b: jnp.matmul(lax.all_gather(a, "x", tiled=True), b), P()),
+        "rhs": run(lambda a, b: jnp.matmul(a, lax.all_gather(b, "x", axis=1, tiled=True)),
+                   P("x")),
+        "rs": run(lambda a, b: lax.psum_scatter(jnp.matmul(a, b), "x", scatter_dimension=1,
+                                                tiled=True), P("x")),
+    }
+    for backend, kw in CONFIGS:
+        got = {
+            "lhs": run(lambda a, b: fusedpar.all_gather_matmul(
+                a, b, "x", backend=backend, **kw), P()),
+            "rhs": run(lambda a, b: fusedpar.all_gather_matmul(
+                a, b, "x", gather="rhs", dim=1, backend=backend, **kw), P("x")),
+            "rs": run(lambda a, b: fusedpar.matmul_reduce_scatter(
+                a, b, "x", dim=1, backend=backend, **kw), P("x")),
+        }
+        for k in want:
+            assert got[k].dtype == want[k].dtype, (backend, kw, k)
+            np.testing.assert_array_equal(got[k], want[k], err_msg=f"{backend} {kw} {k}")
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
+def test_kernels_refuse_integers_with_the_reason(backend):
+    x, w = jax.ShapeDtypeStruct((64, 128), jnp.int32), jax.ShapeDtypeStruct((128, 128), jnp.int32)
+    with pytest.raises(NotImplementedError, match=rf"backend '{backend}' cannot run this "
+                                                  r"call: dtype int32 is not supported"):
+        fusedpar.explain("all_gather_matmul", x, w, 4, backend=backend,
+                         platform="tpu" if backend == "pallas_tpu" else None)

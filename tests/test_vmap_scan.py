@@ -1,0 +1,50 @@
+"""`lax.scan` over stacked layers inside a per-example `jax.vmap` works (the docs say so):
+the layers see one example each (the scan stops the vmap's fold) and give the dense
+numbers, values and gradients, on global arrays under jax.set_mesh."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import fusedpar
+from helpers import assert_close, mesh, normal
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Block(eqx.Module):
+    up: fusedpar.ColumnLinear
+    down: fusedpar.RowLinear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.up = fusedpar.ColumnLinear(16, 32, key=k1, sequence_parallel=True,
+                                        fsdp_axis="fsdp", backend="ring")
+        self.down = fusedpar.RowLinear(32, 16, key=k2, sequence_parallel=True,
+                                       fsdp_axis="fsdp", backend="ring")
+
+    def __call__(self, x):  # x: (seq, features), one example
+        return x + self.down(jnp.tanh(self.up(x)))
+
+
+def loss(blocks, x):
+    params, static = eqx.partition(blocks, eqx.is_array)
+
+    def one(example):
+        def step(h, p):
+            return eqx.combine(p, static)(h), None
+        return lax.scan(step, example, params)[0]
+
+    return jnp.sum(jnp.sin(jax.vmap(one)(x)))
+
+
+def test_scan_inside_vmap_matches_dense():
+    blocks = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 3))
+    x = normal(0, (2, 8, 16), jnp.float32)
+    want = eqx.filter_value_and_grad(loss)(blocks, x)  # no mesh: dense math
+    m = mesh((2, 4), ("fsdp", "tp"))
+    with jax.set_mesh(m):
+        got = eqx.filter_jit(eqx.filter_value_and_grad(loss))(fusedpar.shard(blocks, m), x)
+    assert_close(got, want, jnp.float32)
