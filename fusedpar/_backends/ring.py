@@ -89,7 +89,9 @@ def _send(cfg, ring, pieces):
 
 
 def _after(values, previous):
-    """`values`, made to depend on `previous` (the last step's result) for the compiler.
+    """`(values, previous)`, the values made to depend on `previous` (the last step's
+    result) for the compiler. Use both results: XLA may drop a barrier operand whose
+    result nobody reads (it did, in an FSDP x TP block's backward, and the chain broke).
 
     A ring step's matmul reads the piece that arrived (all-gathers) or a window of a
     resident operand (reduce-scatters), never the previous step's product, so nothing
@@ -111,8 +113,8 @@ def _after(values, previous):
     value.
     """
     if previous is None:
-        return values
-    return lax.optimization_barrier((values, previous))[0]
+        return values, previous
+    return lax.optimization_barrier((values, previous))
 
 
 def _split(ring, a, axis, what):
@@ -140,7 +142,7 @@ def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=()):
         carry, pieces = state
         # The pieces in hand wait for the previous step's product (see `_after`), then
         # go on to the next device while this step multiplies them.
-        pieces = _after(pieces, carry)
+        pieces, carry = _after(pieces, carry)
         return compute(i, carry, pieces), _send(cfg, ring, pieces)
 
     ring_axes = set(axis_names(cfg.axis_name))
@@ -152,7 +154,8 @@ def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=()):
     pieces = tuple(as_varying(p, axes) for p in pieces)
     state = (carry, pieces)
     carry, pieces = _loop(cfg, 0, ring.num_transfers, step, state)
-    return compute(ring.num_steps - 1, carry, _after(pieces, carry))
+    pieces, carry = _after(pieces, carry)
+    return compute(ring.num_steps - 1, carry, pieces)
 
 
 def ring_reduce_scatter(cfg, accumulate, out_len, axis):
@@ -168,23 +171,26 @@ def ring_reduce_scatter(cfg, accumulate, out_len, axis):
     me = lax.axis_index(cfg.axis_name)
     length = ring.split_size(out_len, "each output block")
 
-    def products(i, after):
-        # The segment index (which all of a step's operand windows are cut with) comes
-        # through a barrier with the previous step's accumulators: see `_after`.
-        segs = tuple(ring.scatter_segment(me, i, r) for r in ring.directions)
-        return tuple(accumulate(None, seg, length) for seg in _after(segs, after))
+    def products(i, segs):
+        return tuple(accumulate(None, seg, length) for seg in segs)
+
+    def segments(i):
+        return tuple(ring.scatter_segment(me, i, r) for r in ring.directions)
 
     def step(i, accs):
+        # The segment index (which all of a step's operand windows are cut with) comes
+        # through a barrier with the accumulators the previous step made: see `_after`.
+        segs, accs = _after(segments(i), accs)
         incoming = _send(cfg, ring, accs)
         # This device's partial products need nothing that is in flight: computing them
         # apart from the add keeps the transfer free to overlap them. Fused with the add
         # (a kernel that reads the accumulator, or XLA folding the add into the GEMM's
         # epilogue, as cuBLAS and Triton GEMMs do) the matmul would wait for the
         # transfer. The barrier keeps XLA from folding the add back in.
-        parts = lax.optimization_barrier(products(i, accs))
+        parts = lax.optimization_barrier(products(i, segs))
         return tuple(acc + part for acc, part in zip(incoming, parts))
 
-    accs = _loop(cfg, 1, ring.num_steps, step, products(0, None))
+    accs = _loop(cfg, 1, ring.num_steps, step, products(0, segments(0)))
     return jnp.concatenate(accs, axis=axis).astype(cfg.out_dtype)
 
 
