@@ -267,3 +267,43 @@ def test_axis_tuple_in_reverse_mesh_order(case):
     all_gather and psum_scatter do, although ppermute numbers devices in mesh order."""
     compare_on_2x4(case, ("b", "a"), case.x_shape, case.w_shape, case.x_spec, case.w_spec,
                    case.out_spec)
+
+
+# A ring that visits the devices out of index order (as on a TPU slice, where it follows
+# the wires): the same values, the blocks stacked in index order.
+ORDER_8 = (0, 2, 4, 6, 7, 5, 3, 1)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_ring_in_physical_order(case, monkeypatch):
+    from fusedpar._backends import ring
+    from fusedpar._schedule import Ring
+
+    def ordered(axis_name, size, bidirectional=False):
+        return Ring(size, bidirectional, ORDER_8 if size == 8 else None)
+
+    monkeypatch.setattr(ring, "ring_for", ordered)
+    check(run_case(case, 8, jnp.float32, CONFIGS[1:]), jnp.float32,
+          f"{case.name} ring order {ORDER_8}")
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("lhs_dim0", "rs_dim0")],
+                         ids=lambda c: c.name)
+def test_tpu_kernels_in_physical_order(case, monkeypatch):
+    """The fused TPU kernels address their neighbours through the same `Ring`: out of
+    index order (interpret mode, 4 devices), the same values."""
+    from fusedpar._backends import pallas_tpu
+    from fusedpar._schedule import Ring
+
+    def ordered(axis_name, size, bidirectional=False):
+        return Ring(size, bidirectional, (0, 2, 3, 1) if size == 4 else None)
+
+    monkeypatch.setattr(pallas_tpu, "ring_for", ordered)
+    n, m = 4, mesh((4,), ("x",))
+    xs, ws = _scaled(case.x_shape, case.x_spec, n), _scaled(case.w_shape, case.w_spec, n)
+    x, w = normal(0, xs, jnp.float32), normal(1, ws, jnp.float32)
+    configs = [("pallas_tpu", dict(bidirectional=b)) for b in (False, True)]
+    fns = [_op(case, None, {})] + [_op(case, b, o) for b, o in configs]
+    check(evaluate(fns, m, x, w, (case.x_spec, case.w_spec), case.out_spec,
+                   ["oracle", "uni", "bidi"], check_vma=False), jnp.float32,
+          f"{case.name} (0, 2, 3, 1)")

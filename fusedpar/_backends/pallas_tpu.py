@@ -32,7 +32,7 @@ import dataclasses
 import jax
 
 from .. import _batching, _primitives as prims, _target, _vma
-from .._schedule import Ring
+from .._schedule import Ring, ring_for
 
 DESCRIPTION = "one fused Pallas TPU kernel per op: the ring runs inside it with remote DMAs"
 CHECK_VMA = False
@@ -124,7 +124,9 @@ def _params(prim, *, axis_name, axis_size, bidirectional, out_dtype, reduce_dtyp
     id."""
     tpu = _kernels()
     module, kernel_name, layout = _kernel_of(prim)
-    ring = Ring(axis_size, bidirectional)
+    # The ring follows the slice's wires when the mesh's devices are known (`ring_for`).
+    ring = (Ring(axis_size, bidirectional) if axis_name is None
+            else ring_for(axis_name, axis_size, bidirectional))
     if get("cores") not in (None, 1, 2):
         raise ValueError(f"{prim}: options['cores']={get('cores')!r} must be 1 or 2 (the "
                          "TensorCores a TPU device splits a step between; 2 on megacore "

@@ -9,10 +9,14 @@ primitives (`_primitives.py`) on these loops with a backend's two step functions
 `scatter_step` (what a step of a reduce-scatter adds). This module's own are lax dots;
 `pallas_gpu.py` passes Pallas kernels.
 
-Each step's `ppermute` depends only on the block in hand, not on the step's matmul, so
-XLA's latency-hiding scheduler can run the transfer of the next block while the current
-one is multiplied. `unroll=False` rolls the steps into a `fori_loop` so trace and compile
-time stay flat as the ring grows.
+A step sends the block it multiplies, so the transfer runs while the matmul does; the
+steps are chained through optimization barriers (`_after`) so that XLA can neither merge
+the step matmuls into one GEMM after the last transfer nor run the transfers ahead of
+them, and a reduce-scatter computes its partial product apart from the add of the
+accumulator that arrives. The compiled 8 x H100 and TPU schedules this gives are checked
+in tests/test_overlap.py. The ring visits the devices in the order of the wires when the
+mesh's devices are known (`_schedule.ring_for`). `unroll=False` rolls the steps into a
+`fori_loop` so trace and compile time stay flat as the ring grows.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import _definition, _primitives as prims
-from .._schedule import Ring, mesh_coordinates
+from .._schedule import mesh_coordinates, ring_for
 from .._vma import as_varying, axis_names, varying_axes
 
 DESCRIPTION = "ppermute ring schedules in lax, uni- or bidirectional, unrolled or rolled"
@@ -88,6 +92,35 @@ def _send(cfg, ring, pieces):
                  for r, p in zip(ring.directions, pieces))
 
 
+def _after(values, previous):
+    """`(values, previous)`, the values made to depend on `previous` (the last step's
+    result) for the compiler. Use both results: XLA may drop a barrier operand whose
+    result nobody reads (it did, in an FSDP x TP block's backward, and the chain broke).
+
+    A ring step's matmul reads the piece that arrived (all-gathers) or a window of a
+    resident operand (reduce-scatters), never the previous step's product, so nothing
+    orders the step matmuls. XLA then treats them as independent dots that share an
+    operand and its dot merger (on GPU: every dot of at most
+    `--xla_gpu_dot_merger_threshold_mb`, 32 MB of operands and result, by default) fuses
+    them into one GEMM on the concatenated pieces, which runs after the last transfer:
+    nothing overlaps. Passing a step's inputs through an optimization barrier together
+    with the previous step's result makes each step's matmul depend on the one before;
+    dots that depend on one another cannot be merged.
+
+    The transfers go through the barrier too (a step sends what it multiplies). A block
+    could travel on as soon as it arrived, but then XLA's latency-hiding scheduler, which
+    knows no better than "a transfer is long", lets the first transfers run back to back
+    and piles every matmul into the last ones: on 8 x H100 an all-gather's first three
+    transfers hid nothing. Tied to the previous step, transfer `i` can only overlap the
+    matmul of step `i`: the ring runs in lock step, one transfer per direction in
+    flight, which is all a ring has anyway. The barrier is an identity: it changes no
+    value.
+    """
+    if previous is None:
+        return values, previous
+    return lax.optimization_barrier((values, previous))
+
+
 def _split(ring, a, axis, what):
     half = ring.split_size(a.shape[axis], what)
     return tuple(segment(a, h, half, axis) for h in range(ring.num_directions))
@@ -102,7 +135,7 @@ def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=()):
     `inputs`: the other arrays `step_fn` reads, so a rolled loop's carry is typed as
     varying over every mesh axis its result will vary over.
     """
-    ring = Ring(cfg.axis_size, cfg.bidirectional)
+    ring = ring_for(cfg.axis_name, cfg.axis_size, cfg.bidirectional)
     me = lax.axis_index(cfg.axis_name)
 
     def compute(i, carry, pieces):
@@ -111,18 +144,21 @@ def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=()):
 
     def step(i, state):
         carry, pieces = state
-        # Send first: the transfer needs only the block in hand, not this step's matmul.
-        incoming = _send(cfg, ring, pieces)
-        return compute(i, carry, pieces), incoming
+        # The pieces in hand wait for the previous step's product (see `_after`), then
+        # go on to the next device while this step multiplies them.
+        pieces, carry = _after(pieces, carry)
+        return compute(i, carry, pieces), _send(cfg, ring, pieces)
 
     ring_axes = set(axis_names(cfg.axis_name))
     axes = ring_axes.union(*(varying_axes(a) for a in (travelling,) + tuple(inputs)))
     carry = jax.tree.map(lambda a: as_varying(a, axes), carry)
     pieces = _split(ring, travelling, axis, "the travelling block")
-    # After one ppermute a piece varies over the ring axis even if `travelling` did not.
-    pieces = tuple(as_varying(p, ring_axes | varying_axes(p)) for p in pieces)
+    # After one ppermute a piece varies over the ring axis even if `travelling` did not,
+    # and after the barrier that ties it to the carry (`_after`) over the carry's axes.
+    pieces = tuple(as_varying(p, axes) for p in pieces)
     state = (carry, pieces)
     carry, pieces = _loop(cfg, 0, ring.num_transfers, step, state)
+    pieces, carry = _after(pieces, carry)
     return compute(ring.num_steps - 1, carry, pieces)
 
 
@@ -130,22 +166,35 @@ def ring_reduce_scatter(cfg, accumulate, out_len, axis):
     """Reduce-scatter along `axis` round the ring: accumulators travel, devices add in.
 
     `accumulate(acc, seg, length)` returns `acc` plus this device's contribution to output
-    segment `seg` (`length` rows or columns along `axis`), in `cfg.reduce_dtype`; at the
-    first step `acc` is None and it returns the contribution alone. Each device adds into
-    the accumulator it holds, for the segment that accumulator is bound for.
+    segment `seg` (`length` rows or columns along `axis`), in `cfg.reduce_dtype`, or the
+    contribution alone when `acc` is None. The ring only ever asks for the contribution
+    alone and adds it to the accumulator that arrived itself (see `step`). Each device
+    adds into the accumulator it holds, for the segment that accumulator is bound for.
     """
-    ring = Ring(cfg.axis_size, cfg.bidirectional)
+    ring = ring_for(cfg.axis_name, cfg.axis_size, cfg.bidirectional)
     me = lax.axis_index(cfg.axis_name)
     length = ring.split_size(out_len, "each output block")
 
-    def add(i, accs):
-        return tuple(accumulate(acc, ring.scatter_segment(me, i, r), length)
-                     for r, acc in zip(ring.directions, accs))
+    def products(i, segs):
+        return tuple(accumulate(None, seg, length) for seg in segs)
+
+    def segments(i):
+        return tuple(ring.scatter_segment(me, i, r) for r in ring.directions)
 
     def step(i, accs):
-        return add(i, _send(cfg, ring, accs))
+        # The segment index (which all of a step's operand windows are cut with) comes
+        # through a barrier with the accumulators the previous step made: see `_after`.
+        segs, accs = _after(segments(i), accs)
+        incoming = _send(cfg, ring, accs)
+        # This device's partial products need nothing that is in flight: computing them
+        # apart from the add keeps the transfer free to overlap them. Fused with the add
+        # (a kernel that reads the accumulator, or XLA folding the add into the GEMM's
+        # epilogue, as cuBLAS and Triton GEMMs do) the matmul would wait for the
+        # transfer. The barrier keeps XLA from folding the add back in.
+        parts = lax.optimization_barrier(products(i, segs))
+        return tuple(acc + part for acc, part in zip(incoming, parts))
 
-    accs = _loop(cfg, 1, ring.num_steps, step, add(0, (None,) * ring.num_directions))
+    accs = _loop(cfg, 1, ring.num_steps, step, products(0, segments(0)))
     return jnp.concatenate(accs, axis=axis).astype(cfg.out_dtype)
 
 

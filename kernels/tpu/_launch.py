@@ -89,10 +89,11 @@ def _named(kernel, names, *refs):
 
 
 def call(name, kernel, launch: RingLaunch, layout, inputs: dict, outputs: dict,
-         scratch: dict):
+         scratch: dict, cost_estimate=None):
     """Run `kernel(refs)` (refs: a dict by name of `inputs`, `outputs`, `scratch`) as one
     `pallas_call` named `name` (what profiles show), laid out by `layout` (a
-    `_tile_plan.StepLayout`); returns the outputs as a dict."""
+    `_tile_plan.StepLayout`); returns the outputs as a dict. `cost_estimate`: the
+    kernel's whole ring, for XLA's scheduler (`fusedpar.kernels._cost`)."""
     register_cpu_chip()
     memory = pltpu.VMEM if layout.in_vmem else pl.ANY
     spec = pl.BlockSpec(memory_space=memory)
@@ -109,7 +110,8 @@ def call(name, kernel, launch: RingLaunch, layout, inputs: dict, outputs: dict,
         functools.partial(_named, kernel, names), out_shape=list(outputs.values()),
         grid=(cores,) if cores > 1 else (), in_specs=[spec] * len(inputs),
         out_specs=[spec] * len(outputs), scratch_shapes=list(scratch.values()),
-        compiler_params=params, interpret=interpret, name=name)
+        compiler_params=params, interpret=interpret, name=name,
+        cost_estimate=cost_estimate)
     return dict(zip(outputs, f(*inputs.values())))
 
 

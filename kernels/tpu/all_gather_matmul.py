@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._cost import matmul_cost
 from . import _launch, _layout, _protocol, _step_compute, _tile_plan
 from ._protocol import segment
 
@@ -238,10 +239,15 @@ def all_gather_matmul(x, w, params: AllGatherMatmulParams):
                                      _ring_buffers(params, geometry, travelling),
                                      params.launch.ring)
     outputs = {**_outputs(params, geometry, travelling), **results}
+    ring = params.launch.ring
+    (rows, cols), k = geometry.out, x.shape[1]  # x's columns: K, or all k_l blocks of it
+    cost = matmul_cost([(rows, cols, k)], x.dtype, params.out_dtype,
+                       remote_bytes=travelling.size * travelling.dtype.itemsize
+                       * (ring.size - 1))
     results = _launch.call(
         f"all_gather_matmul_{params.gather}",
         functools.partial(_kernel, params=params, geometry=geometry, layout=layout), params.launch,
-        layout, operands, outputs, scratch)
+        layout, operands, outputs, scratch, cost)
     if params.return_gathered:
         return results["out"], results["gathered"]
     return results["out"]

@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._cost import matmul_cost
 from . import _launch, _layout, _protocol, _step_compute, _tile_plan
 from ._protocol import segment
 
@@ -191,10 +193,15 @@ def matmul_reduce_scatter(x, w, params: MatmulReduceScatterParams):
     results, scratch = _launch.place(layout, operands, _ring_buffers(params, geometry),
                                      params.launch.ring)
     outputs = {"out": jax.ShapeDtypeStruct(geometry.out, params.out_dtype), **results}
+    # Every step's partial product; the accumulators of all but the last step sent on.
+    ring = params.launch.ring
+    cost = matmul_cost([(x.shape[0], w.shape[1], x.shape[1])], x.dtype, params.out_dtype,
+                       remote_bytes=math.prod(geometry.out)
+                       * jnp.dtype(params.reduce_dtype).itemsize * (ring.size - 1))
     return _launch.call(
         f"matmul_reduce_scatter_{params.scatter}",
         functools.partial(_kernel, params=params, geometry=geometry, layout=layout), params.launch,
-        layout, operands, outputs, scratch)["out"]
+        layout, operands, outputs, scratch, cost)["out"]
 
 
 def reference(x, w, params: MatmulReduceScatterParams):

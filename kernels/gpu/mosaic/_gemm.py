@@ -183,7 +183,7 @@ def emit_gemm(cfg: GemmConfig, *, in_dtype, out_dtype, b_k_major: bool,
 
 
 def launch(body: Callable, cfg: GemmConfig, *, num_ctas: int, operands, out_type,
-           aliases: dict[int, int], interpret, name: str):
+           aliases: dict[int, int], interpret, name: str, cost_estimate=None):
     """Run `body(*in_refs, *out_refs)` as a warp-specialised Mosaic GPU kernel.
 
     `aliases` maps operand index -> output index (the output *is* that operand's buffer).
@@ -201,7 +201,7 @@ def launch(body: Callable, cfg: GemmConfig, *, num_ctas: int, operands, out_type
     with jax_config._check_vma(False):
         call = mpmd._mpmd_map([(mesh, body)], (out_type,), input_output_aliases=aliases,
                               compiler_params=params, interpret=_interpret_params(interpret),
-                              name=name)
+                              cost_estimate=cost_estimate, name=name)
         (out,) = call(*operands)
     return out
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ..._cost import matmul_cost
 from .._result_type import result_type
 from . import _gemm, _precision
 from ._matmul_into import _config_for
@@ -83,7 +84,9 @@ def matmul_acc(acc, terms, out_shape, out_dtype, *, precision=None, config=None,
     return _gemm.launch(
         body, cfg, num_ctas=num_ctas, operands=tuple(operands),
         out_type=result_type((m, n), out_dtype, *operands), aliases=aliases,
-        interpret=interpret, name="fusedpar_mgpu_matmul_acc")
+        interpret=interpret, name="fusedpar_mgpu_matmul_acc",
+        cost_estimate=matmul_cost([(m, n, k) for k in ks], dtype, out_dtype,
+                                  accumulates=acc is not None))
 
 
 def _body(offs_ref, *refs, cfg, ks, k_major, in_dtype, out_dtype, tiles_m, tiles_n,

@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._result_type import result_type
+from ..._cost import matmul_cost
 from . import _config, _gemm, _precision
 
 
@@ -90,7 +91,8 @@ def matmul_into(out, pieces, other, segs, *, axis, precision=None, config=None,
         body, cfg, num_ctas=num_ctas, operands=operands,
         out_type=result_type(out.shape, out.dtype, *operands),
         aliases={len(operands) - 1: 0}, interpret=interpret,
-        name=f"fusedpar_mgpu_matmul_into_{'rows' if axis == 0 else 'cols'}")
+        name=f"fusedpar_mgpu_matmul_into_{'rows' if axis == 0 else 'cols'}",
+        cost_estimate=matmul_cost([(m, n, k)] * len(pieces), dtype, out.dtype))
 
 
 def _config_for(config, m, n, ks, dtype, out_dtype):

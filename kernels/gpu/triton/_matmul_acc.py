@@ -18,6 +18,7 @@ import functools
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from ..._cost import matmul_cost
 from .._result_type import result_type
 from .._tile_order import tile_of
 from . import _tile_config, _tile_loop
@@ -91,6 +92,8 @@ def matmul_acc(acc, terms, out_shape, out_dtype, *, precision=None, config=(),
         compiler_params=_tile_loop.compiler_params(tiles),
         interpret=interpret,
         name="fusedpar_matmul_acc",
+        cost_estimate=matmul_cost([(m, n, k) for k in ks], dtype, out_dtype,
+                                  accumulates=acc is not None),
         **extra,
     )
     return _tile_loop.launch(call, out_struct, interpret, offs, *operands)

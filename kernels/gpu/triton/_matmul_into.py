@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ..._cost import matmul_cost
 from .._result_type import result_type
 from .._tile_order import tile_of
 from . import _tile_config, _tile_loop
@@ -91,5 +92,6 @@ def matmul_into(out, pieces, other, segs, *, axis, precision=None, config=(),
         compiler_params=_tile_loop.compiler_params(tiles),
         interpret=interpret,
         name=f"fusedpar_matmul_into_{'rows' if axis == 0 else 'cols'}",
+        cost_estimate=matmul_cost([(m, n, k)] * len(pieces), piece.dtype, out.dtype),
     )
     return _tile_loop.launch(call, out_shape, interpret, segs, *pieces, other, out)
