@@ -77,7 +77,7 @@ def op_program(mesh, prim, backend="ring", *, bidirectional=None, backward=True,
         in_specs, out_specs = (xspec, wspec, ospec), (ospec, xspec, wspec)
     program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs,
                                     out_specs=out_specs, check_vma=False))
-    return program, args
+    return _under_mesh(mesh, program), args
 
 
 def ops_program(mesh, prim, variants, *, rows=ROWS, k=K, cols=COLS, dtype=jnp.bfloat16):
@@ -104,7 +104,7 @@ def ops_program(mesh, prim, variants, *, rows=ROWS, k=K, cols=COLS, dtype=jnp.bf
     spec = (ospec, xspec, wspec)
     program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(xspec, wspec, ospec),
                                     out_specs=[spec] * len(variants), check_vma=False))
-    return program, args
+    return _under_mesh(mesh, program), args
 
 
 class _MLP(eqx.Module):
@@ -173,21 +173,20 @@ def _layer_program(mesh, model, plan, backend, x_shape, x_spec, dtype):
 
         return jax.value_and_grad(loss)(params)
 
-    def traced(*args):
-        with jax.set_mesh(mesh):
-            return jax.jit(step).trace(*args)
-
-    return _MeshJit(traced), [params, x, x]
+    return _under_mesh(mesh, jax.jit(step)), [params, x, x]
 
 
-class _MeshJit:
-    """`.lower(*args)` tracing under `jax.set_mesh(mesh)` (the layers' global context)."""
+class _under_mesh:
+    """`jitted`, traced under `jax.set_mesh(mesh)` by `.lower(*args)`: the layers' global
+    context, and the concrete mesh whose device coordinates give the ring its order
+    (`fusedpar._schedule.ring_for`)."""
 
-    def __init__(self, traced):
-        self._traced = traced
+    def __init__(self, mesh, jitted):
+        self.mesh, self.jitted = mesh, jitted
 
     def lower(self, *args):
-        return self._traced(*args).lower()
+        with jax.set_mesh(self.mesh):
+            return self.jitted.trace(*args).lower()
 
 
 def mlp_program(mesh, backend="ring", *, dim=4096, hidden=4096 * 4, tokens=1024,

@@ -8,7 +8,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-from . import _autodiff, _definition, _dispatch, _interpret, _target, _validate
+from . import _autodiff, _definition, _dispatch, _interpret, _target, _validate, _xla_flags
 from . import _primitives as prims
 from ._dispatch import AUTO, Choice
 from ._primitives import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Config
@@ -61,7 +61,15 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     where = _explain_target(target, platform)
     _validate.flag("explain", "unroll", unroll)
     _, call = _validate.op_call(op, x, w, axis_size, gather, dim, bidirectional)
-    return _choose(call, backend, unroll, precision, options, where)
+    choice = _choose(call, backend, unroll, precision, options, where)
+    if where.platform == "gpu" and choice.backend != "reference":
+        missing = _xla_flags.missing_gpu_overlap_flags(choice.bidirectional)
+        if missing:  # XLA reads them once: say so, rather than set them behind your back
+            choice = dataclasses.replace(choice, reason=(
+                f"{choice.reason}; XLA_FLAGS lacks {' '.join(missing)}, which a GPU ring "
+                "needs for its transfers to overlap: call fusedpar.set_gpu_overlap_flags() "
+                "before JAX starts"))
+    return choice
 
 
 def _choose(call, backend, unroll, precision, options, target) -> Choice:

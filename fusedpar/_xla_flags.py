@@ -37,6 +37,13 @@ def gpu_overlap_flags(bidirectional: bool = True) -> str:
     return " ".join(f"--{name}={value}" for name, value in flags)
 
 
+def missing_gpu_overlap_flags(bidirectional: bool = True) -> list[str]:
+    """The flags of `gpu_overlap_flags(bidirectional)` that `XLA_FLAGS` does not set."""
+    present = {f.split("=")[0].lstrip("-") for f in os.environ.get("XLA_FLAGS", "").split()}
+    return [f for f in gpu_overlap_flags(bidirectional).split()
+            if f.split("=")[0].lstrip("-") not in present]
+
+
 def _backends_started() -> bool:
     try:
         from jax._src import xla_bridge

@@ -139,3 +139,20 @@ def test_requests_that_contradict_the_target():
                          options={"interpret": True})
     with pytest.raises(ValueError, match="pass target= or platform=, not both"):
         fusedpar.explain(AGM, x, w, 8, target=h100, platform="gpu")
+
+
+@needs_aot
+def test_explain_reports_missing_gpu_flags(monkeypatch):
+    x = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    h100 = _aot_mesh("h100x8")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    choice = fusedpar.explain(AGM, x, w, 8, backend="ring", bidirectional=True, target=h100)
+    assert ("XLA_FLAGS lacks --xla_gpu_enable_latency_hiding_scheduler=true "
+            "--xla_gpu_experimental_parallel_collective_overlap_limit=2") in choice.reason
+    assert "fusedpar.set_gpu_overlap_flags()" in choice.reason
+    monkeypatch.setenv("XLA_FLAGS", fusedpar.gpu_overlap_flags())
+    choice = fusedpar.explain(AGM, x, w, 8, backend="ring", bidirectional=True, target=h100)
+    assert "XLA_FLAGS lacks" not in choice.reason
+    v5e = fusedpar.explain(AGM, x, w, 8, backend="ring", target=_aot_mesh("v5e:2x4"))
+    assert "XLA_FLAGS" not in v5e.reason  # TPU: nothing to set
