@@ -16,7 +16,7 @@ BACKENDS = ("reference", "ring", "pallas", "auto")
 
 
 def _parse(argv):
-    from . import aot
+    from . import _aot as aot
 
     p = argparse.ArgumentParser(
         prog="python -m fusedpar.aot",
@@ -70,7 +70,7 @@ def _user_program(spec):
 
 def _mesh(args, n_default_axes):
     global _LAST_MESH
-    from . import aot
+    from . import _aot as aot
 
     axes = tuple(args.axes.split(",")) if args.axes else n_default_axes
     devices = len(aot.devices(args.target))
@@ -111,7 +111,7 @@ def main(argv=None):
     args = _parse(argv)
     import jax
 
-    from . import aot
+    from . import _aot as aot
 
     options = aot.gpu_compiler_options(args.cublas) if args.target.startswith("h100") else {}
     rows = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,3 +52,11 @@ def normal(seed, shape, dtype):
     """
     values = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
     return jnp.asarray(values).astype(dtype)
+
+
+# Tests that compile for hardware that is not here need the compilers of the aot extra.
+needs_aot = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None
+    or importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+    reason='the compilers for absent hardware come with the aot extra: '
+           'pip install -e ".[test,aot]"')

@@ -8,22 +8,15 @@ Pallas TPU kernels, Mosaic GPU for the Hopper step kernels. With no options, "pa
 becomes the target's own kernels and "auto" decides with the target's cost preset.
 """
 
-import importlib.util
-
 import jax
 import jax.numpy as jnp
 import pytest
 
 from fusedpar import _aot_programs as progs, _primitives as prims, _target
 
-pytestmark = [
-    pytest.mark.aot,
-    pytest.mark.skipif(
-        importlib.util.find_spec("libtpu") is None
-        or importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-        reason='the compilers for absent hardware come with the aot extra: '
-               'pip install -e ".[test,aot]"'),
-]
+from helpers import needs_aot
+
+pytestmark = [pytest.mark.aot, needs_aot]
 
 TARGETS = ("h100x8", "v5e:2x4", "v5p:2x2x2", "v6e:2x4")
 VARIANTS = (("reference", None), ("ring", False), ("ring", True), ("pallas", False),

@@ -10,20 +10,13 @@ accumulator before its product (a GEMM with the add fused into it). The ring's s
 now chained, so a regression here is a schedule, not a number, that changed.
 """
 
-import importlib.util
-
 import pytest
 
 from fusedpar import _aot_programs as progs, _primitives as prims
 
-pytestmark = [
-    pytest.mark.aot,
-    pytest.mark.skipif(
-        importlib.util.find_spec("libtpu") is None
-        or importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-        reason='the compilers for absent hardware come with the aot extra: '
-               'pip install -e ".[test,aot]"'),
-]
+from helpers import needs_aot
+
+pytestmark = [pytest.mark.aot, needs_aot]
 
 # Per device x (1024, 2048) @ w (2048, 2048) bf16 (as tests/test_aot.py).
 SIZE = dict(rows=1024, k=2048, cols=2048)

@@ -2,8 +2,6 @@
 tracing it: compile-only meshes of H100s and TPU slices (fusedpar.aot) decide like the
 hardware would, and the simulated CPU devices stay "cpu"."""
 
-import importlib.util
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -12,13 +10,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import fusedpar
 from fusedpar import _target, cost_model
 from fusedpar._target import Target
-from helpers import mesh as cpu_mesh
+from helpers import mesh as cpu_mesh, needs_aot
 
-needs_aot = pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None
-    or importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-    reason='the compilers for absent hardware come with the aot extra: '
-           'pip install -e ".[test,aot]"')
 
 AGM = "all_gather_matmul"
 # target name -> (platform, device kind, TPU generation, compute capability, cost preset)

@@ -1,0 +1,314 @@
+"""Compiling for hardware that is not here: compile-only devices, the overlap report, the
+predicted time. The public face is `fusedpar.aot` (which also runs the CLI)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+from typing import Optional
+
+from . import _hlo
+
+# Two processes may load libtpu at once (a test run beside a compile): libtpu refuses
+# unless told it may. And JAX's CUDA plugin registers itself only after checking the
+# CUDA runtime, which a compile-only host has no need for. Both are read when JAX starts
+# its backends: importing this module first sets them.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+# The targets the package is compiled and tested for; other slices of these generations
+# ("v5e:4x4", "v6e:2x2", ...) and "h100xN" (N of 1 to 8) work too.
+TARGETS = ("h100x8", "v5e:2x4", "v5p:2x2x2", "v6e:2x4", "v4:2x2x2")
+TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e")
+# Generations whose chips have two TensorCores: one JAX device per chip (megacore).
+_MEGACORE = ("v4", "v5p")
+_GPU = re.compile(r"^h100x(\d+)$")
+_TPU = re.compile(r"^(v\d+[a-z]?):(\d+(?:x\d+){1,2})$")
+_EXTRA = 'pip install "fusedpar[aot]"'
+
+
+def _check_target(target: str):
+    """`("gpu", n)` or `("tpu", generation)` for a target name; a clear error otherwise."""
+    if not isinstance(target, str):
+        raise TypeError(f"target must be a name like {TARGETS[0]!r}, got "
+                        f"{type(target).__name__}.")
+    m = _GPU.match(target)
+    if m and 1 <= int(m.group(1)) <= 8:
+        return "gpu", int(m.group(1))
+    m = _TPU.match(target)
+    if m and m.group(1) in TPU_GENERATIONS:
+        return "tpu", m.group(1)
+    raise ValueError(f"unknown target {target!r}; valid: {', '.join(TARGETS)} (or another "
+                     f"slice of {', '.join(TPU_GENERATIONS)} like 'v5e:4x4', or 'h100xN' "
+                     "with N from 1 to 8).")
+
+
+def _need(module: str, what: str, target: str):
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(f"compiling for {target!r} needs {what}, which the 'aot' extra "
+                          f"installs: {_EXTRA}")
+
+
+def devices(target: str) -> list:
+    """Compile-only devices of `target` (see `TARGETS`), in the topology's order.
+
+    They compile programs but cannot run them. Raises ImportError when the `aot` extra
+    (the compiler for that platform) is not installed.
+    """
+    platform, what = _check_target(target)
+    from jax.experimental import topologies
+
+    if platform == "gpu":
+        _need("jax_plugins.xla_cuda12", "JAX's CUDA compiler plugin", target)
+        config = os.path.join(os.path.dirname(__file__), "targets", "h100_sxm.txtpb")
+        with open(config) as f:
+            try:
+                topology = topologies.get_topology_desc(
+                    platform="cuda", target_config=f.read(), topology=f"1x1x{what}")
+            except NotImplementedError:
+                raise RuntimeError(
+                    f"compiling for {target!r}: JAX started its backends before "
+                    "fusedpar.aot was imported, and its CUDA plugin, finding no CUDA "
+                    "runtime here, did not register. Import fusedpar.aot before the first "
+                    "JAX computation, or set JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 (or "
+                    "JAX_PLATFORMS=cpu) in the environment.") from None
+        return list(topology.devices)
+    _need("libtpu", "libtpu (the TPU compiler)", target)
+    options = {"chip_config_name": "megacore"} if what in _MEGACORE else {}
+    return list(topologies.get_topology_desc(target, "tpu", **options).devices)
+
+
+def mesh(target: str, shape: Optional[tuple] = None, axis_names: tuple = ("x",)):
+    """A `jax.sharding.Mesh` of `target`'s compile-only devices (Auto axes).
+
+    `shape` defaults to all devices on one axis; devices are taken in the topology's
+    order (`jax.make_mesh` would ask for devices it can run on).
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType
+
+    devs = devices(target)
+    shape = (len(devs),) if shape is None else tuple(shape)
+    if int(np.prod(shape)) != len(devs) or len(shape) != len(axis_names):
+        raise ValueError(f"mesh: target {target!r} has {len(devs)} devices; shape {shape} "
+                         f"with axis_names {tuple(axis_names)} must use all of them, one "
+                         "name per axis.")
+    return jax.sharding.Mesh(np.array(devs).reshape(shape), tuple(axis_names),
+                             axis_types=(AxisType.Auto,) * len(shape))
+
+
+def gpu_compiler_options(cublas: bool = False) -> dict:
+    """The `compiler_options` this package compiles GPU programs with: the XLA flags a
+    ring needs to overlap (`fusedpar.gpu_overlap_flags`), and cuBLAS instead of Triton
+    GEMMs with `cublas=True` (a real H100 may pick either)."""
+    from ._xla_flags import _FLAGS
+
+    options = {name: _flag_value(value) for name, value in _FLAGS}
+    if cublas:
+        options["xla_gpu_enable_triton_gemm"] = False
+    return options
+
+
+def _flag_value(value: str):
+    return {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
+
+
+# -- what overlaps ------------------------------------------------------------------------
+
+_SCOPE = re.compile(r"fusedpar\.(\w+)\.(\w+)(?:\.(bi|uni)directional)?")
+
+
+def _op_of(op_name: str) -> tuple[str, str, str]:
+    """`(primitive, backend, pass)` of an instruction from its `op_name` scope (the
+    backend with " bidirectional" for a bidirectional ring)."""
+    scopes = _SCOPE.findall(op_name)
+    pass_ = "backward" if "transpose(" in op_name else "forward"
+    if not scopes:
+        return "other", "", pass_
+    prim, backend, ring = scopes[-1]
+    return prim, backend + (" bidirectional" if ring == "bi" else ""), pass_
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One collective in the schedule and what runs while it is in flight.
+
+    `bytes`: what one device contributes (the collective's operand); `matmuls`: the
+    matmuls scheduled between its start and done (none for a synchronous collective).
+    """
+
+    name: str
+    kind: str
+    op: tuple
+    bytes: int
+    computation: str
+    matmuls: tuple
+
+    @property
+    def hidden(self) -> bool:
+        return bool(self.matmuls)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSummary:
+    """One op's (primitive, backend, forward/backward) transfers and matmuls."""
+
+    op: tuple
+    transfers: int
+    hidden: int
+    bytes: int
+    matmuls: int
+    exposed: int
+    kernels: int
+
+    @property
+    def verdict(self) -> str:
+        prim, backend, _ = self.op
+        if self.transfers == 0:
+            if self.kernels:
+                return ("fused kernel: the ring runs inside one Pallas kernel (remote DMAs, "
+                        "not visible to XLA)")
+            return "no communication"
+        if self.hidden == self.transfers:
+            return f"overlapped: every transfer has a matmul in flight"
+        if backend in ("reference", ""):
+            kind = "collective" if backend == "reference" else "transfer"
+            return (f"not overlapped: {self.transfers - self.hidden} of {self.transfers} "
+                    f"{kind}s run with no matmul in flight")
+        if self.hidden == 0:
+            return "NOT overlapped: no transfer has a matmul in flight"
+        return f"partly overlapped: {self.transfers - self.hidden} transfers exposed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What overlaps in one compiled program (see `overlap`)."""
+
+    transfers: tuple
+    ops: tuple
+
+    @property
+    def total(self) -> int:
+        return len(self.transfers)
+
+    @property
+    def hidden(self) -> int:
+        return sum(t.hidden for t in self.transfers)
+
+    def op(self, prim: str, backend: str, pass_: str = "forward") -> Optional[OpSummary]:
+        for s in self.ops:
+            if s.op == (prim, backend, pass_):
+                return s
+        return None
+
+    def markdown(self, title: str = "") -> str:
+        """The per-op table a person reads, with the program's totals."""
+        lines = [f"### {title}", ""] if title else []
+        lines += ["| op | backend | pass | transfers hidden | bytes / device | matmuls "
+                  "exposed | verdict |", "|---|---|---|---:|---:|---:|---|"]
+        for s in self.ops:
+            prim, backend, pass_ = s.op
+            lines.append(f"| {prim} | {backend or '-'} | {pass_} | {s.hidden} / "
+                         f"{s.transfers} | {s.bytes:,} | {s.exposed} / {s.matmuls} | "
+                         f"{s.verdict} |")
+        lines += ["", f"{self.hidden} of {self.total} transfers have a matmul in flight."]
+        return "\n".join(lines)
+
+
+def _text(program) -> str:
+    if isinstance(program, str):
+        return program
+    if hasattr(program, "as_text"):
+        return program.as_text()
+    raise TypeError(f"overlap: program must be a compiled program (jax.jit(f).lower(...)"
+                    f".compile()) or its as_text(), got {type(program).__name__}.")
+
+
+def overlap(program) -> Report:
+    """What overlaps in `program` (a `jax.stages.Compiled`, or its `as_text()`).
+
+    A transfer is hidden when a matmul (a dot or convolution, a fusion or loop that
+    runs one, a cuBLAS or Pallas kernel) is scheduled between its start and its done; a
+    synchronous collective hides nothing. A matmul is exposed when no transfer is in
+    flight while it runs. Transfers and matmuls are attributed to the fusedpar op whose
+    name scope they were traced in ("other" for the rest of the program).
+    """
+    module = _hlo.parse(_text(program))
+    multiplying = _hlo.matmul_computations(module)
+    transfers, matmuls, kernels = [], [], []
+    for comp in _hlo.scheduled_computations(module):
+        instructions = module.computations[comp]
+        by_name = {i.name: i for i in instructions}
+        open_: dict = {}  # start name -> (instruction, kind, matmuls so far)
+        for i in instructions:
+            kind = _hlo.collective_kind(module, i)
+            if kind is not None and (i.opcode.endswith("-start")):
+                open_[i.name] = (i, kind, [])
+            elif i.opcode.endswith("-done") and i.operands and i.operands[0] in open_:
+                start, kind, seen = open_.pop(i.operands[0])
+                transfers.append(_transfer(start, kind, by_name, comp, tuple(seen)))
+            elif kind is not None:  # synchronous
+                transfers.append(_transfer(i, kind, by_name, comp, ()))
+            elif _hlo.is_matmul(i, multiplying):
+                for _, _, seen in open_.values():
+                    seen.append(i.name)
+                matmuls.append((_op_of(i.op_name), not open_))
+                if i.opcode == "custom-call" and i.target == "tpu_custom_call":
+                    kernels.append(_op_of(i.op_name))
+        for start, kind, seen in open_.values():  # done in another computation
+            transfers.append(_transfer(start, kind, by_name, comp, tuple(seen)))
+    keys = []
+    for key in [t.op for t in transfers] + [m[0] for m in matmuls]:
+        if key not in keys:
+            keys.append(key)
+    ops = []
+    for key in keys:
+        mine = [t for t in transfers if t.op == key]
+        mm = [exposed for k, exposed in matmuls if k == key]
+        ops.append(OpSummary(key, len(mine), sum(t.hidden for t in mine),
+                             sum(t.bytes for t in mine), len(mm), sum(mm),
+                             kernels.count(key)))
+    return Report(tuple(transfers), tuple(ops))
+
+
+def _transfer(i, kind, by_name, computation, matmuls) -> Transfer:
+    operand = by_name.get(i.operands[0]) if i.operands else None
+    if operand is not None:
+        nbytes = operand.bytes
+    else:  # a parameter of another computation: the start's first result is the operand
+        arrays = _hlo.array_shapes(i.shape)
+        nbytes = _hlo.shape_bytes(f"{arrays[0][0]}[{','.join(map(str, arrays[0][1]))}]") \
+            if arrays else 0
+    return Transfer(i.name, kind, _op_of(i.op_name), nbytes, computation, matmuls)
+
+
+def predict(program, target):
+    """The time `program` (a compiled program or its `as_text()`) is predicted to take
+    per device on `target`, replaying its schedule (`fusedpar._simulate`).
+
+    `target`: a target name (`TARGETS`), a `jax.sharding.Mesh` (its devices say which
+    hardware, and on a TPU slice their coordinates give each transfer's hop count), or a
+    `cost_model.Hardware`. Returns a `Prediction` (seconds, compute, communication,
+    exposed waits, and the lower bound max(compute, communication)).
+    """
+    from . import _simulate, _target, cost_model
+
+    coords = None
+    if isinstance(target, cost_model.Hardware):
+        hardware = target
+    else:
+        if isinstance(target, str):
+            target = mesh(target)
+        found = _target.of_mesh(target)
+        if found is None:
+            raise ValueError(f"predict: target must be a target name, a Mesh of devices or "
+                             f"a cost_model.Hardware, got {target!r}.")
+        hardware = cost_model.get_hardware(found.cost_preset)
+        devices = list(target.devices.flat)
+        if all(getattr(d, "coords", None) is not None for d in devices):
+            coords = [tuple(d.coords) for d in devices]
+    return _simulate.predict(_text(program), hardware, coords)
+
