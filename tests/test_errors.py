@@ -634,6 +634,28 @@ def _demo_parse(argv):
     return demo._parse(argv)  # the option checks, without starting a run
 
 
+def _aot_parse(argv):
+    from fusedpar import _aot_cli
+
+    return _aot_cli._parse(argv)  # the option checks, without compiling
+
+
+def _aot_missing_extra():
+    from fusedpar import _aot
+
+    # What devices() says for a compiler that is not installed (here: a module that is
+    # not there stands for libtpu).
+    _aot._need("fusedpar_no_such_compiler", "libtpu (the TPU compiler)", "v5e:2x4")
+
+
+def _aot_tpu_mesh_chip():
+    from fusedpar import aot
+
+    fusedpar.explain("all_gather_matmul", S((1024, 4096), jnp.bfloat16),
+                     S((4096, 4096), jnp.bfloat16), 8, backend="pallas_tpu",
+                     target=aot.mesh("v5e:2x4"), options={"chip": "v6e"})
+
+
 def _report(argv):
     spec = importlib.util.spec_from_file_location("fusedpar_bench_report",
                                                   ROOT / "bench" / "report.py")
@@ -680,6 +702,17 @@ DEMO_BENCH = [
     Row("demo", "--steps 0", cli(_demo_parse, ["--steps", "0"]), SystemExit, ("--steps",),),
     Row("demo", "unknown backend in --backends", cli(_demo_parse, ["--backends", "nope"]),
         SystemExit, ("--backends", "nope"),),
+    Row("aot", "unknown target", lambda: __import__("fusedpar.aot").aot.devices("v9x:2x2"),
+        ValueError, ("unknown target 'v9x:2x2'; valid: h100x8, v5e:2x4",)),
+    Row("aot", "unknown --target", cli(_aot_parse, ["--target", "tpu9"]), SystemExit,
+        ("--target: unknown target 'tpu9'",)),
+    Row("aot", "the aot extra not installed", _aot_missing_extra, ImportError,
+        ("compiling for 'v5e:2x4' needs libtpu", 'pip install "fusedpar[aot]"')),
+    Row("aot", "overlap of something that is not a compiled program",
+        lambda: __import__("fusedpar.aot").aot.overlap(42), TypeError,
+        ("overlap: program must be a compiled program",)),
+    Row("ops", "TPU kernels for another generation than the mesh's", _aot_tpu_mesh_chip,
+        ValueError, ("the mesh's devices are TPU v5 lite", "not TPU v6e")),
     Row("bench", "FUSEDPAR_BENCH_SIZES not cpu/accelerator", _bench_sizes("gpu"), ValueError,
         ("FUSEDPAR_BENCH_SIZES must be 'cpu' or 'accelerator', got 'gpu'",)),
     Row("bench", "report.py: a JSON file that does not exist",
