@@ -10,10 +10,10 @@ kernel (`fusedpar.kernels.gpu`):
 | `ag_rows`     | `out[rows of seg] = piece @ w`                     | `matmul_into`  |
 | `ag_cols`     | `out[:, cols of seg] = x @ piece` (FSDP gather)    | `matmul_into`  |
 | `ag_contract` | `out += x[:, cols of seg] @ piece` (FSDP gather)   | `matmul_acc`   |
-| `rs_rows`     | `acc += x[rows of seg] @ w`                        | `matmul_acc`*  |
-| `rs_cols`     | `acc += x @ w[:, cols of seg]`                     | `matmul_acc`*  |
+| `rs_rows`     | `acc += x[rows of seg] @ w`                        | `matmul_acc` ¹ |
+| `rs_cols`     | `acc += x @ w[:, cols of seg]`                     | `matmul_acc` ¹ |
 
-\* The ring asks for the product alone (`acc=None`) and adds the accumulator that
+¹ The ring asks for the product alone (`acc=None`) and adds the accumulator that
 arrived itself: a kernel that read it would wait for the transfer (`ring.py`).
 
 Two kernel families compute these steps (option `kernels`): `"mosaic"` (Mosaic GPU:
