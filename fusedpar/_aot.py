@@ -255,9 +255,12 @@ def overlap(program) -> Report:
             elif _hlo.is_matmul(i, multiplying):
                 for _, _, seen in open_.values():
                     seen.append(i.name)
-                matmuls.append((_op_of(i.op_name), not open_))
+                key = _op_of(i.op_name)
                 if i.opcode == "custom-call" and i.target == "tpu_custom_call":
-                    kernels.append(_op_of(i.op_name))
+                    if key[0] == "other":  # Mosaic kernels carry no op_name: their name
+                        key = (re.sub(r"\.\d+$", "", i.name), "pallas_tpu", "fused kernel")
+                    kernels.append(key)
+                matmuls.append((key, not open_))
         for start, kind, seen in open_.values():  # done in another computation
             transfers.append(_transfer(start, kind, by_name, comp, tuple(seen)))
     keys = []
