@@ -311,7 +311,10 @@ def predict(program, target):
                              f"a cost_model.Hardware, got {target!r}.")
         hardware = cost_model.get_hardware(found.cost_preset)
         devices = list(target.devices.flat)
-        if all(getattr(d, "coords", None) is not None for d in devices):
+        # Hops count on a TPU torus; GPUs reach every peer in one hop through NVSwitch
+        # (their topology coordinates are not a wiring).
+        if found.platform == "tpu" and all(getattr(d, "coords", None) is not None
+                                           for d in devices):
             coords = [tuple(d.coords) for d in devices]
     return _simulate.predict(_text(program), hardware, coords)
 

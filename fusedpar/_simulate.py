@@ -98,15 +98,27 @@ class _Replay:
             arrays = [_hlo.array_shapes(by_name[o].shape) for o in i.operands if o in by_name]
             dtype = arrays[0][0][0] if arrays and arrays[0] else "bf16"
             return float(found.group(1)), dtype
-        # A custom call without an estimate: the largest (m, k) @ (k, n) its operands allow.
+        # A Pallas kernel whose estimate the lowering dropped (jax 0.10's Mosaic GPU and
+        # Triton lowerings do): guess from shapes. The step multiplies the smallest
+        # product its operands chain into (a window of the left one's columns allowed),
+        # once per operand of that shape (a bidirectional step's two pieces), and no more
+        # than its result's rows x columns x a matching contraction (a kernel writing
+        # into a slice of an aliased buffer has the whole buffer as its result).
         shapes = [s for o in i.operands if o in by_name
                   for s in _hlo.array_shapes(by_name[o].shape) if len(s[1]) == 2]
-        best, dtype = 0.0, shapes[0][0] if shapes else "bf16"
-        for a in shapes:
-            for b in shapes:
-                if a is not b and a[1][1] == b[1][0]:
-                    best = max(best, 2.0 * a[1][0] * a[1][1] * b[1][1])
-        return best, dtype
+        dtype = shapes[0][0] if shapes else "bf16"
+        pairs = [(2.0 * a[1][0] * b[1][0] * b[1][1], a) for a in shapes for b in shapes
+                 if a is not b and b[1][0] and a[1][1] % b[1][0] == 0]
+        if not pairs:
+            return 0.0, dtype
+        flops, piece = min(pairs, key=lambda p: p[0])
+        flops *= sum(s[1] == piece[1] for s in shapes)
+        out = [s for s in _hlo.array_shapes(i.shape) if len(s[1]) == 2]
+        if out:
+            m, n = out[0][1]
+            bounds = [2.0 * m * n * b[1][0] for b in shapes if b[1][1] == n]
+            flops = min([flops] + bounds)
+        return flops, dtype
 
     def _dot_flops(self, i, by_name) -> tuple[float, str]:
         out = _hlo.array_shapes(i.shape)
