@@ -245,13 +245,14 @@ def overlap(program) -> Report:
         open_: dict = {}  # start name -> (instruction, kind, matmuls so far)
         for i in instructions:
             kind = _hlo.collective_kind(module, i)
-            if kind is not None and (i.opcode.endswith("-start")):
+            done = _hlo.started_by(i, by_name)
+            if kind is not None and _hlo.is_async_start(i):
                 open_[i.name] = (i, kind, [])
-            elif i.opcode.endswith("-done") and i.operands and i.operands[0] in open_:
-                start, kind, seen = open_.pop(i.operands[0])
-                transfers.append(_transfer(start, kind, by_name, comp, tuple(seen)))
+            elif done in open_:
+                start, kind, seen = open_.pop(done)
+                transfers.append(_transfer(module, start, kind, by_name, comp, tuple(seen)))
             elif kind is not None:  # synchronous
-                transfers.append(_transfer(i, kind, by_name, comp, ()))
+                transfers.append(_transfer(module, i, kind, by_name, comp, ()))
             elif _hlo.is_matmul(i, multiplying):
                 for _, _, seen in open_.values():
                     seen.append(i.name)
@@ -262,7 +263,7 @@ def overlap(program) -> Report:
                     kernels.append(key)
                 matmuls.append((key, not open_))
         for start, kind, seen in open_.values():  # done in another computation
-            transfers.append(_transfer(start, kind, by_name, comp, tuple(seen)))
+            transfers.append(_transfer(module, start, kind, by_name, comp, tuple(seen)))
     keys = []
     for key in [t.op for t in transfers] + [m[0] for m in matmuls]:
         if key not in keys:
@@ -277,7 +278,7 @@ def overlap(program) -> Report:
     return Report(tuple(transfers), tuple(ops))
 
 
-def _transfer(i, kind, by_name, computation, matmuls) -> Transfer:
+def _transfer(module, i, kind, by_name, computation, matmuls) -> Transfer:
     operand = by_name.get(i.operands[0]) if i.operands else None
     if operand is not None:
         nbytes = operand.bytes
@@ -285,7 +286,8 @@ def _transfer(i, kind, by_name, computation, matmuls) -> Transfer:
         arrays = _hlo.array_shapes(i.shape)
         nbytes = _hlo.shape_bytes(f"{arrays[0][0]}[{','.join(map(str, arrays[0][1]))}]") \
             if arrays else 0
-    return Transfer(i.name, kind, _op_of(i.op_name), nbytes, computation, matmuls)
+    return Transfer(i.name, kind, _op_of(_hlo.op_name(module, i)), nbytes, computation,
+                    matmuls)
 
 
 def predict(program, target):

@@ -208,11 +208,64 @@ def collective_kind(module: Module, instruction: Instruction) -> Optional[str]:
     for kind in COLLECTIVES:
         if op in (kind, kind + "-start"):
             return kind
-    if op == "async-start":
-        for c in instruction.calls:
-            for inner in module.computations.get(c, ()):
-                if inner.opcode in COLLECTIVES:
-                    return inner.opcode
+    if op == "async-start" or is_async_start(instruction):
+        return _inner_collective(module, instruction.calls, set())
+    return None
+
+
+def _inner_collective(module: Module, calls, seen: set) -> Optional[str]:
+    for c in calls:
+        if c in seen:
+            continue
+        seen.add(c)
+        for inner in module.computations.get(c, ()):
+            if inner.opcode in COLLECTIVES or inner.opcode.rstrip("-start") in COLLECTIVES:
+                return inner.opcode.replace("-start", "")
+            found = _inner_collective(module, inner.calls, seen)
+            if found:
+                return found
+    return None
+
+
+def op_name(module: Module, i: Instruction) -> str:
+    """`i`'s op_name, or (a wrapper without one, like a TPU async collective fusion) the
+    op_name of the first instruction inside it that has one."""
+    if i.op_name:
+        return i.op_name
+    stack, seen = list(i.calls), set()
+    while stack:
+        c = stack.pop(0)
+        if c in seen:
+            continue
+        seen.add(c)
+        for inner in module.computations.get(c, ()):
+            if inner.op_name and inner.opcode not in ("parameter", "get-tuple-element",
+                                                      "tuple", "bitcast"):
+                return inner.op_name
+            stack.extend(inner.calls)
+    return ""
+
+
+def is_async_start(i: Instruction) -> bool:
+    """Whether `i` starts an asynchronous operation: `<op>-start`, or the TPU compiler's
+    `async-collective-start` fusion (whose computation holds the collective)."""
+    return i.opcode.endswith("-start") or (
+        i.opcode == "fusion" and i.name.startswith("async-collective-start"))
+
+
+def started_by(i: Instruction, by_name: dict) -> Optional[str]:
+    """The name of the start an asynchronous done `i` finishes (`<op>-done(start)`, or a
+    TPU `async-collective-done` fusion of the start's tuple elements), else None."""
+    if i.opcode.endswith("-done") and i.operands:
+        return i.operands[0]
+    if i.opcode == "fusion" and i.name.startswith("async-collective-done"):
+        for name in i.operands:
+            source = by_name.get(name)
+            while source is not None and source.opcode == "get-tuple-element":
+                name = source.operands[0] if source.operands else None
+                source = by_name.get(name)
+            if source is not None and is_async_start(source):
+                return source.name
     return None
 
 

@@ -136,7 +136,8 @@ class _Replay:
         return 2.0 * math.prod(out[0][1]) * k, ldtype
 
     def _kernel_time(self, i, by_name) -> float:
-        if i.opcode in _FREE or i.opcode.endswith("-done") or i.opcode.endswith("-start"):
+        if (i.opcode in _FREE or i.opcode.endswith("-done") or _hlo.is_async_start(i)
+                or i.name.startswith("async-collective-done")):
             return 0.0
         operand_bytes = sum(by_name[o].bytes for o in i.operands if o in by_name)
         update = _hlo.in_place_bytes(self.module, i, by_name)
@@ -198,14 +199,15 @@ class _Replay:
         in_flight: dict = {}  # start name -> finish time
         for i in instructions:
             kind = _hlo.collective_kind(self.module, i)
-            if kind is not None and i.opcode.endswith("-start"):
+            done = _hlo.started_by(i, by_name)
+            if kind is not None and _hlo.is_async_start(i):
                 nbytes = _operand_bytes(i, by_name)
                 live = 1 + sum(end > now for end in in_flight.values())
                 t = self.transfer_time(i, kind, nbytes, live)
                 self.communication += self._alone(i, kind, nbytes)
                 in_flight[i.name] = now + t
-            elif i.opcode.endswith("-done") and i.operands and i.operands[0] in in_flight:
-                end = in_flight.pop(i.operands[0])
+            elif done in in_flight:
+                end = in_flight.pop(done)
                 if end > now:
                     self.exposed += end - now
                     now = end

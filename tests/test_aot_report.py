@@ -113,3 +113,47 @@ def test_bad_input():
         aot.devices("v9x:2x2")
     with pytest.raises(ValueError, match=r"'h100x16'.*'h100xN' with N from 1 to 8"):
         aot.mesh("h100x16")
+
+
+# The TPU compiler's asynchronous collective: a fusion named async-collective-start whose
+# computation holds the all-gather, finished by an async-collective-done fusion of the
+# start's tuple elements; neither carries an op_name (the collective inside does).
+TPU_ASYNC = """\
+HloModule ref, is_scheduled=true
+
+%inner_ag (p: bf16[16,128]) -> bf16[128,128] {
+  %p = bf16[16,128]{1,0:T(8,128)(2,1)} parameter(0)
+  ROOT %all-gather.1 = bf16[128,128]{1,0:T(8,128)(2,1)} all-gather(%p), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, metadata={op_name="jit(f)/shard_map/fusedpar.ag_rows.reference/all_gather"}
+}
+
+%start_comp (p0: bf16[16,128]) -> (bf16[16,128], bf16[128,128]) {
+  %p0 = bf16[16,128]{1,0:T(8,128)(2,1)} parameter(0)
+  %ag = bf16[128,128]{1,0:T(8,128)(2,1)} fusion(%p0), kind=kCustom, calls=%inner_ag
+  ROOT %t = (bf16[16,128]{1,0:T(8,128)(2,1)}, bf16[128,128]{1,0:T(8,128)(2,1)}) tuple(%p0, %ag)
+}
+
+%done_comp (q: bf16[128,128]) -> bf16[128,128] {
+  ROOT %q = bf16[128,128]{1,0:T(8,128)(2,1)} parameter(0)
+}
+
+ENTRY %main (x: bf16[16,128], w: bf16[128,128]) -> f32[16,128] {
+  %x = bf16[16,128]{1,0:T(8,128)(2,1)} parameter(0)
+  %w = bf16[128,128]{1,0:T(8,128)(2,1)} parameter(1)
+  %async-collective-start = (bf16[16,128]{1,0:T(8,128)(2,1)}, bf16[128,128]{1,0:T(8,128)(2,1)}) fusion(%x), kind=kCustom, calls=%start_comp
+  %convolution = f32[16,128]{1,0:T(8,128)} convolution(%x, %w), dim_labels=bf_io->bf, metadata={op_name="jit(f)/transpose(jvp(fusedpar.ag_rows.reference))/dot_general"}
+  %get-tuple-element = bf16[128,128]{1,0:T(8,128)(2,1)} get-tuple-element(%async-collective-start), index=1
+  %async-collective-done = bf16[128,128]{1,0:T(8,128)(2,1)} fusion(%get-tuple-element), kind=kCustom, calls=%done_comp
+  ROOT %c2 = f32[16,128]{1,0:T(8,128)} convolution(%async-collective-done, %w), dim_labels=bf_io->bf
+}
+"""
+
+
+def test_tpu_async_collective_fusion():
+    r = aot.overlap(TPU_ASYNC)
+    (t,) = r.transfers
+    assert (t.kind, t.op, t.bytes, t.matmuls) == (
+        "all-gather", ("ag_rows", "reference", "forward"), 16 * 128 * 2, ("convolution",))
+    from fusedpar import _simulate, cost_model
+
+    p = _simulate.predict(TPU_ASYNC, cost_model.get_hardware("v5e"))
+    assert p.communication > 0 and p.seconds >= p.compute
