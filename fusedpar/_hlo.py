@@ -209,21 +209,24 @@ def collective_kind(module: Module, instruction: Instruction) -> Optional[str]:
         if op in (kind, kind + "-start"):
             return kind
     if op == "async-start" or is_async_start(instruction):
-        return _inner_collective(module, instruction.calls, set())
+        inner = collective_inside(module, instruction)
+        return None if inner is None else inner.opcode.replace("-start", "")
     return None
 
 
-def _inner_collective(module: Module, calls, seen: set) -> Optional[str]:
-    for c in calls:
+def collective_inside(module: Module, instruction: Instruction) -> Optional[Instruction]:
+    """The collective instruction an async wrapper runs (its replica groups, its
+    op_name), found through the computations it calls; None if there is none."""
+    stack, seen = list(instruction.calls), set()
+    while stack:
+        c = stack.pop(0)
         if c in seen:
             continue
         seen.add(c)
         for inner in module.computations.get(c, ()):
-            if inner.opcode in COLLECTIVES or inner.opcode.rstrip("-start") in COLLECTIVES:
-                return inner.opcode.replace("-start", "")
-            found = _inner_collective(module, inner.calls, seen)
-            if found:
-                return found
+            if inner.opcode.replace("-start", "") in COLLECTIVES:
+                return inner
+            stack.extend(inner.calls)
     return None
 
 

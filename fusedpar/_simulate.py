@@ -164,6 +164,7 @@ class _Replay:
     def transfer_time(self, i, kind, nbytes, in_flight: int) -> float:
         """Seconds one collective takes with `in_flight` transfers sharing the links."""
         hw = self.hw
+        i = _hlo.collective_inside(self.module, i) or i  # an async wrapper's collective
         if kind == "collective-permute":
             m = _PAIRS.search(i.line)
             pairs = re.findall(r"\{(\d+),(\d+)\}", m.group(1)) if m else []
@@ -236,6 +237,7 @@ class _Replay:
     def _alone(self, i, kind, nbytes) -> float:
         """A transfer's time with every one of the device's links sending (the bound)."""
         hw = self.hw
+        i = _hlo.collective_inside(self.module, i) or i
         egress = hw.egress_bandwidth
         if kind == "collective-permute":
             return nbytes / egress
