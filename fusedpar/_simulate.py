@@ -46,6 +46,7 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 _FLOPS = re.compile(r'"flops":\s*"?(\d+)')
+_GEMM_CONTRACT = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,12 @@ class _Replay:
                         f, dtype = self._dot_flops(j, inner)
                         total += f
             return total, dtype
+        contracting = _GEMM_CONTRACT.search(i.line)
+        if contracting and i.operands and i.operands[0] in by_name:  # a cuBLAS GEMM
+            (dtype, lhs), = _hlo.array_shapes(by_name[i.operands[0]].shape)[:1]
+            out = _hlo.array_shapes(i.shape)[0][1]
+            k = math.prod(lhs[int(d)] for d in re.findall(r"\d+", contracting.group(1)))
+            return 2.0 * math.prod(out) * k, dtype
         if found:  # a Pallas kernel's cost estimate
             arrays = [_hlo.array_shapes(by_name[o].shape) for o in i.operands if o in by_name]
             dtype = arrays[0][0][0] if arrays and arrays[0] else "bf16"
