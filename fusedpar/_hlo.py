@@ -214,9 +214,9 @@ def collective_kind(module: Module, instruction: Instruction) -> Optional[str]:
     return None
 
 
-def collective_inside(module: Module, instruction: Instruction) -> Optional[Instruction]:
-    """The collective instruction an async wrapper runs (its replica groups, its
-    op_name), found through the computations it calls; None if there is none."""
+def _inside(module: Module, instruction: Instruction):
+    """The instructions of the computations `instruction` calls, and of those they call,
+    breadth first (each computation once)."""
     stack, seen = list(instruction.calls), set()
     while stack:
         c = stack.pop(0)
@@ -224,10 +224,15 @@ def collective_inside(module: Module, instruction: Instruction) -> Optional[Inst
             continue
         seen.add(c)
         for inner in module.computations.get(c, ()):
-            if inner.opcode.replace("-start", "") in COLLECTIVES:
-                return inner
+            yield inner
             stack.extend(inner.calls)
-    return None
+
+
+def collective_inside(module: Module, instruction: Instruction) -> Optional[Instruction]:
+    """The collective instruction an async wrapper runs (its replica groups, its
+    op_name), found through the computations it calls; None if there is none."""
+    return next((inner for inner in _inside(module, instruction)
+                 if inner.opcode.replace("-start", "") in COLLECTIVES), None)
 
 
 def op_name(module: Module, i: Instruction) -> str:
@@ -235,18 +240,9 @@ def op_name(module: Module, i: Instruction) -> str:
     op_name of the first instruction inside it that has one."""
     if i.op_name:
         return i.op_name
-    stack, seen = list(i.calls), set()
-    while stack:
-        c = stack.pop(0)
-        if c in seen:
-            continue
-        seen.add(c)
-        for inner in module.computations.get(c, ()):
-            if inner.op_name and inner.opcode not in ("parameter", "get-tuple-element",
-                                                      "tuple", "bitcast"):
-                return inner.op_name
-            stack.extend(inner.calls)
-    return ""
+    return next((inner.op_name for inner in _inside(module, i) if inner.op_name and
+                 inner.opcode not in ("parameter", "get-tuple-element", "tuple", "bitcast")),
+                "")
 
 
 def is_async_start(i: Instruction) -> bool:
