@@ -173,7 +173,7 @@ class OpSummary:
                         "not visible to XLA)")
             return "no communication"
         if self.hidden == self.transfers:
-            return f"overlapped: every transfer has a matmul in flight"
+            return "overlapped: every transfer has a matmul in flight"
         if backend in ("reference", ""):
             kind = "collective" if backend == "reference" else "transfer"
             return (f"not overlapped: {self.transfers - self.hidden} of {self.transfers} "

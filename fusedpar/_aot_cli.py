@@ -7,11 +7,9 @@ import importlib
 import importlib.util
 import json
 import os
-import sys
 import time
 
 PROGRAMS = ("ops", "mlp", "block", "demo")
-_LAST_MESH = None  # the mesh the programs being compiled are laid out on
 BACKENDS = ("reference", "ring", "pallas", "auto")
 
 
@@ -69,7 +67,6 @@ def _user_program(spec):
 
 
 def _mesh(args, n_default_axes):
-    global _LAST_MESH
     from . import _aot as aot
 
     axes = tuple(args.axes.split(",")) if args.axes else n_default_axes
@@ -80,12 +77,11 @@ def _mesh(args, n_default_axes):
         shape = (2, devices // 2)
     else:
         shape = (devices,)
-    _LAST_MESH = aot.mesh(args.target, shape, axes)
-    return _LAST_MESH
+    return aot.mesh(args.target, shape, axes)
 
 
 def _programs(args):
-    """(label, mesh, jitted, arguments) of everything `args` asks to compile."""
+    """`(label, mesh, jitted, arguments)` of everything `args` asks to compile."""
     from . import _aot_programs as progs, _primitives as prims
 
     backend = args.backend
@@ -95,32 +91,31 @@ def _programs(args):
             for bidirectional in (False, True):
                 ring = "bidirectional" if bidirectional else "unidirectional"
                 fn, a = progs.op_program(mesh, prim, backend, bidirectional=bidirectional)
-                yield f"{prim} {ring}", fn, a
+                yield f"{prim} {ring}", mesh, fn, a
         return
-    if args.program in ("mlp",):
-        fn, a = progs.mlp_program(_mesh(args, ("tp",)), backend)
-    elif args.program in ("block", "demo"):
-        build = progs.block_program if args.program == "block" else progs.demo_program
-        fn, a = build(_mesh(args, ("fsdp", "tp")), backend)
+    if args.program == "mlp":
+        mesh = _mesh(args, ("tp",))
+        build = progs.mlp_program
     else:
-        fn, a = _user_program(args.program)(_mesh(args, ("fsdp", "tp")), backend)
-    yield args.program, fn, a
+        mesh = _mesh(args, ("fsdp", "tp"))
+        build = {"block": progs.block_program, "demo": progs.demo_program}.get(args.program)
+        build = build or _user_program(args.program)
+    fn, a = build(mesh, backend)
+    yield args.program, mesh, fn, a
 
 
 def main(argv=None):
     args = _parse(argv)
-    import jax
-
     from . import _aot as aot
 
     options = aot.gpu_compiler_options(args.cublas) if args.target.startswith("h100") else {}
     rows = []
-    for label, fn, arguments in _programs(args):
+    for label, mesh, fn, arguments in _programs(args):
         start = time.perf_counter()
         compiled = fn.lower(*arguments).compile(compiler_options=options or None)
         seconds = time.perf_counter() - start
         report = aot.overlap(compiled)
-        predicted = aot.predict(compiled, _LAST_MESH)
+        predicted = aot.predict(compiled, mesh)
         print(report.markdown(f"{args.target}: {label}, backend={args.backend} "
                               f"(compiled in {seconds:.1f} s)"))
         print(f"Predicted per device: {predicted.seconds * 1e6:,.0f} us (lower bound "
@@ -141,5 +136,4 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    del jax
     return rows

@@ -8,7 +8,6 @@ Pallas TPU kernels, Mosaic GPU for the Hopper step kernels. With no options, "pa
 becomes the target's own kernels and "auto" decides with the target's cost preset.
 """
 
-import jax
 import jax.numpy as jnp
 import pytest
 
