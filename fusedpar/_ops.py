@@ -8,7 +8,8 @@ from typing import Optional
 import jax
 import numpy as np
 
-from . import _autodiff, _definition, _dispatch, _interpret, _target, _validate, _xla_flags
+from . import (_autodiff, _definition, _dispatch, _interpret, _quantize, _target, _validate,
+               _xla_flags)
 from . import _primitives as prims
 from ._dispatch import AUTO, Choice
 from ._primitives import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Config
@@ -97,6 +98,8 @@ class _Settings:
     reduce_dtype: object
     precision: object
     options: Optional[dict]
+    comm_dtype: object = None
+    grad_comm_dtype: object = None
 
 
 def _run(op, x, w, axis_name, gather, dim, s: _Settings):
@@ -107,6 +110,8 @@ def _run(op, x, w, axis_name, gather, dim, s: _Settings):
         raise TypeError(f"{op}: keep_gathered must be True or False, got {s.keep_gathered!r}.")
     out_dtype = _validate.float_dtype(op, "preferred_element_type", s.preferred_element_type)
     reduce_dtype = _validate.float_dtype(op, "reduce_dtype", s.reduce_dtype)
+    comm_dtype = _quantize.comm_dtype(op, "comm_dtype", s.comm_dtype)
+    grad_comm_dtype = _quantize.comm_dtype(op, "grad_comm_dtype", s.grad_comm_dtype)
     target = _target.current(x, w)
     choice = _choose(call, s.backend, s.unroll, s.precision, s.options, target)
     _interpret.check_threads(op, choice.backend, s.options, target)  # before a hang
@@ -117,7 +122,7 @@ def _run(op, x, w, axis_name, gather, dim, s: _Settings):
         reduce_dtype=np.dtype(_definition.accumulation_dtype(x.dtype)
                               if reduce_dtype is None else reduce_dtype),
         precision=s.precision, keep_gathered=s.keep_gathered, options=_pairs(s.options),
-        target=target)
+        target=target, comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype)
     c = prims.canonicalize(op, gather, dim, x, w, n)
     return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
 
@@ -125,7 +130,8 @@ def _run(op, x, w, axis_name, gather, dim, s: _Settings):
 def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, backend=AUTO,
                       bidirectional: Optional[bool] = None, unroll: Optional[bool] = None,
                       keep_gathered: bool = True, preferred_element_type=None,
-                      reduce_dtype=None, precision=None, options: Optional[dict] = None):
+                      reduce_dtype=None, precision=None, options: Optional[dict] = None,
+                      comm_dtype=None, grad_comm_dtype=None):
     """All-gather one operand over `axis_name` and multiply, overlapping the two.
 
     Call inside `jax.shard_map` with `axis_name` bound. Equal to
@@ -155,13 +161,14 @@ def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, backend=AUTO,
     """
     return _run(ALL_GATHER_MATMUL, x, w, axis_name, gather, dim, _Settings(
         backend, bidirectional, unroll, keep_gathered, preferred_element_type, reduce_dtype,
-        precision, options))
+        precision, options, comm_dtype, grad_comm_dtype))
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, dim=0, backend=AUTO,
                           bidirectional: Optional[bool] = None, unroll: Optional[bool] = None,
                           keep_gathered: bool = True, preferred_element_type=None,
-                          reduce_dtype=None, precision=None, options: Optional[dict] = None):
+                          reduce_dtype=None, precision=None, options: Optional[dict] = None,
+                          comm_dtype=None, grad_comm_dtype=None):
     """Multiply and reduce-scatter the product over `axis_name`, overlapping the two.
 
     Call inside `jax.shard_map` with `axis_name` bound. Equal to
@@ -176,4 +183,4 @@ def matmul_reduce_scatter(x, w, axis_name, *, dim=0, backend=AUTO,
     """
     return _run(MATMUL_REDUCE_SCATTER, x, w, axis_name, "lhs", dim, _Settings(
         backend, bidirectional, unroll, keep_gathered, preferred_element_type, reduce_dtype,
-        precision, options))
+        precision, options, comm_dtype, grad_comm_dtype))

@@ -112,6 +112,9 @@ class Config:
       instead of gathering it again (communication).
     - `options`: backend-specific settings (e.g. kernel tile sizes), a tuple of pairs.
     - `target`: the `_target.Target` the call is built for (from the mesh it runs on).
+    - `comm_dtype`: the narrow dtype (`_quantize.COMM_DTYPES`) the forward's travelling
+      operand or accumulator is sent in, None for its own dtype; `grad_comm_dtype`: the
+      same for the backward pass.
     """
 
     backend: str
@@ -125,6 +128,8 @@ class Config:
     keep_gathered: bool = True
     options: tuple = ()
     target: Any = None
+    comm_dtype: Any = None
+    grad_comm_dtype: Any = None
 
     def option(self, name, default=None):
         return dict(self.options).get(name, default)
