@@ -113,6 +113,7 @@ def _run(op, x, w, axis_name, gather, dim, s: _Settings):
     comm_dtype = _quantize.comm_dtype(op, "comm_dtype", s.comm_dtype)
     grad_comm_dtype = _quantize.comm_dtype(op, "grad_comm_dtype", s.grad_comm_dtype)
     target = _target.current(x, w)
+    call = dataclasses.replace(call, comm_dtype=comm_dtype)  # a backend may not send it
     choice = _choose(call, s.backend, s.unroll, s.precision, s.options, target)
     _interpret.check_threads(op, choice.backend, s.options, target)  # before a hang
     cfg = Config(

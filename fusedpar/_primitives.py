@@ -60,7 +60,8 @@ class Call:
     "gpu", "tpu" stands for a target known only by its platform); `bidirectional` is the
     ring shape as requested (None: the default, `_schedule.prefers_bidirectional`);
     `precision` is the matmuls' (some kernels cannot compute every precision); `options`
-    the backend options, as pairs.
+    the backend options, as pairs; `comm_dtype` the narrow dtype the ring sends (None:
+    the operands' own).
     """
 
     op: str
@@ -73,6 +74,7 @@ class Call:
     bidirectional: Optional[bool] = None
     precision: Any = None
     options: tuple = ()
+    comm_dtype: Any = None
 
     def __post_init__(self):
         if isinstance(self.target, str):
@@ -143,7 +145,7 @@ class Config:
         """The `Call` that describes running `prim` with this config on `x` and `w`."""
         return Call(op, prim, tuple(x.shape), tuple(w.shape), jnp.dtype(x.dtype).name,
                     self.axis_size, self.target, self.bidirectional, self.precision,
-                    self.options)
+                    self.options, self.comm_dtype)
 
 
 def out_shape(prim: str, x_shape, w_shape, n: int) -> tuple[int, int]:

@@ -12,6 +12,13 @@ TPU generation it is planned for, tiles and interpret mode.
 
 These are collective kernels: the enclosing `jax.shard_map` must use `check_vma=False`.
 
+`comm_dtype` (int8, float8_e4m3fn): an all-gather's travelling operand is quantized once
+on its owner (`_quantize.quantize` along `SCALE_AXIS`) and the kernel moves the 8-bit
+values and their float32 scales, widening each piece in VMEM and scaling the step's
+product; the gathered operand kept for the backward pass is dequantized here. The
+reduce-scatter kernels do not requantize their travelling accumulator: with a
+`comm_dtype` they are unavailable (backend='ring' does it).
+
 Options (`options={...}` of the public ops): `block_m`, `block_n`, `block_k` (tile
 targets; default: the chip's presets), `vmem` (force every buffer into VMEM, or force the
 tiled HBM path), `chip` (the TPU generation to plan for: "v4", "v5e", "v5p", "v6e", or a
@@ -31,7 +38,7 @@ import dataclasses
 
 import jax
 
-from .. import _batching, _primitives as prims, _target, _vma
+from .. import _batching, _primitives as prims, _quantize, _target, _vma
 from .._schedule import Ring, ring_for
 
 DESCRIPTION = "one fused Pallas TPU kernel per op: the ring runs inside it with remote DMAs"
@@ -149,9 +156,10 @@ def _params(prim, *, axis_name, axis_size, bidirectional, out_dtype, reduce_dtyp
     return module, module.MatmulReduceScatterParams(layout, out_dtype, reduce_dtype, launch)
 
 
-def _misaligned(module, params, x, w):
+def _misaligned(module, params, x, w, scales=None):
     """Why Mosaic would refuse a window the kernel cuts (None if every one is aligned)."""
-    for window in module.windows(params, x, w):
+    for window in (module.windows(params, x, w, scales) if scales is not None
+                   else module.windows(params, x, w)):
         why = window.problem(params.launch.chip)
         if why is not None:
             ring = params.launch.ring
@@ -170,6 +178,13 @@ def unavailable(call):
         return f"dtype {call.dtype} is not supported (supported: {', '.join(_DTYPES)})"
     x = jax.ShapeDtypeStruct(call.x_shape, call.dtype)
     w = jax.ShapeDtypeStruct(call.w_shape, call.dtype)
+    scales = None
+    if call.comm_dtype is not None:
+        if call.prim not in prims.GATHERS:
+            return (f"comm_dtype={call.comm_dtype}: the fused TPU reduce-scatter kernels "
+                    f"send their accumulator unquantized; backend='ring' requantizes it "
+                    f"at every hop")
+        x, w, scales = _quantized_structs(call.prim, x, w, call.comm_dtype)
     # Results in the inputs' dtype (the strictest tiles), f32 accumulators, the gathered
     # operand returned: every buffer and window a call of the op can have.
     # Bad option values and options that contradict the target raise (ValueError).
@@ -180,15 +195,39 @@ def unavailable(call):
         get=lambda name, default=None: (dict(call.options).get(name, default)
                                         if name in _TARGET_OPTIONS else default))
     try:
-        _, layout, why = module.plan(params, x, w)
+        _, layout, why = (module.plan(params, x, w, scales) if scales is not None
+                          else module.plan(params, x, w))
     except ValueError as e:
         return str(e)
     if layout is None:
         return why
     if call.platform == "tpu":  # the interpreter does not need Mosaic's tiles
-        why = _misaligned(module, params, x, w)
+        why = _misaligned(module, params, x, w, scales)
         return None if why is None else f"on TPU {why}"
     return None
+
+
+def _quantized_structs(prim, x, w, comm_dtype):
+    """`(x, w, scales)` as the kernel sees a quantized call: the travelling operand's
+    8-bit values and its float32 scales (shapes only)."""
+    which = prims.TRAVELLER[prim]
+    t = x if which == "x" else w
+    scale_shape = list(t.shape)
+    scale_shape[_quantize.SCALE_AXIS[prim]] = 1
+    values = jax.ShapeDtypeStruct(t.shape, comm_dtype)
+    scales = jax.ShapeDtypeStruct(tuple(scale_shape), "float32")
+    return (values, w, scales) if which == "x" else (x, values, scales)
+
+
+def _gathered(prim, gathered, dtype):
+    """The kernel's gathered `(values, scales)` dequantized to `dtype` (the backward
+    pass's residual: what the forward multiplied with)."""
+    values, scales = gathered
+    if prim == prims.AG_CONTRACT:  # scales (N, 1, n): one row per gathered block
+        n, _, cols = scales.shape
+        blocks = values.reshape(n, -1, cols)
+        return _quantize.dequantize(_quantize.Quantized(blocks, scales), dtype).reshape(values.shape)
+    return _quantize.dequantize(_quantize.Quantized(values, scales), dtype)
 
 
 def _run(prim, cfg, x, w, return_gathered=False):
@@ -196,6 +235,18 @@ def _run(prim, cfg, x, w, return_gathered=False):
     tpu = _kernels()
     if cfg.option("_broken") not in tpu.BROKEN:
         raise ValueError(f"unknown _broken option {cfg.option('_broken')!r}")
+    scales = None
+    if cfg.comm_dtype is not None:
+        if prim not in prims.GATHERS:
+            raise NotImplementedError(
+                f"{prim}: backend 'pallas_tpu' cannot send the accumulator in "
+                f"comm_dtype={cfg.comm_dtype} (its reduce-scatter kernels do not requantize "
+                f"it); backend='ring' does")
+        dtype = x.dtype
+        if prims.TRAVELLER[prim] == "x":
+            x, scales = _quantize.quantize(x, cfg.comm_dtype, _quantize.SCALE_AXIS[prim])
+        else:
+            w, scales = _quantize.quantize(w, cfg.comm_dtype, _quantize.SCALE_AXIS[prim])
     get = dict(cfg.options, precision=cfg.precision).get
     module, params = _params(
         prim, axis_name=cfg.axis_name, axis_size=cfg.axis_size,
@@ -203,11 +254,16 @@ def _run(prim, cfg, x, w, return_gathered=False):
         reduce_dtype=cfg.reduce_dtype, return_gathered=return_gathered, target=cfg.on,
         get=get)
     if params.launch.for_mosaic:  # forward and backward calls alike, before lowering
-        why = _misaligned(module, params, x, w)
+        why = _misaligned(module, params, x, w, scales)
         if why is not None:
             raise NotImplementedError(f"{prim}: backend 'pallas_tpu' cannot build this "
                                       f"call for TPU: {why}")
     try:
+        if scales is not None:
+            result = module.all_gather_matmul(x, w, params, scales)
+            if return_gathered:
+                return result[0], _gathered(prim, result[1], dtype)
+            return result
         if prim in prims.GATHERS:
             return module.all_gather_matmul(x, w, params)
         return module.matmul_reduce_scatter(x, w, params)

@@ -118,7 +118,8 @@ def call(name, kernel, launch: RingLaunch, layout, inputs: dict, outputs: dict,
 def place(layout, operands: dict, ring_buffers: dict, ring):
     """Where a kernel's buffers live: `(results, scratch)` for `call`, to add to its own.
 
-    - `ring_buffers` (name -> `(shape, dtype)`: slots, send and staging buffers, sums)
+    - `ring_buffers` (name -> `(shape, dtype)`: slots, send and staging buffers, sums;
+      with `scale_slots` every transfer has two parts, the values and their scales)
       are VMEM scratch when everything is in VMEM or the layout keeps them resident,
       else results in HBM (XLA allocates them; remote DMAs reach them there);
     - an operand the layout keeps resident gets a VMEM copy, `<name>_resident`;
@@ -133,8 +134,9 @@ def place(layout, operands: dict, ring_buffers: dict, ring):
     for name, a in operands.items():
         if name + "_resident" in layout.resident:
             scratch[name + "_resident"] = pltpu.VMEM(a.shape, a.dtype)
+    parts = 2 if "scale_slots" in ring_buffers else 1  # quantized values and scales
     scratch.update(zip(("send", "recv", "local", "credit", "done"),
-                       _protocol.semaphores(ring)))
+                       _protocol.semaphores(ring, parts)))
     scratch.update(zip(("ready", "computed"), _protocol.core_semaphores(layout.cores)))
     return results, scratch
 
@@ -153,7 +155,10 @@ def operand(refs: dict, name: str):
 def ring_of(refs: dict, launch: RingLaunch, layout):
     """`(Link, Cores)` of a kernel: the ring over its slots and semaphores, and the
     TensorCores sharing its steps."""
-    link = _protocol.Link(launch.ring, launch.axis_name, refs["slots"], refs["send"],
+    slots = refs["slots"]
+    if "scale_slots" in refs:  # quantized transfers: values and scales, two DMAs
+        slots = (slots, refs["scale_slots"])
+    link = _protocol.Link(launch.ring, launch.axis_name, slots, refs["send"],
                           refs["recv"], refs["local"], refs["credit"], refs["done"],
                           launch.broken)
     cores = _protocol.Cores(layout.cores, refs.get("ready"), refs.get("computed"),

@@ -49,11 +49,13 @@ BROKEN = (None, BROKEN_READ_BEFORE_WAIT, BROKEN_NO_CREDIT, BROKEN_STRAY_CREDIT,
           BROKEN_NO_HAND_OVER, BROKEN_SHARED_COLLECTIVE_ID)
 
 
-def semaphores(ring):
-    """Scratch semaphores of a `Link`: (send DMA, recv DMA, local DMA, credit, done)."""
+def semaphores(ring, parts=1):
+    """Scratch semaphores of a `Link` whose transfers have `parts` buffers each: (send
+    DMA, recv DMA, local DMA, credit, done). Each part of each slot has its own send and
+    recv semaphore (index `2 * part + slot`)."""
     nd = ring.num_directions
-    return [pltpu.SemaphoreType.DMA((nd, 2)), pltpu.SemaphoreType.DMA((nd, 2)),
-            pltpu.SemaphoreType.DMA((nd,)), pltpu.SemaphoreType.REGULAR((nd,)),
+    return [pltpu.SemaphoreType.DMA((nd, 2 * parts)), pltpu.SemaphoreType.DMA((nd, 2 * parts)),
+            pltpu.SemaphoreType.DMA((nd * parts,)), pltpu.SemaphoreType.REGULAR((nd,)),
             pltpu.SemaphoreType.REGULAR((nd,))]
 
 
@@ -65,9 +67,13 @@ def _axis_names(axis_name) -> tuple:
 class Link:
     """A device's view of the ring inside a kernel: neighbours, slots and semaphores.
 
-    `slots` is a ref of shape `(num_directions, 2, *piece)`; `send`/`recv` are DMA
-    semaphores `(num_directions, 2)`; `local` is one DMA semaphore per direction for
-    local copies; `credit` and `done` one REGULAR semaphore per direction each.
+    `slots` is a ref of shape `(num_directions, 2, *piece)`, or a tuple of such refs
+    when a transfer has several parts (quantized values and their scales): each part
+    travels by its own DMA on its own semaphores, and a slot is received when every part
+    has landed. `send`/`recv` are DMA semaphores `(num_directions, 2 * parts)`; `local`
+    is one DMA semaphore per direction and part for local copies; `credit` and `done` one REGULAR
+    semaphore per direction each. Where a transfer's source or a received slot is named,
+    it is a ref (one part) or a tuple of refs (one per part).
     """
 
     ring: Ring
@@ -82,6 +88,11 @@ class Link:
 
     def __post_init__(self):
         self.me = lax.axis_index(self.axis_name)
+        self._multi = isinstance(self.slots, tuple)
+        self._slots = self.slots if self._multi else (self.slots,)
+
+    def _parts(self, refs) -> tuple:
+        return refs if self._multi else (refs,)
 
     def _device(self, index):
         """Mesh coordinates of ring position `index`; a tuple of axis names is one ring
@@ -112,28 +123,34 @@ class Link:
         for h in range(self.ring.num_directions):
             pl.semaphore_wait(self.done.at[h], 1)
 
-    def _copy(self, h, t, src):
+    def _copies(self, h, t, src):
         r = self.ring.directions[h]
-        return pltpu.make_async_remote_copy(
-            src, self.slots.at[h, t % 2], self.send.at[h, t % 2], self.recv.at[h, t % 2],
-            device_id=self._device(self.ring.send_to(self.me, r)))
+        device = self._device(self.ring.send_to(self.me, r))
+        return [pltpu.make_async_remote_copy(
+            part, slots.at[h, t % 2], self.send.at[h, 2 * p + t % 2],
+            self.recv.at[h, 2 * p + t % 2], device_id=device)
+            for p, (part, slots) in enumerate(zip(self._parts(src), self._slots))]
 
     def start_send(self, h, t, src):
         """Start transfer `t` of direction `h`: `src` into the neighbour's slot `t % 2`."""
         if self.broken != BROKEN_NO_CREDIT:  # wait until the neighbour freed that slot
             when(t >= 2, lambda: pl.semaphore_wait(self.credit.at[h], 1))
-        self._copy(h, t, src).start()
+        for copy in self._copies(h, t, src):
+            copy.start()
 
     def wait_send(self, h, t, src):
-        self._copy(h, t, src).wait_send()
+        for copy in self._copies(h, t, src):
+            copy.wait_send()
 
     def wait_recv(self, h, t):
         """Wait until transfer `t` of direction `h` has landed in this device's slot."""
-        self._copy(h, t, self.slots.at[h, t % 2]).wait_recv()
+        for copy in self._copies(h, t, self.received(h, t)):
+            copy.wait_recv()
 
     def received(self, h, t):
-        """The slot holding transfer `t` of direction `h`."""
-        return self.slots.at[h, t % 2]
+        """The slot holding transfer `t` of direction `h` (a tuple of parts, if several)."""
+        got = tuple(slots.at[h, t % 2] for slots in self._slots)
+        return got if self._multi else got[0]
 
     def release(self, h, t):
         """Done with the slot of transfer `t`: give the sender a credit if it reuses it."""
@@ -144,8 +161,10 @@ class Link:
         when(needed | (self.broken == BROKEN_STRAY_CREDIT), lambda: pl.semaphore_signal(
             self.credit.at[h], 1, device_id=self._device(self.ring.recv_from(self.me, r))))
 
-    def local_copy(self, h, src, dst):
-        return pltpu.make_async_copy(src, dst, self.local.at[h])
+    def local_copy(self, h, src, dst, part=0):
+        """A local DMA of direction `h`; copies in flight together need distinct `part`s
+        (each part has its own semaphore)."""
+        return pltpu.make_async_copy(src, dst, self.local.at[part * self.ring.num_directions + h])
 
 
 def core_semaphores(count):

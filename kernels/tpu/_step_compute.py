@@ -1,4 +1,4 @@
-"""A ring step's compute: `o = a @ b (+ prev)` and `o = a + b`, whole or tiled.
+"""A ring step's compute: `o = a @ b (* scale) (+ prev)` and `o = a + b`, whole or tiled.
 
 In VMEM (`tiles` None) the refs are whole blocks and the step is one `jnp.dot`. On the
 tiled path the refs are HBM windows (or VMEM-resident buffers) and the step is a
@@ -34,12 +34,35 @@ def _split(cores):
     return {} if cores == 1 else {"core_axis": 0}
 
 
-def matmul(a, b, o, tiles, *, prev=None, precision=None, cores=1, enforce=None):
-    """`o = a @ b (+ prev)` with f32 accumulation: whole VMEM refs (`tiles` None), or refs
-    tiled by `tiles = (bm, bk, bn)`. `enforce`: the `Chip` built for (check tiles
-    against Mosaic's layout), or None."""
+def _widen(a, b):
+    """Both operand values in the wider of their dtypes: an 8-bit (quantized) operand is
+    converted in VMEM before the MXU, which Mosaic does not give int8 x bf16 with a float
+    accumulator ("float acc with int lhs"). Exact: int8 and float8_e4m3fn values are
+    bfloat16 (and float32) values."""
+    if a.dtype == b.dtype:
+        return a, b
+    if a.dtype.itemsize < b.dtype.itemsize:
+        return a.astype(b.dtype), b
+    return a, b.astype(a.dtype)
+
+
+def _product(a, b, scale, precision):
+    """`a @ b` in f32 (operands widened), times `scale` (broadcast) if given."""
+    a, b = _widen(a, b)
+    y = jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
+    return y if scale is None else y * scale
+
+
+def matmul(a, b, o, tiles, *, prev=None, scale=None, precision=None, cores=1, enforce=None):
+    """`o = (a @ b) * scale (+ prev)` with f32 accumulation: whole VMEM refs (`tiles`
+    None), or refs tiled by `tiles = (bm, bk, bn)`. `enforce`: the `Chip` built for (check
+    tiles against Mosaic's layout), or None.
+
+    `scale` (float32, optional) is a quantized operand's scales, `(rows, 1)` (one per row
+    of the product) or `(1, cols)` (one per column): the step multiplies the 8-bit values
+    (widened in VMEM, exactly) and scales the f32 product once, before adding `prev`."""
     if tiles is None:
-        y = jnp.dot(a[...], b[...], preferred_element_type=jnp.float32, precision=precision)
+        y = _product(a[...], b[...], None if scale is None else scale[...], precision)
         if prev is not None:
             y = y + prev[...].astype(jnp.float32)
         o[...] = y.astype(o.dtype)
@@ -47,30 +70,40 @@ def matmul(a, b, o, tiles, *, prev=None, precision=None, cores=1, enforce=None):
     (rows, contraction), cols = a.shape, b.shape[1]
     bm, bk, bn = tiles
     if cores == 1 and (bm, bk, bn) == (rows, contraction, cols):
-        return _whole(a, b, o, prev, precision)
+        return _whole(a, b, o, prev, scale, precision)
     nk = contraction // bk
-    for name, ref, block in (("the step's left operand", a, (bm, bk)),
-                             ("the step's right operand", b, (bk, bn)),
-                             ("the step's result", o, (bm, bn))):
+    per_row = scale is not None and scale.shape[0] == rows and rows > 1
+    checks = [("the step's left operand", a, (bm, bk)),
+              ("the step's right operand", b, (bk, bn)),
+              ("the step's result", o, (bm, bn))]
+    if scale is not None:
+        checks.append(("the step's scales", scale, (bm, 1) if per_row else (1, bn)))
+    for name, ref, block in checks:
         _layout.check_block(name, ref.shape, ref.dtype, block, enforce)
 
     def body(acc, a_t, b_t, *rest):
         o_t = rest[-1]
+        prev_t = rest[0] if prev is not None else None
+        scale_t = rest[-2] if scale is not None else None
         k = pl.program_id(2)
 
         @pl.when(k == 0)
         def _():
-            if prev is None:
+            if prev is None or scale is not None:  # a scaled sum adds `prev` at the end
                 acc[...] = jnp.zeros_like(acc)
             else:
-                acc[...] = rest[0][...].astype(jnp.float32)
+                acc[...] = prev_t[...].astype(jnp.float32)
 
-        acc[...] += jnp.dot(a_t[...], b_t[...], preferred_element_type=jnp.float32,
-                            precision=precision)
+        acc[...] += _product(a_t[...], b_t[...], None, precision)
 
         @pl.when(k == nk - 1)
         def _():
-            o_t[...] = acc[...].astype(o_t.dtype)
+            y = acc[...]
+            if scale is not None:
+                y = y * scale_t[...]
+                if prev is not None:
+                    y = y + prev_t[...].astype(jnp.float32)
+            o_t[...] = y.astype(o_t.dtype)
 
     in_specs = [pl.BlockSpec((bm, bk), lambda i, j, k: (i, k)),
                 pl.BlockSpec((bk, bn), lambda i, j, k: (k, j))]
@@ -78,6 +111,10 @@ def matmul(a, b, o, tiles, *, prev=None, precision=None, cores=1, enforce=None):
     if prev is not None:
         in_specs.append(pl.BlockSpec((bm, bn), lambda i, j, k: (i, j)))
         args.append(prev)
+    if scale is not None:
+        in_specs.append(pl.BlockSpec((bm, 1), lambda i, j, k: (i, 0)) if per_row
+                        else pl.BlockSpec((1, bn), lambda i, j, k: (0, j)))
+        args.append(scale)
 
     def scoped(acc):
         pltpu.emit_pipeline(
@@ -89,16 +126,17 @@ def matmul(a, b, o, tiles, *, prev=None, precision=None, cores=1, enforce=None):
     pl.run_scoped(scoped, pltpu.VMEM((bm, bn), jnp.float32))
 
 
-def _whole(a, b, o, prev, precision):
+def _whole(a, b, o, prev, scale, precision):
     """One tile: copy the operands into VMEM, multiply, copy the result out."""
-    refs = [a, b] + ([] if prev is None else [prev])
+    extra = [r for r in (prev, scale) if r is not None]
+    refs = [a, b] + extra
 
     def scoped(*vmem):
         *ins, o_v = vmem
         for src, dst in zip(refs, ins):
             pltpu.sync_copy(src, dst)
-        y = jnp.dot(ins[0][...], ins[1][...], preferred_element_type=jnp.float32,
-                    precision=precision)
+        y = _product(ins[0][...], ins[1][...],
+                     None if scale is None else ins[-1][...], precision)
         if prev is not None:
             y = y + ins[2][...].astype(jnp.float32)
         o_v[...] = y.astype(o_v.dtype)

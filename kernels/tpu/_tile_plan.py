@@ -67,14 +67,16 @@ def pick(dim: int, target: int, align: int) -> Optional[int]:
     return None
 
 
-def tiles(dims, in_dtype, out_dtype, targets):
+def tiles(dims, in_dtype, out_dtype, targets, narrow=None):
     """`(bm, bk, bn)` for a `(rows, contraction) x (contraction, cols)` step, or a reason.
 
     Rows are cut in the left operand, the result and the f32 accumulator, so `bm` follows
-    the largest of their sublane tiles; `bk` and `bn` cut lanes (and the right operand's
-    rows, whose tile divides 128).
+    the largest of their sublane tiles (and a quantized operand's, `narrow`: 32 rows of
+    8-bit values); `bk` and `bn` cut lanes (and the right operand's rows, whose tile
+    divides 128).
     """
-    rows_align = max(sublane_tile(in_dtype), sublane_tile(out_dtype), sublane_tile(np.float32))
+    rows_align = max(sublane_tile(d) for d in
+                     (in_dtype, out_dtype, np.float32, narrow or np.float32))
     aligns = (rows_align, LANES, LANES)
     got = tuple(pick(d, t, a) for d, t, a in zip(dims, targets, aligns))
     for t, name, dim, target, align in zip(got, "mkn", dims, targets, aligns):
@@ -97,7 +99,8 @@ def tile_bytes(t, in_dtype, out_dtype, accumulates=False) -> int:
     return 2 * (bm * bk + bk * bn) * in_size + 2 * bm * bn * out_size + prior + bm * bn * 4
 
 
-def plan(launch, dims, in_dtype, out_dtype, buffers, candidates, accumulates=False):
+def plan(launch, dims, in_dtype, out_dtype, buffers, candidates, accumulates=False,
+         narrow=None):
     """A `(StepLayout, None)`, or `(None, reason)` when no tiling fits.
 
     - `launch`: the kernel's `_launch.RingLaunch` (its chip, and the `vmem` and
@@ -109,6 +112,8 @@ def plan(launch, dims, in_dtype, out_dtype, buffers, candidates, accumulates=Fal
     - `candidates`: `(name, shape, dtype)` of buffers that may stay resident, most reused
       first.
     - `accumulates`: each step adds the prior f32 sum (all-gather-contract).
+    - `narrow`: the dtype of a quantized (8-bit) operand, if any: its tiles are taller.
+      Its tiles are counted at `in_dtype`'s size, which also covers the widened copy.
     """
     chip, vmem = launch.chip, launch.vmem
     if vmem is None:
@@ -116,7 +121,7 @@ def plan(launch, dims, in_dtype, out_dtype, buffers, candidates, accumulates=Fal
     if vmem:
         return StepLayout(True), None
     targets = tuple(launch.tile_targets or chip.tiles)
-    t, why = tiles(dims, in_dtype, out_dtype, targets)
+    t, why = tiles(dims, in_dtype, out_dtype, targets, narrow)
     if t is None:
         return None, why
     need = tile_bytes(t, in_dtype, out_dtype, accumulates)

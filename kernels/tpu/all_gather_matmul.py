@@ -22,6 +22,14 @@ the stationary operand (w for `ROWS`, x otherwise) and the f32 sum kept in VMEM 
 fit. `return_gathered` also copies every piece into the gathered operand with a local DMA
 that runs beside the matmul.
 
+Quantized payloads (`scales` given): the travelling operand is 8-bit values (int8 or
+float8_e4m3fn) with float32 scales (`fusedpar._quantize`: one per row of x for `ROWS`,
+per column of w for `COLUMNS`, per (block, column) for `CONTRACTION`). Both travel, each
+by its own remote DMA into its own slots (`_protocol.Link` with two parts); a step widens
+the 8-bit piece to the stationary operand's dtype in VMEM (exact), multiplies on the MXU
+in f32 and scales the product once (`_step_compute.matmul`). With `return_gathered` the
+gathered values and scales are returned (the caller dequantizes).
+
 `reference` is the same computation in lax. Collective kernel: call it inside
 `jax.shard_map(..., check_vma=False)`.
 """
@@ -76,6 +84,21 @@ class _Geometry:
     step: tuple  # (rows, contraction, cols) of one direction's step matmul
     stationary: str  # the operand every step reads whole ("x" or "w")
 
+    @property
+    def scale_piece(self) -> tuple:
+        """The scales travelling with one piece of quantized values: one per row of the
+        piece (`ROWS`), per column (`COLUMNS`); a `CONTRACTION` block's halves share
+        their block's (1, n) scales, which travel whole with each half."""
+        rows, cols = self.piece
+        if self.travelling == "x":
+            return (rows, 1)
+        return (1, cols)
+
+    @property
+    def scales_cut(self) -> bool:
+        """Whether the scales are cut along `axis` like the values (not `CONTRACTION`)."""
+        return not (self.travelling == "w" and self.axis == 0)
+
 
 def shapes(params: AllGatherMatmulParams, x_shape, w_shape) -> _Geometry:
     """The geometry of `params` on local operands of these shapes (ValueError if a
@@ -92,7 +115,7 @@ def shapes(params: AllGatherMatmulParams, x_shape, w_shape) -> _Geometry:
     return _Geometry("w", 0, (half, n), (m, n), (m, half, n), "x")
 
 
-def _kernel(refs, *, params, geometry, layout):
+def _kernel(refs, *, params, geometry, layout, quantized):
     launch = params.launch
     ring, n, nd = launch.ring, launch.ring.size, launch.ring.num_directions
     # Built for Mosaic: every window is checked against its tiles, naming the chip.
@@ -100,6 +123,7 @@ def _kernel(refs, *, params, geometry, layout):
     w, out, acc, outbox = (refs.get(k) for k in ("w", "out", "acc", "outbox"))
     stationary = _launch.operand(refs, geometry.stationary)
     travelling = refs[geometry.travelling]
+    scales = refs.get("scales")
     length = geometry.piece[geometry.axis]
     link, cores = _launch.ring_of(refs, launch, layout)
     me = link.me
@@ -117,8 +141,13 @@ def _kernel(refs, *, params, geometry, layout):
 
         cores.ring(fill_outbox)
 
+    def split(piece):  # (values, scales or None) of a piece, a received slot or a send
+        return piece if quantized else (piece, None)
+
     def compute(piece, seg, first, last):
-        how = dict(precision=launch.precision, cores=layout.cores, enforce=enforce)
+        piece, scale = split(piece)
+        how = dict(precision=launch.precision, cores=layout.cores, enforce=enforce,
+                   scale=scale)
         if params.gather == ROWS:
             _step_compute.matmul(piece, stationary, cut(out, seg, 0, "out"), tiles, **how)
         elif params.gather == COLUMNS:
@@ -131,13 +160,28 @@ def _kernel(refs, *, params, geometry, layout):
         if first:
             pieces = [cut(travelling, h, geometry.axis, geometry.travelling) for h in range(nd)]
             outgoing = pieces if outbox is None else [outbox.at[h] for h in range(nd)]
+            if quantized:
+                own = [cut(scales, h, geometry.axis, "the scales") if geometry.scales_cut
+                       else scales for h in range(nd)]
+                pieces = list(zip(pieces, own))
+                outgoing = list(zip(outgoing, own))
         else:
             pieces = outgoing = [link.received(h, s - 1) for h in range(nd)]
 
-        def gathered_copy(h):  # piece h into its place in the gathered operand
+        def gathered_copies(h):  # piece h (and its scales) into the gathered operand
             seg = ring.gather_segment(me, s, ring.directions[h])
-            return link.local_copy(h, pieces[h], cut(refs["gathered"], seg, geometry.axis,
-                                                      "the gathered operand"))
+            values, scale = split(pieces[h])
+            copies = [link.local_copy(h, values, cut(refs["gathered"], seg, geometry.axis,
+                                                      "the gathered operand"))]
+            if not quantized:
+                return copies
+            if geometry.scales_cut:
+                dst = cut(refs["gathered_scales"], seg, geometry.axis, "the gathered scales")
+            elif h == 0:  # a CONTRACTION block's scales, once (both halves bring them)
+                dst = refs["gathered_scales"].at[seg // nd]
+            else:
+                return copies
+            return copies + [link.local_copy(h, scale, dst, part=1)]
 
         def start():
             if not first and not late:
@@ -147,14 +191,16 @@ def _kernel(refs, *, params, geometry, layout):
                 if not last:  # forward the block in hand before multiplying it
                     link.start_send(h, s, outgoing[h])
                 if params.return_gathered:
-                    gathered_copy(h).start()
+                    for copy in gathered_copies(h):
+                        copy.start()
 
         def finish():
             for h in range(nd):
                 if not first and late:
                     link.wait_recv(h, s - 1)
                 if params.return_gathered:
-                    gathered_copy(h).wait()
+                    for copy in gathered_copies(h):
+                        copy.wait()
                 if not last:
                     link.wait_send(h, s, outgoing[h])
                 if not first:  # the slot has been multiplied and forwarded
@@ -172,9 +218,10 @@ def _kernel(refs, *, params, geometry, layout):
     _protocol.run_ring(link, cores, n, step)
 
 
-def windows(params: AllGatherMatmulParams, x, w) -> list:
+def windows(params: AllGatherMatmulParams, x, w, scales=None) -> list:
     """Every ring-segment window the kernel cuts (`_layout.Window`s), for the layout check
-    before it is built (its pipeline tiles are chosen aligned, and checked as built)."""
+    before it is built (its pipeline tiles are chosen aligned, and checked as built).
+    `scales`: the travelling operand's, when it is quantized."""
     geometry = shapes(params, x.shape, w.shape)
     length = geometry.piece[geometry.axis]
     travelling = x if geometry.travelling == "x" else w
@@ -183,26 +230,46 @@ def windows(params: AllGatherMatmulParams, x, w) -> list:
         cut.append(("x", x.shape, x.dtype, 1))
     else:
         cut.append(("out", geometry.out, params.out_dtype, geometry.axis))
+    outputs = _outputs(params, geometry, travelling, scales)
     if params.return_gathered:
-        g = _outputs(params, geometry, travelling)["gathered"]
+        g = outputs["gathered"]
         cut.append(("the gathered operand", g.shape, g.dtype, geometry.axis))
+    if scales is not None and geometry.scales_cut:
+        cut.append(("the scales", scales.shape, scales.dtype, geometry.axis))
+        if params.return_gathered:
+            g = outputs["gathered_scales"]
+            cut.append(("the gathered scales", g.shape, g.dtype, geometry.axis))
     return _layout.segments(cut, length)
 
 
-def _outputs(params, geometry, travelling):
-    """The kernel's results (the product, and the gathered operand if asked for)."""
+def _outputs(params, geometry, travelling, scales=None):
+    """The kernel's results (the product, and the gathered operand, and its scales when
+    quantized, if asked for; a `CONTRACTION` ring gathers scales (N, 1, n), a block's
+    scales in a leading index)."""
     out = {"out": jax.ShapeDtypeStruct(geometry.out, params.out_dtype)}
     if params.return_gathered:
+        n = params.launch.ring.size
         g = list(travelling.shape)
-        g[geometry.axis] *= params.launch.ring.size
+        g[geometry.axis] *= n
         out["gathered"] = jax.ShapeDtypeStruct(tuple(g), travelling.dtype)
+        if scales is not None:
+            g = list(scales.shape)
+            if geometry.scales_cut:
+                g[geometry.axis] *= n
+            else:
+                g = [n, *g]
+            out["gathered_scales"] = jax.ShapeDtypeStruct(tuple(g), scales.dtype)
     return out
 
 
-def _ring_buffers(params, geometry, travelling):
-    """Receive slots; the outbox of a bidirectional COLUMNS ring; the f32 running sum."""
+def _ring_buffers(params, geometry, travelling, scales=None):
+    """Receive slots (and, quantized, slots for the scales); the outbox of a
+    bidirectional COLUMNS ring; the f32 running sum."""
     ring = params.launch.ring
     buffers = {"slots": ((ring.num_directions, 2, *geometry.piece), travelling.dtype)}
+    if scales is not None:
+        buffers["scale_slots"] = ((ring.num_directions, 2, *geometry.scale_piece),
+                                  scales.dtype)
     if params.gather == COLUMNS and ring.bidirectional and ring.size > 1:
         buffers["outbox"] = ((ring.num_directions, *geometry.piece), travelling.dtype)
     if params.gather == CONTRACTION and ring.num_segments > 1:
@@ -211,51 +278,90 @@ def _ring_buffers(params, geometry, travelling):
 
 
 
-def plan(params: AllGatherMatmulParams, x, w):
+def _check_scales(geometry, travelling, stationary, scales):
+    """A quantized travelling operand: 8-bit values, float32 scales of the right shape, a
+    stationary operand of a float dtype the values widen to exactly."""
+    if scales is None:
+        return
+    rows, cols = travelling.shape
+    want = (rows, 1) if geometry.travelling == "x" else (1, cols)
+    if (jnp.dtype(travelling.dtype).itemsize != 1 or tuple(scales.shape) != want
+            or scales.dtype != jnp.float32 or jnp.dtype(stationary.dtype).itemsize < 2):
+        raise ValueError(
+            f"a quantized {geometry.travelling} must be 8-bit values with float32 scales "
+            f"of shape {want}, beside a 16- or 32-bit float {geometry.stationary}; got "
+            f"{geometry.travelling} {tuple(travelling.shape)} {travelling.dtype}, scales "
+            f"{tuple(scales.shape)} {scales.dtype}, {geometry.stationary} {stationary.dtype}")
+
+
+def plan(params: AllGatherMatmulParams, x, w, scales=None):
     """`(geometry, StepLayout, reason)`: how the kernel would run on `x`, `w` (arrays or
-    `ShapeDtypeStruct`s); the layout is None (with the reason) when no tiling fits."""
+    `ShapeDtypeStruct`s; `scales` those of a quantized travelling operand); the layout is
+    None (with the reason) when no tiling fits."""
     geometry = shapes(params, x.shape, w.shape)
     operands = {"x": x, "w": w}
     travelling, stationary = operands[geometry.travelling], operands[geometry.stationary]
-    buffers = [(a.shape, a.dtype) for a in (x, w, *_outputs(params, geometry, travelling).values())]
-    buffers += list(_ring_buffers(params, geometry, travelling).values())
+    _check_scales(geometry, travelling, stationary, scales)
+    extra = [] if scales is None else [scales]
+    outputs = _outputs(params, geometry, travelling, scales)
+    buffers = [(a.shape, a.dtype) for a in (x, w, *extra, *outputs.values())]
+    buffers += list(_ring_buffers(params, geometry, travelling, scales).values())
     candidates = [(geometry.stationary + "_resident", stationary.shape, stationary.dtype)]
     if params.gather == CONTRACTION:
         candidates.append(("acc", geometry.out, jnp.float32))
-    layout, why = _tile_plan.plan(params.launch, geometry.step, x.dtype, params.out_dtype, buffers,
-                                  candidates, accumulates=params.gather == CONTRACTION)
+    # The steps multiply in the stationary operand's dtype (a quantized piece is widened).
+    layout, why = _tile_plan.plan(
+        params.launch, geometry.step, stationary.dtype, params.out_dtype, buffers,
+        candidates, accumulates=params.gather == CONTRACTION,
+        narrow=None if scales is None else travelling.dtype)
     return geometry, layout, why
 
 
-def all_gather_matmul(x, w, params: AllGatherMatmulParams):
+def all_gather_matmul(x, w, params: AllGatherMatmulParams, scales=None):
     """The fused kernel on local operands `x`, `w` (see the module docstring): the product,
-    and with `params.return_gathered` also the gathered travelling operand."""
-    geometry, layout, why = plan(params, x, w)
+    and with `params.return_gathered` also the gathered travelling operand.
+
+    `scales`: the travelling operand is quantized (8-bit values), these are its float32
+    scales ((m, 1) for `ROWS`, (1, n) otherwise); the gathered operand is then returned
+    as `(values, scales)` (scales (N*m, 1), (1, N*n), or (N, 1, n) for `CONTRACTION`)."""
+    geometry, layout, why = plan(params, x, w, scales)
     if layout is None:
         raise _tile_plan.PlanError(why)
     operands = {"x": x, "w": w}
     travelling = operands[geometry.travelling]
+    if scales is not None:
+        operands["scales"] = scales
     results, scratch = _launch.place(layout, operands,
-                                     _ring_buffers(params, geometry, travelling),
+                                     _ring_buffers(params, geometry, travelling, scales),
                                      params.launch.ring)
-    outputs = {**_outputs(params, geometry, travelling), **results}
+    outputs = {**_outputs(params, geometry, travelling, scales), **results}
     ring = params.launch.ring
     (rows, cols), k = geometry.out, x.shape[1]  # x's columns: K, or all k_l blocks of it
-    cost = matmul_cost([(rows, cols, k)], x.dtype, params.out_dtype,
-                       remote_bytes=travelling.size * travelling.dtype.itemsize
-                       * (ring.size - 1))
+    sent = travelling.size * travelling.dtype.itemsize + (0 if scales is None else scales.size * 4)
+    cost = matmul_cost([(rows, cols, k)], operands[geometry.stationary].dtype,
+                       params.out_dtype, remote_bytes=sent * (ring.size - 1))
     results = _launch.call(
         f"all_gather_matmul_{params.gather}",
-        functools.partial(_kernel, params=params, geometry=geometry, layout=layout), params.launch,
-        layout, operands, outputs, scratch, cost)
+        functools.partial(_kernel, params=params, geometry=geometry, layout=layout,
+                          quantized=scales is not None),
+        params.launch, layout, operands, outputs, scratch, cost)
     if params.return_gathered:
+        if scales is not None:
+            return results["out"], (results["gathered"], results["gathered_scales"])
         return results["out"], results["gathered"]
     return results["out"]
 
 
-def reference(x, w, params: AllGatherMatmulParams):
-    """What the kernel computes, in lax (inside `shard_map` over `params.launch.axis_name`)."""
+def reference(x, w, params: AllGatherMatmulParams, scales=None):
+    """What the kernel computes, in lax (inside `shard_map` over `params.launch.axis_name`).
+    With `scales` the travelling operand is dequantized (in the stationary operand's dtype)
+    before it is gathered, and the gathered operand returned dequantized."""
     axis = params.launch.axis_name
+    if scales is not None:
+        if params.gather == ROWS:
+            x = (x.astype(jnp.float32) * scales).astype(w.dtype)
+        else:
+            w = (w.astype(jnp.float32) * scales).astype(x.dtype)
     if params.gather == ROWS:
         gathered = lax.all_gather(x, axis, axis=0, tiled=True)
         out = jnp.dot(gathered, w, preferred_element_type=jnp.float32)
