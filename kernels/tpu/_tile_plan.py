@@ -75,8 +75,9 @@ def tiles(dims, in_dtype, out_dtype, targets, narrow=None):
     8-bit values); `bk` and `bn` cut lanes (and the right operand's rows, whose tile
     divides 128).
     """
-    rows_align = max(sublane_tile(d) for d in
-                     (in_dtype, out_dtype, np.float32, narrow or np.float32))
+    rows_dtype = max((in_dtype, out_dtype, np.float32, narrow or np.float32),
+                     key=sublane_tile)  # the dtype with the tallest tile
+    rows_align = sublane_tile(rows_dtype)
     aligns = (rows_align, LANES, LANES)
     got = tuple(pick(d, t, a) for d, t, a in zip(dims, targets, aligns))
     for t, name, dim, target, align in zip(got, "mkn", dims, targets, aligns):
@@ -84,7 +85,7 @@ def tiles(dims, in_dtype, out_dtype, targets, narrow=None):
             return None, (
                 f"no tile of at most block_{name}={target} divides the dimension of "
                 f"length {dim} in steps of {align} (Mosaic's tile for "
-                f"{np.dtype(in_dtype)} is ({sublane_tile(in_dtype)}, {LANES})); pass "
+                f"{np.dtype(rows_dtype)} is ({sublane_tile(rows_dtype)}, {LANES})); pass "
                 f"options={{'block_{name}': ...}} with a divisor of {dim}, or pad the "
                 f"operands")
     return got, None

@@ -1,0 +1,159 @@
+"""The fused TPU all-gather kernels with a quantized payload (`comm_dtype`), interpreted.
+
+The oracle is "quantize, then the lax expression on the dequantized operand": the
+travelling operand is quantized on its owner (`_quantize.quantize` along `SCALE_AXIS`),
+dequantized to the inputs' dtype, gathered with `lax.all_gather` and multiplied. The
+kernel sends the 8-bit values and the float32 scales by two remote DMAs per transfer,
+widens each piece in VMEM and scales the step's product, so it differs from the oracle
+only by the rounding of the dequantized operand (none in float32, bfloat16's otherwise).
+The gathered operand it returns (the backward pass's residual) is the dequantized one.
+
+Every case runs with the interpreter's race detection on, NaN for uninitialized memory
+(the default) and its report of semaphores left non-zero at exit captured and checked.
+Ring sizes 2, 4 and 8, both ring shapes, the three gathers, int8 and float8_e4m3fn, in
+VMEM and on the tiled HBM path (`emit_pipeline` with the scales as a pipeline operand).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpret_state
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
+
+import fusedpar
+from fusedpar import _primitives as Prim, _quantize
+from fusedpar._backends import pallas_tpu
+from fusedpar._primitives import Call
+
+from helpers import assert_close, mesh, normal
+
+pytestmark = pytest.mark.timeout(240)
+
+I8, F8 = np.dtype(jnp.int8), np.dtype(jnp.float8_e4m3fn)
+R, K, C = 32, 64, 128
+
+
+def _shapes(prim, n, r=R, k=K, c=C):
+    return {"ag_rows": ((r, k), (k, c)), "ag_cols": ((r, k), (k, c)),
+            "ag_contract": ((r, n * k), (k, c))}[prim]
+
+
+def _oracle(prim, comm_dtype, x, w):
+    """(product, gathered operand): quantize the travelling operand, dequantize it to the
+    inputs' dtype, then the lax expression."""
+    axis = _quantize.SCALE_AXIS[prim]
+    if prim == Prim.AG_ROWS:
+        g = lax.all_gather(_quantize.fake_quantize(x, comm_dtype, axis), "x", tiled=True)
+        y = jnp.dot(g, w, preferred_element_type=jnp.float32)
+    else:
+        g = lax.all_gather(_quantize.fake_quantize(w, comm_dtype, axis), "x",
+                           axis=1 if prim == Prim.AG_COLS else 0, tiled=True)
+        y = jnp.dot(x, g, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype), g
+
+
+def _run_checked(prim, n, bidirectional, comm_dtype, dtype, capfd, mode="on_wait",
+                 shapes=(R, K, C), **options):
+    params = pltpu.InterpretParams(dma_execution_mode=mode, detect_races=True)
+    cfg = Prim.Config("pallas_tpu", "x", n, bidirectional, True, np.dtype(dtype),
+                      np.dtype(jnp.float32), comm_dtype=comm_dtype,
+                      options=tuple(sorted({"interpret_params": params, **options}.items())))
+    m = mesh((n,), ("x",))
+
+    def wrap(f):
+        return jax.jit(jax.shard_map(f, mesh=m, in_specs=(P("x"), P("x")),
+                                     out_specs=(P("x"), P("x")), check_vma=False))
+
+    xs, ws = _shapes(prim, n, *shapes)
+    x = normal(0, (n * xs[0], xs[1]), dtype)
+    w = normal(1, (n * ws[0], ws[1]), dtype)
+    kernel = wrap(lambda x, w: pallas_tpu.run(prim, cfg, x, w, return_gathered=True))
+    want = wrap(lambda x, w: _oracle(prim, comm_dtype, x, w))(x, w)
+    capfd.readouterr()
+    got = jax.block_until_ready(kernel(x, w))
+    races = interpret_state.races.races_found
+    text = "".join(capfd.readouterr())
+    what = f"{prim} n={n} bidirectional={bidirectional} {comm_dtype} {np.dtype(dtype)} {mode}"
+    assert not races and "RACE DETECTED" not in text, f"{what}: race\n{text[:2000]}"
+    assert "non-zero count" not in text, f"{what}: semaphore left non-zero\n{text[:2000]}"
+    assert got[0].dtype == want[0].dtype and got[1].dtype == want[1].dtype, what
+    assert_close(got, want, dtype, what)  # also asserts no NaN (uninitialized reads)
+    return got
+
+
+# Each gather at each ring size it adds something at, both ring shapes, both 8-bit dtypes.
+@pytest.mark.parametrize("prim,n,bidirectional,comm_dtype", [
+    ("ag_rows", 2, True, I8), ("ag_cols", 2, True, F8), ("ag_contract", 2, False, I8),
+    ("ag_rows", 4, False, F8), ("ag_cols", 4, False, I8), ("ag_contract", 4, True, F8),
+    ("ag_contract", 8, True, I8), ("ag_cols", 8, False, F8),
+], ids=str)
+def test_quantized_gather_equals_oracle(prim, n, bidirectional, comm_dtype, capfd):
+    _run_checked(prim, n, bidirectional, comm_dtype, jnp.float32, capfd)
+
+
+def test_quantized_gather_bfloat16_eager(capfd):
+    """bfloat16 operands (the 8-bit piece widens to bfloat16 before the MXU), DMAs run
+    eagerly: a different interleaving of the two parts of each transfer."""
+    _run_checked("ag_rows", 4, True, I8, jnp.bfloat16, capfd, mode="eager")
+
+
+# The tiled HBM path: several row, contraction and column tiles per step (8-bit rows in
+# tiles of 32), the scales a pipeline operand.
+@pytest.mark.parametrize("prim,comm_dtype", [("ag_rows", I8), ("ag_cols", F8),
+                                             ("ag_contract", I8)], ids=str)
+def test_quantized_gather_tiled_path(prim, comm_dtype, capfd):
+    _run_checked(prim, 2, False, comm_dtype, jnp.float32, capfd, shapes=(64, 256, 256),
+                 vmem=False, block_m=32, block_k=128, block_n=128)
+
+
+def test_public_op_sends_comm_dtype_through_the_kernel():
+    """`all_gather_matmul(..., backend="pallas_tpu", comm_dtype=...)` runs the quantized
+    kernel (the product matches the oracle, and differs from the unquantized one)."""
+    n = 2
+    m = mesh((n,), ("x",))
+    x, w = normal(0, (n * R, K), jnp.float32), normal(1, (K, C), jnp.float32)
+
+    def f(x, w):
+        y = fusedpar.all_gather_matmul(x, w, "x", backend="pallas_tpu", comm_dtype=jnp.int8)
+        return y, _oracle(Prim.AG_ROWS, I8, x, w)[0], jnp.dot(lax.all_gather(x, "x", tiled=True), w)
+
+    got, want, exact = jax.jit(jax.shard_map(f, mesh=m, in_specs=(P("x"), P()),
+                                             out_specs=(P(), P(), P()), check_vma=False))(x, w)
+    assert_close(got, want, jnp.float32, "ag_rows int8 through the public op")
+    assert float(jnp.max(jnp.abs(got - exact))) > 1e-3  # quantization did happen
+
+
+def _call(**kw):
+    base = dict(op="all_gather_matmul", prim="ag_rows", x_shape=(64, 512), w_shape=(512, 256),
+                dtype="bfloat16", axis_size=4, target="tpu", bidirectional=True,
+                comm_dtype=I8)
+    return Call(**{**base, **kw})
+
+
+def test_unavailable_with_comm_dtype():
+    assert pallas_tpu.unavailable(_call()) is None
+    assert pallas_tpu.unavailable(_call(prim="ag_cols", comm_dtype=F8)) is None
+    # The reduce-scatter kernels do not requantize their accumulator: the ring does.
+    why = pallas_tpu.unavailable(_call(op="matmul_reduce_scatter", prim="rs_rows",
+                                       x_shape=(256, 512)))
+    assert "backend='ring'" in why and "int8" in why
+    # 8-bit rows are laid out in 32-row tiles: a bidirectional half of 16 rows is refused
+    # for Mosaic (bfloat16 values would be fine), and named with the 8-bit dtype.
+    why = pallas_tpu.unavailable(_call(x_shape=(32, 512)))
+    assert why is not None and "32" in why and "int8" in why
+    assert pallas_tpu.unavailable(_call(x_shape=(32, 512), comm_dtype=None)) is None
+    assert pallas_tpu.unavailable(_call(x_shape=(32, 512), target="cpu")) is None
+
+
+def test_reduce_scatter_kernel_refuses_comm_dtype():
+    n = 2
+    m = mesh((n,), ("x",))
+    x, w = normal(0, (n * R, K), jnp.float32), normal(1, (K, C), jnp.float32)
+    f = jax.shard_map(lambda x, w: fusedpar.matmul_reduce_scatter(
+        x, w, "x", backend="pallas_tpu", comm_dtype=jnp.int8), mesh=m,
+        in_specs=(P(), P()), out_specs=P("x"), check_vma=False)
+    with pytest.raises(NotImplementedError, match="backend='ring'"):
+        jax.jit(f)(x, w)
