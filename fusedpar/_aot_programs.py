@@ -55,13 +55,13 @@ def _op(prim):
 
 
 def op_program(mesh, prim, backend="ring", *, bidirectional=None, backward=True,
-               rows=ROWS, k=K, cols=COLS, dtype=jnp.bfloat16, options=None):
+               rows=ROWS, k=K, cols=COLS, dtype=jnp.bfloat16, options=None, comm_dtype=None):
     """Primitive `prim` on the mesh's one axis "x": its forward, and with `backward` its
-    vjp against a cotangent argument."""
+    vjp against a cotangent argument; `comm_dtype` is the op's (what the ring sends)."""
     n = mesh.shape["x"]
     call, xs, ws, xspec, wspec, ospec = _op(prim)(n, rows, k, cols)
     fn = functools.partial(call, backend=backend, bidirectional=bidirectional,
-                           options=options)
+                           options=options, comm_dtype=comm_dtype)
     args = [_struct(mesh, xs, dtype, xspec), _struct(mesh, ws, dtype, wspec)]
     if not backward:
         body, in_specs, out_specs = fn, (xspec, wspec), ospec
