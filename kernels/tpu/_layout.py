@@ -31,9 +31,14 @@ there Mosaic also accepted windows of 4 rows on every generation (and 2 rows on 
 not 1 row of bfloat16, half a packed word), even in arrays laid out `T(8,128)`; whole-in-VMEM kernels load and store the same windows with vector ops, which
 need 8 (a single float32 row aside). The check runs before the path is chosen, so it asks
 8 rows on both paths (`tests/test_tpu_mosaic.py` records the 4-row DMA measurement).
-8-bit values are not measured (the kernels accumulate in float32, which Mosaic refuses
-for integer operands, and the backend accepts only float32 and bfloat16): their tile is
-taken as the packed `(32, 128)`, a guess on the safe side.
+8-bit values (the quantized payloads of `comm_dtype`: int8, float8_e4m3fn) are laid out
+`T(8,128)(4,1)` in the kernels' operands (the compiled HLO says so: 8 rows of 128 lanes,
+four neighbouring rows per 32-bit word), and with this check switched off the fused
+all-gather compiled for v4, v5e, v5p and v6e with 8-bit ring windows and pipeline blocks
+of 8 rows, int8 and float8_e4m3fn, in VMEM and from HBM, at static and dynamic offsets
+(`tests/test_tpu_mosaic.py`); a window of 4 rows in VMEM is refused (as for 32-bit
+values). So their rule is 8 rows too, not the 32 of the packed `(32, 128)` tile it was
+taken to be before it was measured.
 
 The interpreter on CPU does not care, and the Pallas lowering does not check it either
 (Mosaic does, when it compiles). So the kernels check every window they cut with `check`
@@ -51,9 +56,8 @@ from typing import Optional
 import numpy as np
 
 LANES = 128
-ROWS = 8  # rows per tile of 32- and 16-bit values, measured on v4, v5e, v5p and v6e
+ROWS = 8  # rows per tile of 32-, 16- and 8-bit values, measured on v4, v5e, v5p and v6e
 SUBLANES = ROWS  # the former name
-_PACKED_8BIT_ROWS = 32  # 8-bit values: not measured (see the module docstring)
 
 
 class LayoutError(NotImplementedError):
@@ -61,8 +65,8 @@ class LayoutError(NotImplementedError):
 
 
 def sublane_tile(dtype) -> int:
-    """Rows per tile for `dtype`: 8 for 32- and 16-bit values (measured), 32 for 8-bit."""
-    return ROWS if np.dtype(dtype).itemsize >= 2 else _PACKED_8BIT_ROWS
+    """Rows per tile for `dtype`: 8 for 32-, 16- and 8-bit values (measured)."""
+    return ROWS
 
 
 def tile(dtype) -> tuple[int, int]:

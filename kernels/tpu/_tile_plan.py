@@ -67,15 +67,14 @@ def pick(dim: int, target: int, align: int) -> Optional[int]:
     return None
 
 
-def tiles(dims, in_dtype, out_dtype, targets, narrow=None):
+def tiles(dims, in_dtype, out_dtype, targets):
     """`(bm, bk, bn)` for a `(rows, contraction) x (contraction, cols)` step, or a reason.
 
     Rows are cut in the left operand, the result and the f32 accumulator, so `bm` follows
-    the largest of their sublane tiles (and a quantized operand's, `narrow`: 32 rows of
-    8-bit values); `bk` and `bn` cut lanes (and the right operand's rows, whose tile
-    divides 128).
+    the largest of their sublane tiles (a quantized operand's 8-bit rows have the same 8);
+    `bk` and `bn` cut lanes (and the right operand's rows, whose tile divides 128).
     """
-    rows_dtype = max((in_dtype, out_dtype, np.float32, narrow or np.float32),
+    rows_dtype = max((in_dtype, out_dtype, np.float32),
                      key=sublane_tile)  # the dtype with the tallest tile
     rows_align = sublane_tile(rows_dtype)
     aligns = (rows_align, LANES, LANES)
@@ -100,8 +99,7 @@ def tile_bytes(t, in_dtype, out_dtype, accumulates=False) -> int:
     return 2 * (bm * bk + bk * bn) * in_size + 2 * bm * bn * out_size + prior + bm * bn * 4
 
 
-def plan(launch, dims, in_dtype, out_dtype, buffers, candidates, accumulates=False,
-         narrow=None):
+def plan(launch, dims, in_dtype, out_dtype, buffers, candidates, accumulates=False):
     """A `(StepLayout, None)`, or `(None, reason)` when no tiling fits.
 
     - `launch`: the kernel's `_launch.RingLaunch` (its chip, and the `vmem` and
@@ -113,8 +111,8 @@ def plan(launch, dims, in_dtype, out_dtype, buffers, candidates, accumulates=Fal
     - `candidates`: `(name, shape, dtype)` of buffers that may stay resident, most reused
       first.
     - `accumulates`: each step adds the prior f32 sum (all-gather-contract).
-    - `narrow`: the dtype of a quantized (8-bit) operand, if any: its tiles are taller.
-      Its tiles are counted at `in_dtype`'s size, which also covers the widened copy.
+    A quantized (8-bit) operand's tiles are counted at `in_dtype`'s size, which also
+    covers its widened copy.
     """
     chip, vmem = launch.chip, launch.vmem
     if vmem is None:
@@ -122,7 +120,7 @@ def plan(launch, dims, in_dtype, out_dtype, buffers, candidates, accumulates=Fal
     if vmem:
         return StepLayout(True), None
     targets = tuple(launch.tile_targets or chip.tiles)
-    t, why = tiles(dims, in_dtype, out_dtype, targets, narrow)
+    t, why = tiles(dims, in_dtype, out_dtype, targets)
     if t is None:
         return None, why
     need = tile_bytes(t, in_dtype, out_dtype, accumulates)

@@ -309,12 +309,10 @@ def plan(params: AllGatherMatmulParams, x, w, scales=None):
     candidates = [(geometry.stationary + "_resident", stationary.shape, stationary.dtype)]
     if params.gather == CONTRACTION:
         candidates.append(("acc", geometry.out, jnp.float32))
-    # The steps multiply in the stationary operand's dtype (a quantized piece is widened);
-    # only a travelling x has its 8-bit rows cut by the row tiles (w's by 128-lane ones).
+    # The steps multiply in the stationary operand's dtype (a quantized piece is widened).
     layout, why = _tile_plan.plan(
         params.launch, geometry.step, stationary.dtype, params.out_dtype, buffers,
-        candidates, accumulates=params.gather == CONTRACTION,
-        narrow=travelling.dtype if scales is not None and geometry.travelling == "x" else None)
+        candidates, accumulates=params.gather == CONTRACTION)
     return geometry, layout, why
 
 
