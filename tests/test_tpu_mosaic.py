@@ -12,6 +12,8 @@ what it refuses here it refuses on a TPU. Nothing runs.
   and bfloat16: bfloat16's tile has 8 rows, not 16) and of 128 lanes, pipeline blocks of
   8 rows — compile on v4, v5e, v5p and v6e, all in VMEM and tiled from HBM: the rule is
   not stricter than Mosaic;
+- quantized payloads (`comm_dtype` int8, float8_e4m3fn) through the fused all-gathers at
+  the realistic size on v5e, v5p and v6e, and 8-bit windows of 8 rows (refused at 4);
 - a window the rule refuses (12 or 4 rows, 64 lanes) is refused by the package before
   anything is compiled, naming the rule and the chip, and — with the package's check
   switched off — Mosaic refuses it too: the rule is not looser than Mosaic.
@@ -197,3 +199,84 @@ def test_dma_windows_of_four_rows_compile_though_refused(monkeypatch):
         fn.lower(*args)
     monkeypatch.setattr(_layout.Window, "problem", lambda self, chip=None: None)
     assert "tpu_custom_call" in _compile((fn, args))
+
+
+# -- quantized payloads (comm_dtype): 8-bit values and f32 scales through Mosaic ---------------
+
+I8, F8 = jnp.int8, jnp.float8_e4m3fn
+QUANTIZED = [  # (generation, prim, comm_dtype): each gather, each 8-bit dtype, three chips
+    ("v5e", "ag_rows", I8), ("v5e", "ag_contract", F8), ("v6e", "ag_cols", F8),
+    pytest.param("v5p", "ag_rows", F8, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("generation,prim,comm_dtype", QUANTIZED,
+                         ids=lambda v: getattr(v, "__name__", str(v)))
+def test_quantized_gathers_compile_at_a_realistic_size(generation, prim, comm_dtype):
+    """Per device x (1024, 4096) @ w (4096, 4096) bf16, the travelling operand sent as
+    8-bit values and f32 scales (two remote DMAs per transfer), widened to bf16 in VMEM
+    before the MXU: Mosaic accepts it on every generation, float8_e4m3fn included (v5e
+    has no fp8 MXU; the kernels never ask for one). Forward only: the backward's
+    reduce-scatter kernel does not take a comm_dtype. Measured on v5e, v5p and v6e for
+    all three gathers and both dtypes (2-13 s each); four of them kept here."""
+    text = _compile(_program(generation, prim, True, backward=False,
+                             options={"vmem": False}, comm_dtype=comm_dtype))
+    assert "tpu_custom_call" in text, prim
+    # The kernel's operands: the 8-bit values in Mosaic's 8-row tiles.
+    narrow = "s8" if comm_dtype == I8 else "f8e4m3fn"
+    assert f"{narrow}[" in text and "T(8,128)(4,1)" in text
+
+
+def _gathered_program(generation, comm_dtype, rows, vmem, block_m=None):
+    """The ag_rows kernel returning the gathered operand (8-bit windows at traced offsets,
+    by local DMA), its halves `rows` rows of 8-bit values."""
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jax
+    from fusedpar import _primitives, _target
+    from fusedpar._backends import pallas_tpu
+
+    mesh = _mesh(generation)
+    big = 256 if vmem else 1024
+    options = (("vmem", vmem),) + ((("block_m", block_m),) if block_m else ())
+
+    def f(x, w):
+        cfg = _primitives.Config("pallas_tpu", "x", N, True, True, np.dtype(BF16),
+                                 np.dtype(F32), options=options, target=_target.current(x, w),
+                                 comm_dtype=np.dtype(comm_dtype))
+        return pallas_tpu.run("ag_rows", cfg, x, w, return_gathered=True)
+
+    args = [jax.ShapeDtypeStruct((N * 2 * rows, big), BF16, sharding=NamedSharding(mesh, P("x"))),
+            jax.ShapeDtypeStruct((big, big), BF16, sharding=NamedSharding(mesh, P()))]
+    with jax.set_mesh(mesh):
+        program = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"), P()),
+                                        out_specs=(P("x"), P("x")), check_vma=False))
+        return program.lower(*args)
+
+
+@pytest.mark.parametrize("generation,comm_dtype,vmem", [
+    ("v5e", I8, False), ("v6e", F8, True), ("v4", I8, False)],
+    ids=lambda v: getattr(v, "__name__", str(v)))
+def test_eight_row_8bit_windows_compile(generation, comm_dtype, vmem):
+    """8-bit rows have 8-row tiles (kernels/tpu/_layout.py): ring halves of 8 rows, copied
+    into the gathered operand at traced offsets, and (from HBM) 8-row pipeline blocks of
+    a 64-row half, compile — the package's rule is not stricter than Mosaic for them."""
+    with _layout.recording() as windows:
+        lowered = _gathered_program(generation, comm_dtype, 64 if not vmem else 8, vmem,
+                                    block_m=None if vmem else 8)
+    assert "tpu_custom_call" in lowered.compile().as_text()
+    lengths = {(w.name, w.length) for w in windows}
+    if vmem:
+        assert ("the gathered operand", 8) in lengths, sorted(lengths)
+    else:
+        assert ("the step's left operand", 8) in lengths, sorted(lengths)
+
+
+def test_four_row_8bit_window_in_vmem_is_refused_by_both(monkeypatch):
+    """The 8-row rule for 8-bit values is not looser than Mosaic: 4-row halves in VMEM are
+    refused by the package, and by Mosaic with the check switched off."""
+    with pytest.raises(NotImplementedError, match="not a multiple of 8 rows of int8"):
+        _gathered_program("v5e", I8, 4, True)
+    monkeypatch.setattr(_layout.Window, "problem", lambda self, chip=None: None)
+    with pytest.raises(Exception, match="Mosaic failed to compile") as info:
+        _gathered_program("v5e", I8, 4, True).compile()
+    assert any(m in str(info.value) for m in MOSAIC_REFUSALS), str(info.value)[:2000]
