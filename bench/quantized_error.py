@@ -20,6 +20,7 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 
+import jax.extend  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -90,5 +91,65 @@ def main():
                   f"{gather(n, 'rhs', 1, **kw):.2e} |")
 
 
+
+
+def _transfers(jaxpr):
+    """Bytes of each ppermute in `jaxpr`."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "ppermute":
+            found.append(sum(v.aval.size * v.aval.dtype.itemsize for v in eqn.invars))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _transfers(sub)
+    return found
+
+
+def bytes_per_transfer(n=8, rows=1024, k=4096, cols=4096):
+    """Bytes one ring transfer carries, read from the traced program of the `ring`
+    backend (unidirectional, unrolled) with per-device x (rows, k) @ w (k, cols)."""
+    mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    bf16 = jnp.bfloat16
+    problems = {  # name: (op, kwargs, global x, global w, specs)
+        "ag_rows (x travels)": (fusedpar.all_gather_matmul, dict(gather="lhs", dim=0),
+                                (n * rows, k), (k, cols), (P("x"), P())),
+        "ag_cols (w column block)": (fusedpar.all_gather_matmul, dict(gather="rhs", dim=1),
+                                     (n * rows, k), (k, n * cols), (P("x"), P(None, "x"))),
+        "ag_contract (w row block)": (fusedpar.all_gather_matmul, dict(gather="rhs", dim=0),
+                                      (n * rows, n * k), (n * k, cols), (P("x"), P("x"))),
+        "rs_rows (accumulator)": (fusedpar.matmul_reduce_scatter, dict(dim=0),
+                                  (rows, n * k), (n * k, cols), (P(None, "x"), P("x"))),
+    }
+    out = {}
+    for name, (op, kw, xs, ws, specs) in problems.items():
+        row = {}
+        for label, extra in (("bf16", {}), ("int8", dict(comm_dtype=jnp.int8)),
+                             ("fp8", dict(comm_dtype=jnp.float8_e4m3fn))):
+            f = jax.shard_map(
+                lambda x, w, extra=extra: op(x, w, "x", backend="ring", bidirectional=False,
+                                             unroll=True, **kw, **extra),
+                mesh=mesh, in_specs=specs, out_specs=P("x"), check_vma=False)
+            sent = _transfers(jax.make_jaxpr(f)(jax.ShapeDtypeStruct(xs, bf16),
+                                                jax.ShapeDtypeStruct(ws, bf16)).jaxpr)
+            # A unidirectional ring makes n - 1 transfers (values and scales are two
+            # ppermutes of one transfer).
+            assert sum(sent) % (n - 1) == 0, sent
+            row[label] = sum(sent) // (n - 1)
+        out[name] = row
+    return out
+
+
+def print_bytes():
+    print()
+    print("| transfer (N=8, per device x 1024x4096 @ w 4096x4096, bf16 inputs) | bf16 "
+          "(rs: f32 accumulator) | int8 + scales | fp8 + scales | ratio to bf16 |")
+    print("|---|---|---|---|---|")
+    for name, row in bytes_per_transfer().items():
+        ratio = row["int8"] / row["bf16"]
+        print(f"| {name} | {row['bf16']:,} | {row['int8']:,} | {row['fp8']:,} | "
+              f"{ratio:.4f} |")
+
+
 if __name__ == "__main__":
     main()
+    print_bytes()
