@@ -246,11 +246,11 @@ OPS = [
                      x_dtype=jnp.complex64), TypeError,
         ("grad_comm_dtype=float8_e4m3fn quantizes", "x and w are complex64")),
     Row("ops", "comm_dtype on a backend that cannot send quantized payloads",
-        in_shard_map(lambda x, w: AGM(x, w, "x", backend="pallas_tpu",
+        in_shard_map(lambda x, w: MRS(x, w, "x", backend="pallas_tpu",
                                       comm_dtype=jnp.float8_e4m3fn), check_vma=False),
         NotImplementedError, ("backend 'pallas_tpu' cannot run this call",
-                              "comm_dtype=float8_e4m3fn is not implemented in the fused TPU "
-                              "kernels", "backend='ring' (or 'reference')")),
+                              "comm_dtype=float8_e4m3fn: the fused TPU reduce-scatter "
+                              "kernels", "backend='ring' requantizes it")),
     Row("ops", "explicit kernel backend whose backward step no tile fits",
         in_shard_map(lambda x, w: jax.grad(
             lambda x, w: AGM(x, w, "x", backend="pallas_gpu", options={"kernels": "mosaic"})
