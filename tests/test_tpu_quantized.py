@@ -126,6 +126,58 @@ def test_public_op_sends_comm_dtype_through_the_kernel():
     assert float(jnp.max(jnp.abs(got - exact))) > 1e-3  # quantization did happen
 
 
+def _straight_through(a, dtype, axis):
+    """`a` as the receiver sees it, identity gradient: the oracle's straight-through."""
+    deq = _quantize.fake_quantize(a, dtype, axis)
+    return lax.stop_gradient(deq) + (a - lax.stop_gradient(a))
+
+
+def test_public_op_values_and_gradients():
+    """The three gathers through the public op on the fused kernels (ring of 2,
+    bidirectional), values and gradients against the straight-through oracle; the
+    backward's collectives send the inputs' dtype (grad_comm_dtype None). The other
+    gradient multiplies the kernel's gathered operand (`keep_gathered`), which it
+    returns dequantized: the operand the forward multiplied. (Without `keep_gathered`
+    the backward gathers the operand again, unquantized: docs/quantized.md.)"""
+    n, agm, keep_gathered = 2, fusedpar.all_gather_matmul, True
+    cases = [("ag_rows", dict(), (R, K), (K, C), P("x"), P()),
+             ("ag_cols", dict(gather="rhs", dim=1), (R, K), (K, n * C), P("x"), P(None, "x")),
+             ("ag_contract", dict(gather="rhs", dim=0), (R, n * K), (n * K, C), P("x"), P("x"))]
+    m = mesh((n,), ("x",))
+    params = pltpu.InterpretParams(detect_races=True)
+
+    def kernel(kw, comm):
+        return lambda x, w: agm(x, w, "x", backend="pallas_tpu", bidirectional=True,
+                                comm_dtype=comm, keep_gathered=keep_gathered,
+                                options={"interpret_params": params}, **kw)
+
+    def oracle(kw, comm, prim):
+        axis = _quantize.SCALE_AXIS[prim]
+
+        def f(x, w):
+            if prim == "ag_rows":
+                x = _straight_through(x, comm, axis)
+            else:
+                w = _straight_through(w, comm, axis)
+            return agm(x, w, "x", backend="reference", **kw)
+        return f
+
+    for (prim, kw, xs, ws, xspec, wspec), comm in zip(cases, (I8, F8, I8)):
+        x, w = normal(0, (n * xs[0], xs[1]), jnp.float32), normal(1, ws, jnp.float32)
+        outs = []
+        for f in (kernel(kw, comm), oracle(kw, comm, prim)):
+            g = jax.shard_map(f, mesh=m, in_specs=(xspec, wspec), out_specs=P("x"),
+                              check_vma=False)
+            ct = normal(2, jax.eval_shape(g, x, w).shape, jnp.float32)
+
+            def vg(x, w, g=g, ct=ct):
+                y, vjp = jax.vjp(g, x, w)
+                return (y,) + vjp(ct)
+            outs.append(jax.jit(vg)(x, w))
+        assert not interpret_state.races.races_found
+        assert_close(outs[0], outs[1], jnp.float32, f"{prim} {comm} keep={keep_gathered}")
+
+
 def _call(**kw):
     base = dict(op="all_gather_matmul", prim="ag_rows", x_shape=(64, 512), w_shape=(512, 256),
                 dtype="bfloat16", axis_size=4, target="tpu", bidirectional=True,
