@@ -278,10 +278,23 @@ def overlap(program) -> Report:
     return Report(tuple(transfers), tuple(ops))
 
 
+def _sent(i, by_name) -> list:
+    """The operands `i` sends: all of a combined collective's (XLA on GPU merges the
+    values and scales of a quantized ppermute into one collective-permute of two arrays),
+    only the input of an in-place collective-permute (input, output buffer, and two
+    tuples of integer offsets)."""
+    operands = [by_name.get(name) for name in i.operands]
+    if (i.opcode.startswith("collective-permute") and len(operands) == 4
+            and all(o is not None and {d for d, _ in _hlo.array_shapes(o.shape)}
+                    <= {"s32", "u32", "s64"} for o in operands[2:])):
+        operands = operands[:1]
+    return operands
+
+
 def _transfer(module, i, kind, by_name, computation, matmuls) -> Transfer:
-    operand = by_name.get(i.operands[0]) if i.operands else None
-    if operand is not None:
-        nbytes = operand.bytes
+    operands = _sent(i, by_name) if i.operands else []
+    if operands and all(o is not None for o in operands):
+        nbytes = sum(o.bytes for o in operands)
     else:  # a parameter of another computation: the start's first result is the operand
         arrays = _hlo.array_shapes(i.shape)
         nbytes = _hlo.shape_bytes(f"{arrays[0][0]}[{','.join(map(str, arrays[0][1]))}]") \

@@ -107,6 +107,31 @@ def ops_program(mesh, prim, variants, *, rows=ROWS, k=K, cols=COLS, dtype=jnp.bf
     return _under_mesh(mesh, program), args
 
 
+def comm_program(mesh, prims_, comm_dtype, backend="ring", *, bidirectional=True,
+                 rows=ROWS, k=K, cols=COLS, dtype=jnp.bfloat16):
+    """Primitives `prims_` forward in one program, each sending in `comm_dtype` (None: the
+    inputs' dtype; reduce-scatters' accumulators in `dtype` then, not float32): what a
+    quantized ring's transfers carry, each op under its own name scope."""
+    n = mesh.shape["x"]
+    ops = [_op(prim)(n, rows, k, cols) for prim in prims_]
+    args, specs = [], []
+    for call, xs, ws, xspec, wspec, _ in ops:
+        args += [_struct(mesh, xs, dtype, xspec), _struct(mesh, ws, dtype, wspec)]
+        specs += [xspec, wspec]
+
+    def body(*xw):
+        outs = []
+        for prim, (call, *_), x, w in zip(prims_, ops, xw[0::2], xw[1::2]):
+            kw = {} if prim in prims.GATHERS else dict(reduce_dtype=dtype)
+            outs.append(call(x, w, backend=backend, bidirectional=bidirectional,
+                             comm_dtype=comm_dtype, **kw))
+        return outs
+
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
+                                    out_specs=[o[-1] for o in ops], check_vma=False))
+    return _under_mesh(mesh, program), args
+
+
 class _MLP(eqx.Module):
     up: eqx.nn.Linear
     down: eqx.nn.Linear

@@ -87,6 +87,31 @@ def shape_bytes(shape: str) -> int:
     return int(total)
 
 
+_LAID_OUT = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\](?:\{([^{}]*)\})?")
+_TILE = re.compile(r"T\(([\d,]+)\)")
+
+
+def laid_out_bytes(shape: str) -> int:
+    """Bytes of every array of an HLO shape as laid out in memory: a tiled layout
+    (`{1,0:T(8,128)}`, TPU) pads the most minor dimensions to whole tiles (an f32[512,1]
+    laid out `{1,0:T(8,128)}` takes 128 lanes a row; `{0,1:T(1,128)}` takes none). No
+    tile (GPU, CPU): the logical bytes, as `shape_bytes`."""
+    total = 0.0
+    for dtype, dims, layout in _LAID_OUT.findall(shape):
+        if dtype not in _DTYPE_BYTES:
+            continue
+        dims = [int(d) for d in dims.split(",") if d]
+        minor_to_major, _, tiling = (layout or "").partition(":")
+        tile = _TILE.search(tiling)
+        if tile and minor_to_major:
+            order = [int(d) for d in minor_to_major.split(",")]
+            tile_dims = [int(t) for t in tile.group(1).split(",")]
+            for dim, t in zip(order, reversed(tile_dims)):  # the tile's last dim is minor
+                dims[dim] = -(-dims[dim] // t) * t
+        total += _DTYPE_BYTES[dtype] * int(np.prod(dims))
+    return int(total)
+
+
 def array_shapes(shape: str) -> list:
     """The arrays of an HLO shape as `(dtype, dims)` pairs, in order."""
     return [(dtype, tuple(int(d) for d in dims.split(",") if d))
