@@ -159,7 +159,7 @@ _LOCAL = {
 
 def model_ratio(r, hardware):
     """The cost model's time ratio to reference for a forward bench row, or None."""
-    if r["mode"] != "fwd" or r["op"] not in _LOCAL or not r["backend"].startswith("ring"):
+    if r["mode"] != "fwd" or r["op"] not in _LOCAL or r["backend"] not in ("ring", "ring-bidi"):
         return None
     from fusedpar import cost_model
 

@@ -11,6 +11,11 @@ Shapes are GLOBAL (M, K, N_out); each device holds its shard:
 - `mrs`: row-parallel output, x (M, K/N) @ w (K/N, N_out) -> matmul_reduce_scatter(dim=0),
   primitive rs_rows.
 
+Quantized rows (`comm_dtype`, issue 21): `ring-bidi-int8` and `ring-bidi-fp8` send the
+travelling operand (all-gathers) or the accumulator (reduce-scatter) as int8 or
+float8_e4m3fn values plus float32 scales, in the same groups as the rows above, at the
+largest shape and ring.
+
 On the CPU the "devices" share 2 cores and transfers are memory copies: these numbers
 show the overhead of decomposing, never a speed-up. `pallas_tpu` runs in TPU interpret
 mode there (a simulator of every DMA and semaphore), so it only runs at a tiny size and
@@ -54,12 +59,16 @@ OPS = {
 }
 
 
-def _program(op, mesh, backend, bidirectional, mode, check_vma=True):
+# label -> comm_dtype of the quantized rows.
+COMM = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+def _program(op, mesh, backend, bidirectional, mode, check_vma=True, comm_dtype=None):
     spec = OPS[op]
 
     def local(x, w):
         return spec["fn"](x, w, "x", backend=backend, bidirectional=bidirectional,
-                          **spec["kw"])
+                          comm_dtype=comm_dtype, **spec["kw"])
 
     # Every op's result is row-sharded (agm_lhs stacks the identical copies).
     f = jax.shard_map(local, mesh=mesh, in_specs=spec["specs"], out_specs=P("x", None),
@@ -102,6 +111,29 @@ def test_op(benchmark, timed, make_mesh, op, mode, shape, n, label):
     timed(benchmark, fn, x, w, group=f"{op} {mode} {m}x{k}x{n_out} N={n}", op=op, mode=mode,
           shape=list(shape), ring=n, backend=label, dtype=jnp.dtype(DTYPE).name,
           simulated=False)
+
+
+def _quantized_cases(backend, ops=tuple(OPS)):
+    """`<backend>-bidi-<int8|fp8>` rows at the largest shape and ring, both modes."""
+    for op in ops:
+        for mode in ("fwd", "fwd+bwd"):
+            shape, n = SHAPES[-1], RINGS[-1]
+            for comm in COMM:
+                label = f"{backend}-bidi-{comm}"
+                yield pytest.param(op, mode, shape, n, label,
+                                   id=f"{op}-{mode}-{'x'.join(map(str, shape))}-N{n}-{label}")
+
+
+@pytest.mark.parametrize("op,mode,shape,n,label", list(_quantized_cases("ring")))
+def test_op_quantized(benchmark, timed, make_mesh, op, mode, shape, n, label):
+    mesh = make_mesh(n)
+    comm = label.rsplit("-", 1)[1]
+    fn = _program(op, mesh, "ring", True, mode, comm_dtype=COMM[comm])
+    x, w = _inputs(op, mesh, shape)
+    m, k, n_out = shape
+    timed(benchmark, fn, x, w, group=f"{op} {mode} {m}x{k}x{n_out} N={n}", op=op, mode=mode,
+          shape=list(shape), ring=n, backend=label, dtype=jnp.dtype(DTYPE).name,
+          simulated=False, comm_dtype=comm)
 
 
 def _simulated_cases():

@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
-from test_op_speed import DTYPE, _cases, _inputs, _program
+from test_op_speed import COMM, DTYPE, _cases, _inputs, _program, _quantized_cases
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(jax.default_backend() != "tpu",
@@ -41,6 +41,22 @@ def test_op(benchmark, timed, make_mesh, op, mode, shape, n, label):
     timed(benchmark, fn, x, w, group=f"{op} {mode} {m}x{k}x{n_out} N={n}", op=op, mode=mode,
           shape=list(shape), ring=n, backend=label, dtype=jnp.dtype(DTYPE).name,
           simulated=False)
+
+
+@pytest.mark.parametrize("op,mode,shape,n,label", list(_quantized_cases(
+    "pallas_tpu", ops=("agm_lhs", "agm_rhs"))))
+def test_op_quantized(benchmark, timed, make_mesh, op, mode, shape, n, label):
+    """The fused all-gathers sending int8 / float8_e4m3fn values and f32 scales (the
+    reduce-scatter kernels do not take a comm_dtype); the backward's collectives send
+    bfloat16 (grad_comm_dtype None)."""
+    mesh = make_mesh(n)
+    comm = label.rsplit("-", 1)[1]
+    fn = _program(op, mesh, "pallas_tpu", True, mode, check_vma=False, comm_dtype=COMM[comm])
+    x, w = _inputs(op, mesh, shape)
+    m, k, n_out = shape
+    timed(benchmark, fn, x, w, group=f"{op} {mode} {m}x{k}x{n_out} N={n}", op=op, mode=mode,
+          shape=list(shape), ring=n, backend=label, dtype=jnp.dtype(DTYPE).name,
+          simulated=False, comm_dtype=comm)
 
 
 @pytest.mark.parametrize("label", ["pallas_tpu", "jnp.dot"])
