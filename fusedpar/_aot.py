@@ -136,8 +136,11 @@ def _op_of(op_name: str) -> tuple[str, str, str]:
 class Transfer:
     """One collective in the schedule and what runs while it is in flight.
 
-    `bytes`: what one device contributes (the collective's operand); `matmuls`: the
-    matmuls scheduled between its start and done (none for a synchronous collective).
+    `bytes`: what one device contributes (the collective's operands); `matmuls`: the
+    matmuls scheduled between its start and done (none for a synchronous collective);
+    `laid_out`: the same bytes as laid out in memory (TPU tiles pad a thin array: an
+    f32[512,1] in `T(8,128)` tiles takes 128 lanes a row); `arrays`: `(dtype, dims)` of
+    each array sent.
     """
 
     name: str
@@ -146,6 +149,8 @@ class Transfer:
     bytes: int
     computation: str
     matmuls: tuple
+    laid_out: int = 0
+    arrays: tuple = ()
 
     @property
     def hidden(self) -> bool:
@@ -294,13 +299,20 @@ def _sent(i, by_name) -> list:
 def _transfer(module, i, kind, by_name, computation, matmuls) -> Transfer:
     operands = _sent(i, by_name) if i.operands else []
     if operands and all(o is not None for o in operands):
-        nbytes = sum(o.bytes for o in operands)
+        shapes = [o.shape for o in operands]
     else:  # a parameter of another computation: the start's first result is the operand
-        arrays = _hlo.array_shapes(i.shape)
-        nbytes = _hlo.shape_bytes(f"{arrays[0][0]}[{','.join(map(str, arrays[0][1]))}]") \
-            if arrays else 0
+        shapes = [_first_array(i.shape)]
+    nbytes = sum(_hlo.shape_bytes(s) for s in shapes)
+    laid_out = sum(_hlo.laid_out_bytes(s) for s in shapes)
+    arrays = tuple(a for s in shapes for a in _hlo.array_shapes(s))
     return Transfer(i.name, kind, _op_of(_hlo.op_name(module, i)), nbytes, computation,
-                    matmuls)
+                    matmuls, laid_out, arrays)
+
+
+def _first_array(shape: str) -> str:
+    """The first array of an HLO (tuple) shape, with its layout."""
+    match = re.search(r"[a-z]+\d*[a-z0-9]*\[[\d,]*\](\{[^{}]*\})?", shape)
+    return match.group(0) if match else ""
 
 
 def predict(program, target):

@@ -21,7 +21,7 @@ if importlib.util.find_spec("libtpu") is None:
     pytest.skip("libtpu and the CUDA compiler plugin (pip install 'fusedpar[aot]') compile "
                 "these programs for hardware that is not here", allow_module_level=True)
 
-from fusedpar import _aot_programs, _hlo, aot  # noqa: E402
+from fusedpar import _aot_programs, aot  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,26 +33,19 @@ TARGET = 0.52
 
 @functools.cache
 def sent(target, comm):
-    """{prim: (transfers, bytes, laid-out bytes, array dtypes sent)} of the ring's forward
-    with `comm` ("bfloat16", "int8", "float8_e4m3fn") compiled for `target`."""
+    """{prim: (transfers, bytes, laid-out bytes, {(dtype, has a dimension 1)} sent)} of
+    the ring's forward with `comm` ("bfloat16", "int8", "float8_e4m3fn") compiled for
+    `target`."""
     mesh = aot.mesh(target, (8,), ("x",))
     fn, args = _aot_programs.comm_program(
         mesh, PRIMS, None if comm == "bfloat16" else getattr(jnp, comm))
     options = aot.gpu_compiler_options() if target.startswith("h100") else None
-    compiled = fn.lower(*args).compile(compiler_options=options)
-    module = _hlo.parse(compiled.as_text())
+    transfers = aot.overlap(fn.lower(*args).compile(compiler_options=options)).transfers
     out = {}
     for prim in PRIMS:
-        mine = [t for t in aot.overlap(compiled).transfers if t.op[0] == prim]
-        laid_out, arrays = 0, set()
-        for t in mine:
-            start = module.instruction(t.name)
-            operands = [module.instruction(o) for o in start.operands]
-            laid_out += sum(_hlo.laid_out_bytes(o.shape) for o in operands
-                            if o is not None and "[]" not in o.shape)
-            arrays |= {(d, 1 in dims) for o in operands if o is not None
-                       for d, dims in _hlo.array_shapes(o.shape) if dims}
-        out[prim] = (len(mine), sum(t.bytes for t in mine), laid_out, arrays)
+        mine = [t for t in transfers if t.op[0] == prim]
+        out[prim] = (len(mine), sum(t.bytes for t in mine), sum(t.laid_out for t in mine),
+                     {(d, 1 in dims) for t in mine for d, dims in t.arrays})
     return out
 
 
