@@ -219,6 +219,9 @@ def markdown(rows) -> str:
     return "\n".join(out)
 
 
+COMM_SECTION = "## Quantized transfers"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", default=",".join(TARGETS))
@@ -231,7 +234,11 @@ def main(argv=None):
         rows = json.loads(out.read_text())
     else:
         rows = run([t.strip() for t in args.targets.split(",")], out)
-    pathlib.Path(args.markdown).write_text(markdown(rows) + "\n")
+    path = pathlib.Path(args.markdown)
+    # bench/comm_bytes.py's section (its own programs, its own command) is kept as it is.
+    old = path.read_text() if path.exists() else ""
+    kept = old[old.index(COMM_SECTION):] if COMM_SECTION in old else ""
+    path.write_text(markdown(rows) + "\n" + ("\n" + kept if kept else ""))
     print(markdown(rows))
 
 
