@@ -232,6 +232,27 @@ def test_reduce_scatters_within_the_derived_bound(n, comm):
             assert_close((dx, dw), (ox, ow), jnp.float32, f"{name} {backend} grads")
 
 
+def test_backward_gathers_in_grad_comm_dtype():
+    # A reduce-scatter's backward gathers the cotangent: in grad_comm_dtype, equal to the
+    # reference (the oracle of quantized gathers) with the same keep_gathered (which
+    # decides the scales: per row of dy for ag_rows/ag_cols, per block column for
+    # ag_contract). The forward sends its accumulator unquantized: exact.
+    n = 4
+    for name in ("rs_rows", "rs_cols"):
+        x, w = _inputs(name, n, jnp.float32)
+        configs = [(keep, b, dict(o, keep_gathered=keep)) for keep in (True, False)
+                   for b, o in [("reference", {}), ("ring", dict(bidirectional=True)),
+                                ("ring", dict(bidirectional=False, unroll=False))]]
+        fns = [_oracle(name, None)] + [_op(name, None, b, o, grad_comm=FP8)
+                                       for _, b, o in configs]
+        (want, dx, _), *got = _values_and_grads(fns, name, n, x, w)
+        assert float(np.max(np.abs(np.asarray(got[0][1]) - dx))) > 0  # it did quantize
+        for (keep, backend, options), g in zip(configs, got):
+            ref = got[0] if keep else got[3]
+            assert_close(g[0], want, jnp.float32, f"{name} {backend} {options} value")
+            assert_close(g[1:], ref[1:], jnp.float32, f"{name} {backend} {options} grads")
+
+
 # -- the accuracy targets ---------------------------------------------------------
 
 TARGET = {INT8: 0.01, FP8: 0.03}
