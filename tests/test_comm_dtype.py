@@ -362,3 +362,22 @@ def test_pallas_gpu_interpreted():
         assert_close(got, ring, jnp.float32, f"{name} pallas_gpu vs ring")
         if name.startswith("ag"):
             assert_close(got, want, jnp.float32, f"{name} pallas_gpu vs oracle")
+
+
+def test_cost_model_counts_the_narrow_bytes():
+    # The bytes one transfer carries, as the traced program sends them (docs/quantized.md:
+    # per device x 1024x4096 @ w 4096x4096, 8 devices): values and a scale per row.
+    from fusedpar import cost_model
+
+    def ring(prim, x_shape, w_shape, comm):
+        return cost_model.breakdown(prim, x_shape, w_shape, 8, "bfloat16", "h100_sxm",
+                                    comm_dtype=comm)["ring"]
+
+    big = (4096, 4096)
+    assert ring("ag_rows", (1024, 4096), big, None).bytes_step == 8_388_608
+    for comm in ("int8", "float8_e4m3fn"):
+        assert ring("ag_rows", (1024, 4096), big, comm).bytes_step == 4_198_400
+        assert ring("ag_cols", (1024, 4096), big, comm).bytes_step == 16_793_600
+        assert ring("rs_rows", (1024, 4096), big, comm).bytes_step == 524_800
+    assert (ring("ag_cols", (1024, 4096), big, "int8").seconds
+            < ring("ag_cols", (1024, 4096), big, None).seconds)
