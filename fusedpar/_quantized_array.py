@@ -146,6 +146,13 @@ class QuantizedArray(quax.ArrayValue):
         return cls(values, scales, axis=axis, dtype=a.dtype,
                    master=a if master else None, allow_materialise=allow_materialise)
 
+    def astype(self, dtype) -> "QuantizedArray":
+        """The same values and scales with logical dtype `dtype` (nothing is converted)."""
+        if np.dtype(dtype) == np.dtype(self.logical_dtype):
+            return self
+        return QuantizedArray(self.values, self.scales, axis=self.axis, dtype=dtype,
+                              master=self.master, allow_materialise=self.allow_materialise)
+
     @property
     def block_size(self) -> int:
         return self.values.shape[self.axis] // self.scales.shape[self.axis]
@@ -205,6 +212,7 @@ def _split_axis(a, axis, g):
 
 @jax.custom_vjp
 def _straight_through(value, master):
+    """`value`, with the gradient going to `master` unchanged (and none to `value`)."""
     return value
 
 
@@ -221,6 +229,12 @@ _straight_through.defvjp(_st_fwd, _st_bwd)
 
 def _with_master_grad(value, master):
     return value if master is None else _straight_through(value, master.astype(value.dtype))
+
+
+def fake_quantize(a, dtype, axis: int = -1):
+    """`a` quantized to `dtype` along `axis` and back (one scale per slice), with a
+    straight-through gradient: what a receiver of `a` sent in `dtype` computes with."""
+    return _straight_through(_quantize.fake_quantize(a, dtype, axis), a)
 
 
 # --- the dot ------------------------------------------------------------------------
@@ -339,6 +353,4 @@ def _(operand: QuantizedArray, *, permutation):
 def _(operand: QuantizedArray, *, new_dtype, **kwargs):
     if not jnp.issubdtype(new_dtype, jnp.floating):
         return lax.convert_element_type(operand.materialise(), new_dtype)
-    return QuantizedArray(operand.values, operand.scales, axis=operand.axis, dtype=new_dtype,
-                          master=operand.master,
-                          allow_materialise=operand.allow_materialise)
+    return operand.astype(new_dtype)
