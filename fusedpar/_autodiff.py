@@ -6,6 +6,13 @@ same way the forward does, on the same backend. With `keep_gathered` the forward
 all-gather returns the gathered operand as a residual and the other gradient is a local
 matmul; without it, that gradient gathers again (a second ring, less memory). A
 reduce-scatter's backward gathers the cotangent once and, with `keep_gathered`, reuses it.
+
+Quantized communication (`comm_dtype`) is straight-through: the backward differentiates
+the lax expression on the operand the forward multiplied (the dequantized one, which is
+the residual `keep_gathered` keeps), with no gradient through rounding or clipping. The
+backward's own collectives send in `grad_comm_dtype` (None: the inputs' dtype). Without
+`keep_gathered` the backward gathers the operand again, in `grad_comm_dtype`: its other
+gradient then multiplies that operand (unquantized by default), not the forward's.
 """
 
 from __future__ import annotations
@@ -76,7 +83,9 @@ def _bwd(prim, cfg, res, dy):
     x, w, gathered = res
     # Gradients are computed in the inputs' dtype, accumulating in f32 as the forward does.
     dy = dy.astype(x.dtype)
-    c = dataclasses.replace(cfg, out_dtype=x.dtype)
+    # The dual runs send in the backward's comm dtype (and have no backward of their own).
+    c = dataclasses.replace(cfg, out_dtype=x.dtype, comm_dtype=cfg.grad_comm_dtype,
+                            grad_comm_dtype=None)
     keep = cfg.keep_gathered
     dual = functools.partial(_run_dual, prim)
     if prim == prims.AG_ROWS:  # y = AG_rows(x) @ w

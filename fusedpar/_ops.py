@@ -45,7 +45,7 @@ def _explain_target(target, platform) -> _target.Target:
 
 def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
             bidirectional=None, unroll=None, precision=None, options=None,
-            platform=None, target=None) -> Choice:
+            platform=None, target=None, comm_dtype=None) -> Choice:
     """Which backend (and ring shape) `op` would use for these local operands, and why.
 
     `x` and `w` may be arrays or `jax.ShapeDtypeStruct`s with per-device shapes;
@@ -53,7 +53,8 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     (`Choice.target`) is `target` (a `jax.sharding.Mesh`, its devices say; or a device),
     else the mesh in context (`jax.set_mesh`, or inside `shard_map`), else this process's
     default device; `platform` ("cpu", "gpu", "tpu") instead names only a platform, with
-    its default cost preset. The other arguments are the op's.
+    its default cost preset. The other arguments are the op's (`comm_dtype`: a backend
+    that cannot send quantized payloads is not chosen, or is refused if requested).
     """
     if op not in prims.OPS:
         raise ValueError(f"explain: op must be {ALL_GATHER_MATMUL!r} or "
@@ -61,7 +62,8 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     _validate.ring_size("explain", axis_size)
     where = _explain_target(target, platform)
     _validate.flag("explain", "unroll", unroll)
-    _, call = _validate.op_call(op, x, w, axis_size, gather, dim, bidirectional)
+    comm_dtype = _quantize.comm_dtype("explain", "comm_dtype", comm_dtype)
+    _, call = _validate.op_call(op, x, w, axis_size, gather, dim, bidirectional, comm_dtype)
     choice = _choose(call, backend, unroll, precision, options, where)
     if where.platform == "gpu" and choice.backend != "reference":
         missing = _xla_flags.missing_gpu_overlap_flags(choice.bidirectional)
@@ -104,14 +106,15 @@ class _Settings:
 
 def _run(op, x, w, axis_name, gather, dim, s: _Settings):
     n = _validate.axis_size(op, axis_name)
-    dim, call = _validate.op_call(op, x, w, n, gather, dim, s.bidirectional)
+    comm_dtype = _quantize.comm_dtype(op, "comm_dtype", s.comm_dtype)
+    grad_comm_dtype = _quantize.comm_dtype(op, "grad_comm_dtype", s.grad_comm_dtype)
+    dim, call = _validate.op_call(op, x, w, n, gather, dim, s.bidirectional, comm_dtype,
+                                  grad_comm_dtype)
     _validate.flag(op, "unroll", s.unroll)
     if not isinstance(s.keep_gathered, bool):
         raise TypeError(f"{op}: keep_gathered must be True or False, got {s.keep_gathered!r}.")
     out_dtype = _validate.float_dtype(op, "preferred_element_type", s.preferred_element_type)
     reduce_dtype = _validate.float_dtype(op, "reduce_dtype", s.reduce_dtype)
-    comm_dtype = _quantize.comm_dtype(op, "comm_dtype", s.comm_dtype)
-    grad_comm_dtype = _quantize.comm_dtype(op, "grad_comm_dtype", s.grad_comm_dtype)
     target = _target.current(x, w)
     choice = _choose(call, s.backend, s.unroll, s.precision, s.options, target)
     _interpret.check_threads(op, choice.backend, s.options, target)  # before a hang

@@ -60,7 +60,9 @@ class Call:
     "gpu", "tpu" stands for a target known only by its platform); `bidirectional` is the
     ring shape as requested (None: the default, `_schedule.prefers_bidirectional`);
     `precision` is the matmuls' (some kernels cannot compute every precision); `options`
-    the backend options, as pairs.
+    the backend options, as pairs; `comm_dtype` the name of the narrow dtype the
+    travelling operand or accumulator is sent in (`_quantize.COMM_DTYPES`), None for
+    the inputs' own (not every backend can send a quantized payload).
     """
 
     op: str
@@ -73,6 +75,7 @@ class Call:
     bidirectional: Optional[bool] = None
     precision: Any = None
     options: tuple = ()
+    comm_dtype: Optional[str] = None
 
     def __post_init__(self):
         if isinstance(self.target, str):
@@ -141,9 +144,10 @@ class Config:
 
     def call(self, op: str, prim: str, x, w) -> Call:
         """The `Call` that describes running `prim` with this config on `x` and `w`."""
+        comm = None if self.comm_dtype is None else jnp.dtype(self.comm_dtype).name
         return Call(op, prim, tuple(x.shape), tuple(w.shape), jnp.dtype(x.dtype).name,
                     self.axis_size, self.target, self.bidirectional, self.precision,
-                    self.options)
+                    self.options, comm)
 
 
 def out_shape(prim: str, x_shape, w_shape, n: int) -> tuple[int, int]:

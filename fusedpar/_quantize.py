@@ -31,8 +31,10 @@ COMM_DTYPES = {
 _QMAX = {np.dtype(jnp.int8): 127.0, np.dtype(jnp.float8_e4m3fn): 448.0}
 
 # The axis of a gather primitive's travelling operand that one scale covers: its
-# contraction axis (x (m, K) for ag_rows; w (K, n) for ag_cols and ag_contract).
-SCALE_AXIS = {prims.AG_ROWS: 1, prims.AG_COLS: 0, prims.AG_CONTRACT: 0}
+# contraction axis (x (m, K) for ag_rows; w (K, n) for ag_cols and ag_contract). For a
+# reduce-scatter, of the travelling accumulator segment: its columns (one scale a row).
+SCALE_AXIS = {prims.AG_ROWS: 1, prims.AG_COLS: 0, prims.AG_CONTRACT: 0,
+              prims.RS_ROWS: 1, prims.RS_COLS: 1}
 
 
 class Quantized(NamedTuple):
@@ -88,8 +90,16 @@ def quantize(a, dtype, axis: int) -> Quantized:
 
 
 def dequantize(q: Quantized, dtype):
-    """`values * scales`, in `dtype`."""
-    return (q.values.astype(jnp.float32) * q.scales).astype(dtype)
+    """`values * scales`, in `dtype`.
+
+    Scales may also cover equal blocks along an axis: gathered `ag_contract` blocks
+    (N*k, n) carry (N, n) scales, one row per block of k rows.
+    """
+    scales = q.scales
+    for axis, (v, c) in enumerate(zip(q.values.shape, scales.shape)):
+        if c not in (1, v):
+            scales = jnp.repeat(scales, v // c, axis=axis)
+    return (q.values.astype(jnp.float32) * scales).astype(dtype)
 
 
 def fake_quantize(a, dtype, axis: int):

@@ -92,15 +92,30 @@ def ring_size(op, axis_size):
                          f"axis the op runs over), got {axis_size!r}.")
 
 
-def op_call(op, x, w, n, gather, dim, bidirectional) -> tuple[int, prims.Call]:
+def comm_dtypes(op, dtype, **comm) -> None:
+    """Refuse a `comm_dtype`/`grad_comm_dtype` (already checked to be a supported narrow
+    dtype, or None) for operands of `dtype` that are not real floating point."""
+    asked = {name: d for name, d in comm.items() if d is not None}
+    if asked and not jnp.issubdtype(dtype, jnp.floating):
+        name, d = next(iter(asked.items()))
+        raise TypeError(
+            f"{op}: {name}={np.dtype(d).name} quantizes the operands it sends (values times "
+            f"per-row scales), which is only defined for real floating point inputs; x and "
+            f"w are {np.dtype(dtype).name}. Pass {name}=None to send them as they are.")
+
+
+def op_call(op, x, w, n, gather, dim, bidirectional, comm_dtype=None,
+            grad_comm_dtype=None) -> tuple[int, prims.Call]:
     """Validate one call of a public op on local operands over a ring of `n` devices.
 
+    `comm_dtype`, `grad_comm_dtype`: already validated by `_quantize.comm_dtype`.
     Returns the normalised `dim` and the `Call` (platform left empty) it becomes.
     """
     if op not in prims.OPS:
         raise ValueError(f"op must be {prims.ALL_GATHER_MATMUL!r} or "
                          f"{prims.MATMUL_REDUCE_SCATTER!r}, got {op!r}.")
     operands(op, x, w)
+    comm_dtypes(op, x.dtype, comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype)
     flag(op, "bidirectional", bidirectional)
     xs, ws = tuple(x.shape), tuple(w.shape)
     if op == prims.ALL_GATHER_MATMUL:
@@ -130,7 +145,8 @@ def op_call(op, x, w, n, gather, dim, bidirectional) -> tuple[int, prims.Call]:
                   f"it is scattered over {n} devices")
     prim = prims.primitive_of(op, gather, dim, x.ndim)
     call = prims.Call(op, prim, (math.prod(xs[:-1]), xs[-1]), ws, str(np.dtype(x.dtype)), n,
-                      target=None, bidirectional=bidirectional)
+                      target=None, bidirectional=bidirectional,
+                      comm_dtype=None if comm_dtype is None else np.dtype(comm_dtype).name)
     if bidirectional and call.block_length % 2:
         what = "rows" if prims.GATHER_AXIS[prim] == 0 else "columns"
         raise ValueError(

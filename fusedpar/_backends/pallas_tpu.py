@@ -168,6 +168,9 @@ def unavailable(call):
                 f"platform {call.platform!r}")
     if call.dtype not in _DTYPES:
         return f"dtype {call.dtype} is not supported (supported: {', '.join(_DTYPES)})"
+    if call.comm_dtype is not None:
+        return (f"comm_dtype={call.comm_dtype} is not implemented in the fused TPU kernels "
+                "yet; backend='ring' (or 'reference') sends quantized payloads")
     x = jax.ShapeDtypeStruct(call.x_shape, call.dtype)
     w = jax.ShapeDtypeStruct(call.w_shape, call.dtype)
     # Results in the inputs' dtype (the strictest tiles), f32 accumulators, the gathered

@@ -1,6 +1,16 @@
 """The `"reference"` backend: each primitive as its lax expression (`_definition.py`).
 
 Forward, a primitive is literally `all_gather` then `dot`, or `dot` then `psum_scatter`.
+
+With a `comm_dtype` (`_quantize.py`) it is the oracle of the quantized ops: an all-gather
+quantizes its travelling operand on its owner, gathers the values and the scales (so the
+compiled program moves the narrow bytes too), dequantizes to the input dtype and
+multiplies. A reduce-scatter quantizes each device's partial product once, per row of
+each output segment, sends every segment to its owner with `all_to_all` and sums the
+dequantized parts (its own part unquantized) in `reduce_dtype`: the lax expression of
+`psum_scatter` on quantized partial sums. The ring requantizes its accumulator at every
+hop instead, an order-dependent result this backend does not emulate (docs/quantized.md
+says why and bounds both errors).
 Its gradient comes from the shared custom VJP (`_autodiff.py`) like every backend's, so the
 backward's reduce-scatter also sums in `reduce_dtype` (float32 by default): JAX's own
 autodiff of a bfloat16 `all_gather` would reduce-scatter the cotangent in bfloat16,
@@ -10,9 +20,11 @@ under JAX's autodiff, which shares no code with the VJP rules.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 from jax import lax
 
-from .. import _definition, _primitives as prims
+from .. import _definition, _primitives as prims, _quantize
 
 DESCRIPTION = "the pure-lax expression: all_gather then dot; dot then psum_scatter"
 CHECK_VMA = True
@@ -32,6 +44,10 @@ def unavailable(call) -> None:
 
 def run(prim, cfg, x, w, return_gathered=False):
     """Run `prim` (see `_primitives.py`) as the lax expression it is defined by."""
+    if cfg.comm_dtype is not None:
+        if prim in prims.GATHERS:
+            return _quantized_gather(prim, cfg, x, w, return_gathered)
+        return _quantized_reduce_scatter(prim, cfg, x, w)
     if prim not in prims.GATHERS:
         return _definition.matmul_reduce_scatter(
             x, w, cfg.axis_name, dim=prims.GATHER_AXIS[prim], out_dtype=cfg.out_dtype,
@@ -44,3 +60,34 @@ def run(prim, cfg, x, w, return_gathered=False):
     # The same all_gather as inside the expression: XLA computes it once.
     travelling = x if prims.TRAVELLER[prim] == "x" else w
     return out, lax.all_gather(travelling, cfg.axis_name, axis=dim, tiled=True)
+
+
+def _quantized_gather(prim, cfg, x, w, return_gathered):
+    """Quantize the travelling operand, gather values and scales, dequantize, multiply."""
+    axis = prims.GATHER_AXIS[prim]
+    travelling = x if prims.TRAVELLER[prim] == "x" else w
+    q = _quantize.quantize(travelling, cfg.comm_dtype, _quantize.SCALE_AXIS[prim])
+    q = jax.tree.map(lambda a: lax.all_gather(a, cfg.axis_name, axis=axis, tiled=True), q)
+    gathered = _quantize.dequantize(q, travelling.dtype)
+    if prims.TRAVELLER[prim] == "x":
+        x = gathered
+    else:
+        w = gathered
+    out = _definition.matmul(x, w, precision=cfg.precision).astype(cfg.out_dtype)
+    return (out, gathered) if return_gathered else out
+
+
+def _quantized_reduce_scatter(prim, cfg, x, w):
+    """`psum_scatter` of the partial products, each quantized once where it is sent."""
+    n, axis = cfg.axis_size, prims.GATHER_AXIS[prim]
+    y = _definition.matmul(x, w, precision=cfg.precision).astype(cfg.reduce_dtype)
+    # (n, rows, cols): the segment bound for each device, stacked.
+    parts = jnp.stack(jnp.split(y, n, axis=axis))
+    q = _quantize.quantize(parts, cfg.comm_dtype, 1 + _quantize.SCALE_AXIS[prim])
+    q = jax.tree.map(lambda a: lax.all_to_all(a, cfg.axis_name, 0, 0, tiled=True), q)
+    received = _quantize.dequantize(q, cfg.reduce_dtype)  # [j]: device j's part of mine
+    # This device's own part never travels: it is added as computed.
+    me = lax.axis_index(cfg.axis_name)
+    own = lax.dynamic_index_in_dim(parts, me, 0, keepdims=True)
+    mine = jnp.arange(n).reshape(n, 1, 1) == me
+    return jnp.sum(jnp.where(mine, own, received), axis=0).astype(cfg.out_dtype)

@@ -17,6 +17,15 @@ accumulator that arrives. The compiled 8 x H100 and TPU schedules this gives are
 in tests/test_overlap.py. The ring visits the devices in the order of the wires when the
 mesh's devices are known (`_schedule.ring_for`). `unroll=False` rolls the steps into a
 `fori_loop` so trace and compile time stay flat as the ring grows.
+
+With a `comm_dtype` (`_quantize.py`) the loops move `Quantized` payloads, values and
+scales. `run_steps` quantizes an all-gather's travelling operand once on its owner; the
+pieces travel quantized and are dequantized to the input dtype where a step multiplies
+them (int8 and float8_e4m3fn values are exact in bfloat16, so the step dots are the
+reference's), which is also what the gathered residual keeps. `ring_reduce_scatter`
+requantizes the accumulator at every hop: the sender quantizes its running sum (one
+scale per row of the segment), the receiver dequantizes it into `reduce_dtype` and adds
+its partial product; the last add is not quantized.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .. import _definition, _primitives as prims
+from .. import _definition, _primitives as prims, _quantize
 from .._schedule import mesh_coordinates, ring_for
 from .._vma import as_varying, axis_names, varying_axes
 
@@ -122,12 +131,24 @@ def _after(values, previous):
 
 
 def _split(ring, a, axis, what):
-    half = ring.split_size(a.shape[axis], what)
-    return tuple(segment(a, h, half, axis) for h in range(ring.num_directions))
+    """`a` cut into one piece per direction along `axis`. A `Quantized` block's scales are
+    cut with its values where they run along `axis`; where one scale row covers the
+    whole block along it (`ag_contract`: the gather axis is the scale axis) every half
+    carries that row."""
+    values = a.values if isinstance(a, _quantize.Quantized) else a
+    half = ring.split_size(values.shape[axis], what)
+
+    def piece(h):
+        return jax.tree.map(lambda b: b if b.shape[axis] != values.shape[axis]
+                            else segment(b, h, half, axis), a)
+
+    return tuple(piece(h) for h in range(ring.num_directions))
 
 
 def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=()):
     """All-gather `travelling` along `axis` round the ring, folding each piece into `carry`.
+
+    `travelling`: an array, or a `_quantize.Quantized` (values and scales both travel).
 
     `step_fn(carry, pieces, segs)` is called once per step with the pieces of the
     gathered operand this device holds, one per direction, and their segment indices
@@ -150,12 +171,13 @@ def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=()):
         return compute(i, carry, pieces), _send(cfg, ring, pieces)
 
     ring_axes = set(axis_names(cfg.axis_name))
-    axes = ring_axes.union(*(varying_axes(a) for a in (travelling,) + tuple(inputs)))
+    arrays = jax.tree.leaves(travelling) + list(inputs)
+    axes = ring_axes.union(*(varying_axes(a) for a in arrays))
     carry = jax.tree.map(lambda a: as_varying(a, axes), carry)
     pieces = _split(ring, travelling, axis, "the travelling block")
     # After one ppermute a piece varies over the ring axis even if `travelling` did not,
     # and after the barrier that ties it to the carry (`_after`) over the carry's axes.
-    pieces = tuple(as_varying(p, axes) for p in pieces)
+    pieces = jax.tree.map(lambda p: as_varying(p, axes), pieces)
     state = (carry, pieces)
     carry, pieces = _loop(cfg, 0, ring.num_transfers, step, state)
     pieces, carry = _after(pieces, carry)
@@ -175,6 +197,15 @@ def ring_reduce_scatter(cfg, accumulate, out_len, axis):
     me = lax.axis_index(cfg.axis_name)
     length = ring.split_size(out_len, "each output block")
 
+    def send(accs):
+        if cfg.comm_dtype is None:
+            return _send(cfg, ring, accs)
+        # Requantized at every hop: each sender scales its running sum afresh.
+        scale_axis = _quantize.SCALE_AXIS[prims.RS_ROWS]  # == RS_COLS's: along a row
+        sent = _send(cfg, ring, tuple(_quantize.quantize(a, cfg.comm_dtype, scale_axis)
+                                      for a in accs))
+        return tuple(_quantize.dequantize(q, cfg.reduce_dtype) for q in sent)
+
     def products(i, segs):
         return tuple(accumulate(None, seg, length) for seg in segs)
 
@@ -185,7 +216,7 @@ def ring_reduce_scatter(cfg, accumulate, out_len, axis):
         # The segment index (which all of a step's operand windows are cut with) comes
         # through a barrier with the accumulators the previous step made: see `_after`.
         segs, accs = _after(segments(i), accs)
-        incoming = _send(cfg, ring, accs)
+        incoming = send(accs)
         # This device's partial products need nothing that is in flight: computing them
         # apart from the add keeps the transfer free to overlap them. Fused with the add
         # (a kernel that reads the accumulator, or XLA folding the add into the GEMM's
@@ -227,17 +258,24 @@ def run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered=False)
     if prim not in prims.GATHERS:
         out_len = prims.out_shape(prim, x.shape, w.shape, cfg.axis_size)[axis]
         return ring_reduce_scatter(cfg, scatter_step(prim, cfg, x, w), out_len, axis)
-    travelling = x if prims.TRAVELLER[prim] == "x" else w
+    own = x if prims.TRAVELLER[prim] == "x" else w
     step = gather_step(prim, cfg, x, w)
+    travelling = own
+    if cfg.comm_dtype is not None:  # quantized once, here on its owner
+        travelling = _quantize.quantize(own, cfg.comm_dtype, _quantize.SCALE_AXIS[prim])
 
     def step_fn(carry, pieces, segs):
         out, gathered = carry
+        if cfg.comm_dtype is not None:
+            # Neither backend's step takes a `Quantized`: dequantize on arrival (a step
+            # that multiplied narrow values, e.g. fp8 wgmma, would take them here).
+            pieces = tuple(_quantize.dequantize(p, own.dtype) for p in pieces)
         if return_gathered:
             for piece, seg in zip(pieces, segs):
                 gathered = put(gathered, piece, seg, axis)
         return step(out, pieces, segs), gathered
 
-    gathered = gathered_buffer(cfg, travelling, axis) if return_gathered else None
+    gathered = gathered_buffer(cfg, own, axis) if return_gathered else None
     out, gathered = ring_gather(cfg, travelling, axis, step_fn,
                                 (gather_out(prim, cfg, x, w), gathered), inputs=(x, w))
     out = out.astype(cfg.out_dtype)
