@@ -31,6 +31,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from . import _quantize
+from ._quantized_array import QuantizedArray
 
 ROLES = ("tp", "fsdp")  # canonical order of axes sharing one dimension: major first
 
@@ -483,7 +484,7 @@ def layer_param_specs(layer, where: str, rule: Optional[Rule] = None) -> Any:
 
 
 def is_quantized(x) -> bool:
-    from ._quantized_array import QuantizedArray
+    """A `QuantizedArray` (a weight stored as values and scales)."""
     return isinstance(x, QuantizedArray)
 
 
