@@ -287,6 +287,19 @@ def _check_sequence(where, rule, x):
             f"dim -2 is the sequence, got x of shape {x.shape}.")
 
 
+def _in(layer, style, name) -> str:
+    """" in int8" where the collective of `style` sends a narrow dtype (its `name`, or
+    the FSDP gather of a stored QuantizedArray weight), else ""."""
+    if style is None:
+        return ""
+    d = getattr(style, name)
+    w = layer.weight
+    if (name == "comm_dtype" and isinstance(style, _specs.FSDP)
+            and isinstance(w, QuantizedArray)):
+        d = w.values.dtype
+    return "" if d is None else f" in {jnp.dtype(d).name}"
+
+
 def _fsdp_style(where, axis, dim, comm_dtype, grad_comm_dtype):
     if axis is None:
         if comm_dtype is not None or grad_comm_dtype is not None:
@@ -473,15 +486,17 @@ class ColumnLinear(ParallelLinear):
     def collectives(self) -> tuple[list, list]:
         """The collectives of the forward and of the backward pass (`fusedpar.describe`)."""
         tp, f = self.rule.tp, self.rule.fsdp
+        fw, fg = _in(self, f, "comm_dtype"), _in(self, f, "grad_comm_dtype")
         fwd, bwd = [], []
         if tp.sequence_parallel:
-            fwd += [f"all_gather W over {f.axis}"] if f else []
-            fwd.append(f"all_gather_matmul x(seq) over {tp.axis}")
-            bwd.append(f"matmul_reduce_scatter dx(seq) over {tp.axis}")
+            fwd += [f"all_gather W over {f.axis}{fw}"] if f else []
+            fwd.append(f"all_gather_matmul x(seq) over {tp.axis}{_in(self, tp, 'comm_dtype')}")
+            bwd.append(f"matmul_reduce_scatter dx(seq) over {tp.axis}"
+                       f"{_in(self, tp, 'grad_comm_dtype')}")
             bwd += [f"reduce_scatter dW over {f.axis}"] if f else []
         else:
-            fwd += [f"all_gather_matmul W over {f.axis}"] if f else []
-            bwd += [f"matmul_reduce_scatter dW over {f.axis}"] if f else []
+            fwd += [f"all_gather_matmul W over {f.axis}{fw}"] if f else []
+            bwd += [f"matmul_reduce_scatter dW over {f.axis}{fg}"] if f else []
             bwd.append(f"psum dx over {tp.axis}")
         fwd += [f"all_gather y over {tp.axis}"] if tp.gather_output else []
         return fwd, bwd + _bias_grad_sum(self)
@@ -543,15 +558,17 @@ class RowLinear(ParallelLinear):
     def collectives(self) -> tuple[list, list]:
         """The collectives of the forward and of the backward pass (`fusedpar.describe`)."""
         tp, f = self.rule.tp, self.rule.fsdp
+        fw, fg = _in(self, f, "comm_dtype"), _in(self, f, "grad_comm_dtype")
         if tp.sequence_parallel:
-            fwd = ([f"all_gather W over {f.axis}"] if f else []) + [
-                f"matmul_reduce_scatter y(seq) over {tp.axis}"]
-            bwd = [f"all_gather_matmul dy(seq) over {tp.axis}"] + (
+            fwd = ([f"all_gather W over {f.axis}{fw}"] if f else []) + [
+                f"matmul_reduce_scatter y(seq) over {tp.axis}{_in(self, tp, 'comm_dtype')}"]
+            bwd = [f"all_gather_matmul dy(seq) over {tp.axis}"
+                   f"{_in(self, tp, 'grad_comm_dtype')}"] + (
                 [f"reduce_scatter dW over {f.axis}"] if f else [])
         else:
-            fwd = ([f"all_gather_matmul W over {f.axis}"] if f else []) + [
+            fwd = ([f"all_gather_matmul W over {f.axis}{fw}"] if f else []) + [
                 f"psum y over {tp.axis}"]
-            bwd = [f"matmul_reduce_scatter dW over {f.axis}"] if f else []
+            bwd = [f"matmul_reduce_scatter dW over {f.axis}{fg}"] if f else []
         return fwd, bwd + _bias_grad_sum(self)
 
     def _local(self, x, rule):
@@ -600,9 +617,10 @@ class FSDPLinear(ParallelLinear):
 
     def collectives(self) -> tuple[list, list]:
         """The collectives of the forward and of the backward pass (`fusedpar.describe`)."""
-        axis = self.rule.fsdp.axis
-        return ([f"all_gather_matmul W over {axis}"],
-                [f"matmul_reduce_scatter dW over {axis}"] + _bias_grad_sum(self))
+        f = self.rule.fsdp
+        return ([f"all_gather_matmul W over {f.axis}{_in(self, f, 'comm_dtype')}"],
+                [f"matmul_reduce_scatter dW over {f.axis}{_in(self, f, 'grad_comm_dtype')}"]
+                + _bias_grad_sum(self))
 
     def _local(self, x, rule):
         w, b, x = self._operands(x, rule, _length(self.in_features))
