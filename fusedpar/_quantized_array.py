@@ -173,8 +173,9 @@ class QuantizedArray(quax.ArrayValue):
                                "materialise: an operation without a QuantizedArray rule "
                                "(only dot_general, transpose and convert_element_type "
                                "have one).")
-        # Straight-through: the value of the dequantized array, the gradient of master.
-        return _with_master_grad(self.dequantize(), self.master)
+        # Straight-through: the value of the dequantized array, the gradient of master
+        # (none without one: a stored quantized array serves).
+        return _with_master_grad(lax.stop_gradient(self.dequantize()), self.master)
 
     def as_payload(self) -> _quantize.Quantized:
         """`Quantized(values, scales)` as `fusedpar._quantize` sends it (per-channel only)."""
@@ -248,10 +249,24 @@ def qdot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=Non
     (lc, rc), (lb, rb) = dimension_numbers
     q_left = isinstance(lhs, QuantizedArray)
     q, other = (lhs, rhs) if q_left else (rhs, lhs)
+    # A stored quantized array serves: no gradient reaches its scales either (with a
+    # master, the straight-through one reaches the master).
+    q = eqx.tree_at(lambda a: a.scales, q, lax.stop_gradient(q.scales))
     qc, oc, qb = (lc, rc, lb) if q_left else (rc, lc, rb)
     if isinstance(other, QuantizedArray):
         other = other.materialise()
-    if qb or tuple(c % q.ndim for c in qc) != (q.axis % q.ndim,):
+    ax = q.axis % q.ndim
+    if (not qb and q.ndim == 2 and len(qc) == 1 and qc[0] % 2 != ax
+            and q.scales.shape[ax] == 1):
+        # A per-row scale on a contracted row (`dy @ w` for w (out, in)): it scales the
+        # other operand's matching elements before the dot instead.
+        s = q.scales[:, 0] if ax == 1 else q.scales[0]
+        oax = oc[0] % other.ndim
+        s = s.reshape((-1,) + (1,) * (other.ndim - 1 - oax))
+        scaled = (other.astype(jnp.float32) * s).astype(other.dtype)
+        return qdot_scaled(q, scaled, other, dimension_numbers, q_left, precision,
+                           preferred_element_type)
+    if qb or tuple(c % q.ndim for c in qc) != (ax,):
         dense = q.materialise()
         return lax.dot_general(*((dense, other) if q_left else (other, dense)),
                                dimension_numbers, precision=precision,
@@ -262,6 +277,48 @@ def qdot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=Non
         return _qdot(other, q.values, q.scales, q.axis, oax, q_left, precision, out_dtype)
     return _qdot_ste(other, q.values, q.scales, q.master, q.axis, oax, q_left, precision,
                      np.dtype(out_dtype))
+
+
+def qdot_scaled(q, scaled, other, dimension_numbers, q_left, precision,
+                preferred_element_type):
+    """The dot of the values with `scaled` (the other operand, already scaled), with a
+    straight-through gradient to `q.master` when there is one."""
+    out_dtype = preferred_element_type or jnp.result_type(other.dtype, q.logical_dtype)
+    acc = jnp.float32 if jnp.issubdtype(other.dtype, jnp.floating) else None
+    values = q.values.astype(other.dtype)
+    y = lax.dot_general(*((values, scaled) if q_left else (scaled, values)),
+                        dimension_numbers, precision=precision,
+                        preferred_element_type=acc).astype(out_dtype)
+    if q.master is None:
+        return y
+
+    def dense(o, w):
+        return lax.dot_general(*((w, o) if q_left else (o, w)), dimension_numbers,
+                               precision=precision, preferred_element_type=out_dtype)
+
+    return _ste_dot(dense, q.axis, y, other, q.values, q.scales, q.master)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ste_dot(dense, axis, y, other, values, scales, master):
+    """`y` (the quantized dot of `other` with the array), differentiated as
+    `dense(other, dequantized array)` with the array's cotangent going to `master`."""
+    return y
+
+
+def _ste_dot_fwd(dense, axis, y, other, values, scales, master):
+    return y, (other, values, scales, master)
+
+
+def _ste_dot_bwd(dense, axis, res, g):
+    other, values, scales, master = res
+    deq = QuantizedArray(values, scales, axis=axis, dtype=master.dtype).dequantize()
+    _, vjp = jax.vjp(dense, other, deq)
+    d_other, d_w = vjp(g)
+    return None, d_other, None, None, d_w.astype(master.dtype)
+
+
+_ste_dot.defvjp(_ste_dot_fwd, _ste_dot_bwd)
 
 
 def _qdot(other, values, scales, qax, oax, q_left, precision, out_dtype):
@@ -354,3 +411,19 @@ def _(operand: QuantizedArray, *, new_dtype, **kwargs):
     if not jnp.issubdtype(new_dtype, jnp.floating):
         return lax.convert_element_type(operand.materialise(), new_dtype)
     return operand.astype(new_dtype)
+
+
+def _leafwise(prim, q: QuantizedArray, **params) -> QuantizedArray:
+    """`prim` applied to each array of `q`: for primitives that only retype an array."""
+    return jax.tree.map(lambda a: prim.bind(a, **params), q)
+
+
+# `shard_map(check_vma=True)` marks an array that does not vary over an axis as varying
+# (`pvary`) before it meets one that does: the same mark on values, scales and master.
+# JAX has no public handle on the primitive; its private home is the only one.
+from jax._src import core as _jax_core  # noqa: E402
+
+if hasattr(_jax_core, "pvary_p"):
+    @quax.register(_jax_core.pvary_p)
+    def _(operand: QuantizedArray, *, axes):
+        return _leafwise(_jax_core.pvary_p, operand, axes=axes)
