@@ -187,6 +187,16 @@ def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, backend=AUTO,
       backward's reduce-scatter sends round the ring (default float32, see
       `matmul_reduce_scatter`). `precision`: passed to every matmul.
     - `options`: backend-specific settings (e.g. kernel tile sizes).
+    - `comm_dtype`: `None` (send the operand as it is), `jnp.int8` or
+      `jnp.float8_e4m3fn`: the travelling operand is quantized once on its owner, one
+      float32 scale per row of x (`gather="lhs"`) or per column of w (`"rhs"`; with
+      `dim=0` per column of each device's block), sent as values and scales, and
+      dequantized to the input dtype where a step multiplies it: the result is the lax
+      expression on the dequantized operand (docs/quantized.md). Not on `pallas_tpu` yet.
+    - `grad_comm_dtype`: the same for the backward pass's collectives (default `None`:
+      the input dtype). Gradients are straight-through: those of the lax expression on
+      the operand the forward multiplied (with `keep_gathered=False` the backward gathers
+      the operand again, in `grad_comm_dtype`).
     - `w` may also be a `_quantize.Quantized(values, scales)` with `gather="rhs"`: a
       weight stored quantized (`fusedpar.QuantizedArray.as_payload()`), sent as it is
       (`comm_dtype` is its values' dtype); it gets no gradient, `x` does.
@@ -211,7 +221,11 @@ def matmul_reduce_scatter(x, w, axis_name, *, dim=0, backend=AUTO,
 
     The partial sums travel the ring in `reduce_dtype`: float32 by default, more accurate
     than summing in bfloat16 but twice the bytes per step for bfloat16 inputs; pass
-    `reduce_dtype=jnp.bfloat16` to halve the traffic. The other arguments are those of
+    `reduce_dtype=jnp.bfloat16` to halve the traffic. With `comm_dtype` (`jnp.int8`,
+    `jnp.float8_e4m3fn`) they travel quantized, one float32 scale per row of the segment,
+    requantized at every hop (the `reference` backend instead sends each device's
+    partial product quantized once); the error grows with the ring size
+    (docs/quantized.md has the figures). The other arguments are those of
     `all_gather_matmul`; `keep_gathered` here makes the backward gather the cotangent
     once and reuse it for both gradients.
     """

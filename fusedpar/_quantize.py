@@ -66,7 +66,7 @@ def comm_dtype(where: str, name: str, value) -> Optional[np.dtype]:
     if d not in _QMAX:
         valid = ", ".join(f"jnp.{k}" for k in COMM_DTYPES)
         raise ValueError(f"{where}: {name} must be None (send the input dtype) or one of "
-                         f"{valid}, got {value!r}.")
+                         f"{valid}, got {repr(value) if d is None else d.name}.")
     return d
 
 

@@ -99,8 +99,8 @@ def comm_dtypes(op, dtype, **comm) -> None:
     if asked and not jnp.issubdtype(dtype, jnp.floating):
         name, d = next(iter(asked.items()))
         raise TypeError(
-            f"{op}: {name}={np.dtype(d).name} quantizes the operands it sends (values times "
-            f"per-row scales), which is only defined for real floating point inputs; x and "
+            f"{op}: {name}={np.dtype(d).name} quantizes the operands it sends (narrow values "
+            f"times float32 scales), which is only defined for real floating point inputs; x and "
             f"w are {np.dtype(dtype).name}. Pass {name}=None to send them as they are.")
 
 

@@ -229,6 +229,28 @@ OPS = [
         in_shard_map(lambda x, w: AGM(x, w, "x", backend="pallas_gpu")), NotImplementedError,
         ("backend 'pallas_gpu' cannot run this call", "a ring step multiplies (2, 8) by (8, 12)",
          "m=2 is not a multiple of 16", "use the 'ring' backend")),
+    Row("ops", "comm_dtype not a supported narrow dtype",
+        in_shard_map(lambda x, w: AGM(x, w, "x", comm_dtype=jnp.float16)), ValueError,
+        ("comm_dtype must be None (send the input dtype) or one of jnp.int8, "
+         "jnp.float8_e4m3fn", "got float16")),
+    Row("ops", "grad_comm_dtype not a supported narrow dtype",
+        in_shard_map(lambda x, w: MRS(x, w, "x", grad_comm_dtype="int4")), ValueError,
+        ("grad_comm_dtype must be None", "jnp.int8, jnp.float8_e4m3fn", "got int4")),
+    Row("ops", "comm_dtype with integer inputs",
+        in_shard_map(lambda x, w: AGM(x, w, "x", comm_dtype=jnp.int8), x_dtype=jnp.int8),
+        TypeError, ("comm_dtype=int8 quantizes the operands it sends",
+                    "only defined for real floating point inputs", "x and w are int8",
+                    "Pass comm_dtype=None")),
+    Row("ops", "grad_comm_dtype with complex inputs",
+        in_shard_map(lambda x, w: MRS(x, w, "x", grad_comm_dtype=jnp.float8_e4m3fn),
+                     x_dtype=jnp.complex64), TypeError,
+        ("grad_comm_dtype=float8_e4m3fn quantizes", "x and w are complex64")),
+    Row("ops", "comm_dtype on a backend that cannot send quantized payloads",
+        in_shard_map(lambda x, w: AGM(x, w, "x", backend="pallas_tpu",
+                                      comm_dtype=jnp.float8_e4m3fn), check_vma=False),
+        NotImplementedError, ("backend 'pallas_tpu' cannot run this call",
+                              "comm_dtype=float8_e4m3fn is not implemented in the fused TPU "
+                              "kernels", "backend='ring' (or 'reference')")),
     Row("ops", "explicit kernel backend whose backward step no tile fits",
         in_shard_map(lambda x, w: jax.grad(
             lambda x, w: AGM(x, w, "x", backend="pallas_gpu", options={"kernels": "mosaic"})
