@@ -161,8 +161,9 @@ def test_specs_and_shard():
     assert "all_gather_matmul W over fsdp in int8" in table
 
 
-@pytest.mark.parametrize("kind", ["fsdp", "row+fsdp", "column+fsdp", "column_sp+fsdp"])
-@pytest.mark.parametrize("backend", ["reference", "ring"])
+@pytest.mark.parametrize("kind,backend", [
+    ("fsdp", "reference"), ("fsdp", "ring"), ("row+fsdp", "ring"), ("column+fsdp", "ring"),
+    ("column_sp+fsdp", "ring")])
 def test_layer_sends_the_stored_payload(kind, backend):
     """A fusedpar layer with a QuantizedArray weight equals the dequantized dense layer,
     values and x's gradient, on global arrays under a mesh and with no mesh; its FSDP
@@ -226,3 +227,24 @@ def test_bad_input():
         fusedpar.quantize(lin, {"nope": "fsdp"})
     with pytest.raises(ValueError, match="already quantized"):
         fusedpar.quantize(fusedpar.quantize(lin))
+
+
+def test_layer_trains_straight_through_to_the_master():
+    """An FSDPLinear quantized with master=True inside the loss: the op sends the master
+    quantized to the values' dtype, and the master's gradient is that of the dequantized
+    layer (straight through)."""
+    layer = fusedpar.FSDPLinear(32, 16, key=jax.random.key(0), backend="ring")
+    x = normal(1, (4, 32), jnp.float32)
+
+    def loss(layer, x):
+        return jnp.sum(jnp.tanh(fusedpar.quantize(layer, master=True)(x)))
+
+    d = eqx.tree_at(lambda l: l.weight, layer, _deq(layer.weight))
+    want = eqx.filter_grad(lambda l, x: jnp.sum(jnp.tanh(l(x))))(d, x)
+    assert_close(eqx.filter_grad(loss)(layer, x).weight, want.weight, jnp.float32, "dense")
+    m = mesh((4,), ("fsdp",), AxisType.Explicit)
+    with jax.set_mesh(m):
+        xs = jax.device_put(x, NamedSharding(m, P("fsdp")))
+        got = eqx.filter_jit(eqx.filter_grad(loss))(fusedpar.shard(layer, m), xs)
+    assert_close(got.weight, want.weight, jnp.float32, "sharded")
+    assert_close(got.bias, want.bias, jnp.float32, "bias")
