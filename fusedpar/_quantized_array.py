@@ -95,7 +95,7 @@ class QuantizedArray(quax.ArrayValue):
         if not vshape:
             raise ValueError(f"{_WHERE}: values must have at least one dimension, got a "
                              "scalar.")
-        _quantize.comm_dtype(_WHERE, "values.dtype", jnp.result_type(values))
+        _narrow(_WHERE, "values.dtype", jnp.result_type(values))
         if jnp.result_type(scales) != jnp.float32:
             raise ValueError(f"{_WHERE}: scales must be float32, got "
                              f"{jnp.result_type(scales)}.")
@@ -131,10 +131,7 @@ class QuantizedArray(quax.ArrayValue):
         a = jnp.asarray(a)
         if not jnp.issubdtype(a.dtype, jnp.floating):
             raise ValueError(f"{_WHERE}.quantize: a must be floating, got {a.dtype}.")
-        dtype = _quantize.comm_dtype(f"{_WHERE}.quantize", "dtype", dtype)
-        if dtype is None:
-            raise ValueError(f"{_WHERE}.quantize: dtype must be one of "
-                             f"{', '.join('jnp.' + k for k in _quantize.COMM_DTYPES)}, got None.")
+        dtype = _narrow(f"{_WHERE}.quantize", "dtype", dtype)
         if a.ndim == 0:
             raise ValueError(f"{_WHERE}.quantize: a must have at least one dimension.")
         axis = _negative_axis(f"{_WHERE}.quantize", axis, a.ndim)
@@ -197,6 +194,19 @@ class QuantizedArray(quax.ArrayValue):
     @property
     def T(self):  # noqa: N802 - numpy's name
         return self.transpose()
+
+
+def _narrow(where, name, dtype):
+    """`dtype` as one of the narrow dtypes a QuantizedArray stores, or an error naming them."""
+    try:
+        d = np.dtype(dtype)
+    except TypeError:
+        d = None
+    if d not in _quantize.COMM_DTYPES.values():
+        valid = ", ".join(f"jnp.{k}" for k in _quantize.COMM_DTYPES)
+        raise ValueError(f"{where}: {name} must be one of {valid} (the narrow dtypes a "
+                         f"QuantizedArray stores), got {d.name if d is not None else repr(dtype)}.")
+    return d
 
 
 def _negative_axis(where, axis, ndim) -> int:

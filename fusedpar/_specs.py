@@ -57,6 +57,9 @@ class Column:
     def __post_init__(self):
         _comm_dtypes(self)
 
+    def __repr__(self):
+        return _style_repr(self)
+
 
 @dataclasses.dataclass(frozen=True)
 class Row:
@@ -76,6 +79,9 @@ class Row:
 
     def __post_init__(self):
         _comm_dtypes(self)
+
+    def __repr__(self):
+        return _style_repr(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +106,26 @@ class FSDP:
     def __post_init__(self):
         _comm_dtypes(self)
 
+    def __repr__(self):
+        return _style_repr(self)
+
 
 Style = Union[Column, Row, FSDP]
+
+
+def _style_repr(style) -> str:
+    """The dataclass repr, with the comm dtypes only when set (by name)."""
+    parts = []
+    for f in dataclasses.fields(style):
+        v = getattr(style, f.name)
+        if f.name in ("comm_dtype", "grad_comm_dtype"):
+            if v is None:
+                continue
+            v = f"jnp.{v.name}"
+        else:
+            v = repr(v)
+        parts.append(f"{f.name}={v}")
+    return f"{type(style).__name__}({', '.join(parts)})"
 
 
 def _comm_dtypes(style) -> None:
