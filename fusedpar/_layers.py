@@ -186,11 +186,12 @@ class ParallelLinear(eqx.Module):
         depend on the context. An operand a `comm_dtype` would send quantized is
         fake-quantized as it would be (straight-through gradient): the input of a
         sequence-parallel Column (one scale per row), the weight of an FSDP style (one
-        scale per output channel; where FSDP splits the input features the sharded ring
-        scales each shard apart, which the dense layer cannot know: it agrees within
-        the quantization error). A Row's `comm_dtype` acts on the partial sums of its
-        ring, which the dense product does not form: that layer is exact here. A
-        `QuantizedArray` weight is multiplied as stored."""
+        scale per output channel). Where the weight's input features are split (a
+        RowLinear's over tp, a Column's FSDP on `in`) the sharded gather scales each
+        device's part of a row apart, which the dense layer cannot know: it agrees
+        within the quantization error. A Row's `comm_dtype` acts on the partial sums of
+        its ring, which the dense product does not form: that layer is exact here. A
+        `QuantizedArray` weight is multiplied as stored. (docs/quantized.md)"""
         w, x = _same_dtype(self.weight, x)
         tp, f = self.rule.tp, self.rule.fsdp
         if isinstance(tp, _specs.Column) and tp.comm_dtype is not None:
