@@ -9,6 +9,7 @@ device x (256, 512) and w (512, 256) for the reduce-scatter (K sharded), x (256,
 w (512, 256) travelling blocks for the all-gathers.
 
     python bench/quantized_error.py
+    python bench/quantized_error.py --aot   # transfers compiled for 8 x H100 and v5e
 """
 
 import os
@@ -18,7 +19,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_platforms", "cpu")
+if "--aot" not in __import__("sys").argv:
+    jax.config.update("jax_platforms", "cpu")
 
 import jax.extend  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -150,6 +152,43 @@ def print_bytes():
               f"{ratio:.4f} |")
 
 
+def compiled_transfers(targets=("h100x8", "v5e:2x4"), n=8, rows=1024, k=4096, cols=4096):
+    """The operands of every collective-permute in the ring's programs compiled for
+    hardware that is not here (`fusedpar.aot`, needs the aot extra): ag_rows and rs_rows,
+    unidirectional, per device x (rows, k) @ w (k, cols), bfloat16 inputs."""
+    import re
+
+    from jax.sharding import NamedSharding
+
+    from fusedpar import aot
+
+    for target in targets:
+        mesh = aot.mesh(target, (n,), ("x",))
+        options = aot.gpu_compiler_options() if target.startswith("h100") else None
+        for name, op, kw, xs, ws, specs in [
+            ("ag_rows", fusedpar.all_gather_matmul, dict(gather="lhs", dim=0),
+             (n * rows, k), (k, cols), (P("x"), P())),
+            ("rs_rows", fusedpar.matmul_reduce_scatter, dict(dim=0),
+             (rows, n * k), (n * k, cols), (P(None, "x"), P("x")))]:
+            for comm in (None, jnp.int8, jnp.float8_e4m3fn):
+                f = jax.jit(jax.shard_map(
+                    lambda x, w, op=op, kw=kw, comm=comm: op(
+                        x, w, "x", backend="ring", bidirectional=False, comm_dtype=comm, **kw),
+                    mesh=mesh, in_specs=specs, out_specs=P("x"), check_vma=False))
+                args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp))
+                        for s, sp in zip((xs, ws), specs)]
+                text = f.lower(*args).compile(compiler_options=options).as_text()
+                sent = set(re.findall(r"(?:s8|f8e4m3fn|bf16|f32)\[[0-9,]+\]", " ".join(
+                    re.findall(r"= (\(?[^=]*?\)?) collective-permute(?:-start)?\(", text))))
+                print(f"| {target} | {name} | {getattr(comm, '__name__', 'None')} | "
+                      f"{', '.join(sorted(sent))} |")
+
+
 if __name__ == "__main__":
-    main()
-    print_bytes()
+    import sys
+
+    if "--aot" in sys.argv:
+        compiled_transfers()
+    else:
+        main()
+        print_bytes()
