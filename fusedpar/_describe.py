@@ -29,8 +29,9 @@ def _comm(style) -> list:
 def _quantized(w) -> str:
     """How a QuantizedArray weight is stored, e.g. `int8 (one scale per row)`."""
     per = ("one scale per row" if w.scales.shape[w.axis] == 1
-           else f"one scale per {w.block_size} of a row")
-    return f"{np.dtype(w.values.dtype).name} ({per}{', with master' if w.master is not None else ''}) "
+           else f"one scale per {w.block_size} elements of a row")
+    master = ", with master" if w.master is not None else ""
+    return f"{np.dtype(w.values.dtype).name} ({per}{master}) "
 
 
 def _params(specs, layer=None) -> str:
@@ -59,8 +60,9 @@ def _row(path, x) -> list:
                 _params(_param_specs(x, where), x),
                 getattr(x, "backend", "-"), "; ".join(fwd) or "-", "; ".join(bwd) or "-"]
     names = ["weight"] + (["bias"] if getattr(x, "bias", None) is not None else [])
-    params = ", ".join(f"{n} {_quantized(getattr(x, n)) if _specs.is_quantized(getattr(x, n)) else ''}P()"
-                       for n in names)
+    stored = [getattr(x, n) for n in names]
+    params = ", ".join(f"{n} {_quantized(a) if _specs.is_quantized(a) else ''}P()"
+                       for n, a in zip(names, stored))
     return [where, type(x).__name__, "replicated", params,
             "-", "-", "-"]
 

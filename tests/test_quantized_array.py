@@ -155,7 +155,8 @@ def test_specs_and_shard():
     placed = fusedpar.shard(per_row, m)
     assert placed.weight.values.sharding.spec == P("tp", "fsdp")
     assert placed.weight.scales.sharding.spec == P("tp", None)
-    table = fusedpar.describe([per_row, fusedpar.quantize(eqx.nn.Linear(3, 4, key=jax.random.key(1)))])
+    plain = fusedpar.quantize(eqx.nn.Linear(3, 4, key=jax.random.key(1)))
+    table = fusedpar.describe([per_row, plain])
     assert "weight int8 (one scale per row) P('tp', 'fsdp'), scales P('tp', None)" in table
     assert "weight int8 (one scale per row) P()" in table
     assert "all_gather_matmul W over fsdp in int8" in table
