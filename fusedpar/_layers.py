@@ -373,7 +373,9 @@ def gather_fsdp(w, rule: Rule):
     output channel of the shard) and the gather moves values and scales; the result is
     dequantized, with a straight-through gradient. A `QuantizedArray` weight is
     gathered as values and scales (scales along the features only where FSDP splits
-    the output features: a scale covers a whole row) and stays quantized.
+    the output features: a scale covers a whole row) and stays quantized; one with a
+    `master` is gathered the same way (the master stays home) and dequantized, its
+    gradient reduce-scattered to the master.
     """
     f = rule.fsdp
     if f is None:
@@ -382,10 +384,15 @@ def gather_fsdp(w, rule: Rule):
     gather = functools.partial(lax.all_gather, axis_name=f.axis, axis=d, tiled=True)
     if isinstance(w, QuantizedArray):
         one = w.scales.shape[-1] == 1 and d == 1  # one scale per row: nothing to gather
-        return QuantizedArray(
-            gather(w.values), w.scales if one else gather(w.scales), axis=w.axis,
-            dtype=w.dtype, master=None if w.master is None else gather(w.master),
-            allow_materialise=w.allow_materialise)
+        g = QuantizedArray(gather(w.values), w.scales if one else gather(w.scales),
+                           axis=w.axis, dtype=w.dtype,
+                           allow_materialise=w.allow_materialise)
+        if w.master is None:
+            return g
+        # Training: the master stays home; its gradient is the gathered weight's,
+        # reduce-scattered (straight through the quantization).
+        full = g.dequantize()
+        return _gather_stored(full, w.master.astype(full.dtype), f.axis, d)
     if f.comm_dtype is None:
         return gather(w)
     if f.grad_comm_dtype is not None:
@@ -395,6 +402,24 @@ def gather_fsdp(w, rule: Rule):
             "weight's dtype; grad_comm_dtype applies where the gather is an "
             "all_gather_matmul (the non-sequence-parallel layers).")
     return _gather_quantized(w, f.axis, d, f.comm_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _gather_stored(full, master, axis, dim):
+    """`full` (a stored QuantizedArray gathered and dequantized), differentiated as the
+    gather of `master` (the gradient reduce-scattered to it)."""
+    return full
+
+
+def _gather_stored_fwd(full, master, axis, dim):
+    return full, None
+
+
+def _gather_stored_bwd(axis, dim, _, g):
+    return None, lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+
+
+_gather_stored.defvjp(_gather_stored_fwd, _gather_stored_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))

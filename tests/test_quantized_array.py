@@ -230,12 +230,17 @@ def test_bad_input():
         fusedpar.quantize(fusedpar.quantize(lin))
 
 
-def test_layer_trains_straight_through_to_the_master():
-    """An FSDPLinear quantized with master=True inside the loss: the op sends the master
-    quantized to the values' dtype, and the master's gradient is that of the dequantized
-    layer (straight through)."""
-    layer = fusedpar.FSDPLinear(32, 16, key=jax.random.key(0), backend="ring")
-    x = normal(1, (4, 32), jnp.float32)
+@pytest.mark.parametrize("kind", ["fsdp", "column_sp+fsdp"])
+def test_layer_trains_straight_through_to_the_master(kind):
+    """A layer quantized with master=True inside the loss: FSDPLinear's op sends the
+    master quantized to the values' dtype, the sequence-parallel layer gathers values
+    and scales; the master's gradient is that of the dequantized layer (straight
+    through)."""
+    k = jax.random.key(0)
+    layer = (fusedpar.FSDPLinear(32, 16, key=k, backend="ring") if kind == "fsdp" else
+             fusedpar.ColumnLinear(32, 16, key=k, sequence_parallel=True, fsdp_axis="fsdp",
+                                   gather_output=True, backend="ring"))
+    x = normal(1, (4, 8, 32), jnp.float32)
 
     def loss(layer, x):
         return jnp.sum(jnp.tanh(fusedpar.quantize(layer, master=True)(x)))
@@ -243,9 +248,9 @@ def test_layer_trains_straight_through_to_the_master():
     d = eqx.tree_at(lambda l: l.weight, layer, _deq(layer.weight))
     want = eqx.filter_grad(lambda l, x: jnp.sum(jnp.tanh(l(x))))(d, x)
     assert_close(eqx.filter_grad(loss)(layer, x).weight, want.weight, jnp.float32, "dense")
-    m = mesh((4,), ("fsdp",), AxisType.Explicit)
+    m = mesh((2, 2), ("fsdp", "tp"), AxisType.Explicit)
     with jax.set_mesh(m):
-        xs = jax.device_put(x, NamedSharding(m, P("fsdp")))
+        xs = jax.device_put(x, NamedSharding(m, P("fsdp", None if kind == "fsdp" else "tp")))
         got = eqx.filter_jit(eqx.filter_grad(loss))(fusedpar.shard(layer, m), xs)
     assert_close(got.weight, want.weight, jnp.float32, "sharded")
     assert_close(got.bias, want.bias, jnp.float32, "bias")
