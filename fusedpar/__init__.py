@@ -17,6 +17,8 @@ from ._ops import (
     matmul_reduce_scatter as matmul_reduce_scatter,
 )
 from ._loss import cross_entropy as cross_entropy
+from ._quantize_model import quantize as quantize
+from ._quantized_array import QuantizedArray as QuantizedArray
 from ._parallelize import parallelize as parallelize
 from ._schedule import Ring as Ring
 from ._shard import init_sharded as init_sharded, shard as shard
@@ -46,6 +48,8 @@ __all__ = [
     # specs
     "param_specs", "shard_map_specs", "validate", "shard", "init_sharded", "compose",
     "Column", "Row", "FSDP", "Rule", "Drop",
+    # quantized weights
+    "QuantizedArray", "quantize",
     # GPU
     "gpu_overlap_flags", "set_gpu_overlap_flags",
 ]

@@ -22,7 +22,7 @@ import functools
 
 import jax
 
-from . import _backends, _definition, _primitives as prims
+from . import _backends, _definition, _primitives as prims, _quantize
 from ._vma import cotangent_like
 
 
@@ -50,7 +50,9 @@ def apply(prim, cfg, x, w):
 
 
 def _fwd(prim, cfg, x, w):
-    if prim in prims.GATHERS and cfg.keep_gathered:
+    # A pre-quantized w keeps its gathered (dequantized) self: it has no transpose to
+    # gather again with, and x's gradient needs it.
+    if prim in prims.GATHERS and (cfg.keep_gathered or _is_quantized(w)):
         out, gathered = run(prim, cfg, x, w, return_gathered=True)
     else:
         out, gathered = run(prim, cfg, x, w), None
@@ -79,8 +81,16 @@ def _local(cfg, a, b, dtype):
     return _definition.matmul(a, b, precision=cfg.precision).astype(dtype)
 
 
+def _is_quantized(w) -> bool:
+    return isinstance(w, _quantize.Quantized)
+
+
 def _bwd(prim, cfg, res, dy):
     x, w, gathered = res
+    if _is_quantized(w):  # a stored quantized weight: x's gradient only
+        dx = _local(dataclasses.replace(cfg, out_dtype=x.dtype), dy.astype(x.dtype),
+                    gathered.T, x.dtype)
+        return cotangent_like(dx, x), None
     # Gradients are computed in the inputs' dtype, accumulating in f32 as the forward does.
     dy = dy.astype(x.dtype)
     # The dual runs send in the backward's comm dtype (and have no backward of their own).

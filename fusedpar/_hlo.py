@@ -227,6 +227,29 @@ def in_place_bytes(module: Module, i: Instruction, by_name: dict) -> Optional[in
     return None
 
 
+_WINDOWS = ("slice", "dynamic-slice")
+_PARAMETER = re.compile(r"\bparameter\((\d+)\)")
+
+
+def read_bytes(module: Module, i: Instruction, by_name: dict) -> int:
+    """The bytes `i` reads from memory: each operand's, except that an operand only
+    sliced (a `slice` or `dynamic-slice`, alone or inside the fusion) is read only
+    where the windows are: slicing one block out of a gathered buffer reads the block."""
+    operands = [by_name.get(o) for o in i.operands]
+    if i.opcode in _WINDOWS:
+        return i.bytes + sum(o.bytes for o in operands[1:] if o is not None)
+    windows = {}  # fused parameter number -> bytes its slices read (only-sliced ones)
+    for c in i.calls if i.opcode == "fusion" else ():
+        inner = module.computations.get(c, ())
+        for j in inner:
+            number = _PARAMETER.search(j.line) if j.opcode == "parameter" else None
+            users = [u for u in inner if j.name in u.operands]
+            if number and users and all(u.opcode in _WINDOWS and u.operands[0] == j.name
+                                        for u in users):
+                windows[int(number.group(1))] = sum(u.bytes for u in users)
+    return sum(windows.get(n, o.bytes) for n, o in enumerate(operands) if o is not None)
+
+
 def collective_kind(module: Module, instruction: Instruction) -> Optional[str]:
     """The collective an instruction starts or is (`COLLECTIVES`), else None."""
     op = instruction.opcode

@@ -54,8 +54,10 @@ from equinox import field
 from jax import lax
 from jaxtyping import Array
 
-from . import _context, _definition, _dispatch, _folding, _specs, _target, _vma, _whole_model
+from . import (_context, _definition, _dispatch, _folding, _quantize, _specs, _target, _vma,
+               _whole_model)
 from ._ops import all_gather_matmul, matmul_reduce_scatter
+from ._quantized_array import QuantizedArray, fake_quantize, qdot
 from ._specs import Rule
 
 
@@ -162,7 +164,8 @@ class ParallelLinear(eqx.Module):
     def _apply(self, x):
         """The layer on `x` with every vmapped axis folded in."""
         where = type(self).__name__
-        kind, mesh = _context.detect(where, self.rule.axes, self.weight)
+        check_quantized_weight(where, self.weight)
+        kind, mesh = _context.detect(where, self.rule.axes, _array_of(self.weight))
         if kind == _context.LOCAL:
             y = self._local(x, self.rule)
         elif x.shape[-1] != _length(self.in_features):
@@ -179,8 +182,23 @@ class ParallelLinear(eqx.Module):
         return y
 
     def _dense(self, x):
+        """The layer with no mesh: what the sharded layer computes, so the result does not
+        depend on the context. An operand a `comm_dtype` would send quantized is
+        fake-quantized as it would be (straight-through gradient): the input of a
+        sequence-parallel Column (one scale per row), the weight of an FSDP style (one
+        scale per output channel). Where the weight's input features are split (a
+        RowLinear's over tp, a Column's FSDP on `in`) the sharded gather scales each
+        device's part of a row apart, which the dense layer cannot know: it agrees
+        within the quantization error. A Row's `comm_dtype` acts on the partial sums of
+        its ring, which the dense product does not form: that layer is exact here. A
+        `QuantizedArray` weight is multiplied as stored. (docs/quantized.md)"""
         w, x = _same_dtype(self.weight, x)
-        y = _definition.matmul(x, w.T).astype(x.dtype)
+        tp, f = self.rule.tp, self.rule.fsdp
+        if isinstance(tp, _specs.Column) and tp.comm_dtype is not None:
+            x = fake_quantize(x, tp.comm_dtype, -1)
+        if f is not None and f.comm_dtype is not None and not isinstance(w, QuantizedArray):
+            w = fake_quantize(w, f.comm_dtype, -1)
+        y = matmul_t(x, w)
         return add_bias(y, self.bias)
 
     def _global(self, x, mesh):
@@ -195,7 +213,7 @@ class ParallelLinear(eqx.Module):
             return self._dense(x)
         sizes = _specs.mesh_sizes(mesh)
         pspecs = _specs.layer_param_specs(self, where, rule)
-        _specs.check_spec(f"{where}.weight", self.weight.shape, pspecs.weight, sizes)
+        _specs.check_spec(f"{where}.weight", self.weight.shape, _array_of(pspecs.weight), sizes)
         x_spec, y_spec = rule.activation_specs(x.ndim, data)
         _specs.check_spec(f"{where}: x of shape {x.shape}", x.shape, x_spec, sizes,
                           what="input")
@@ -235,6 +253,14 @@ class ParallelLinear(eqx.Module):
         return w, self.bias, x
 
 
+def check_quantized_weight(where, w) -> None:
+    """A QuantizedArray weight `(out, in)` must be scaled along `in` (per output channel,
+    or per block of `in`), the contraction every fusedpar layer applies its scales to."""
+    if isinstance(w, QuantizedArray) and w.axis != -1:
+        raise ValueError(f"{where}: a QuantizedArray weight (out, in) must be quantized "
+                         f"along in_features (axis=-1), got axis={w.axis % w.ndim}.")
+
+
 def layout_hint(rule) -> str:
     """What input layout a layer under `rule` takes, and the style for other layouts."""
     tp, parts = rule.tp, []
@@ -262,6 +288,28 @@ def _check_sequence(where, rule, x):
             f"dim -2 is the sequence, got x of shape {x.shape}.")
 
 
+def _in(layer, style, name) -> str:
+    """" in int8" where the collective of `style` sends a narrow dtype (its `name`, or
+    the FSDP gather of a stored QuantizedArray weight), else ""."""
+    if style is None:
+        return ""
+    d = getattr(style, name)
+    w = layer.weight
+    if (name == "comm_dtype" and isinstance(style, _specs.FSDP)
+            and isinstance(w, QuantizedArray)):
+        d = w.values.dtype
+    return "" if d is None else f" in {jnp.dtype(d).name}"
+
+
+def _fsdp_style(where, axis, dim, comm_dtype, grad_comm_dtype):
+    if axis is None:
+        if comm_dtype is not None or grad_comm_dtype is not None:
+            raise ValueError(f"{where}: fsdp_comm_dtype / fsdp_grad_comm_dtype set the dtype "
+                             "of the FSDP weight gather; pass fsdp_axis too (or drop them).")
+        return None
+    return _specs.FSDP(axis, dim, comm_dtype, grad_comm_dtype)
+
+
 def layer_class(rule: Rule):
     """The layer class that implements `rule`: Column, Row, or FSDP alone."""
     if isinstance(rule.tp, _specs.Column):
@@ -284,9 +332,33 @@ def _bias_grad_sum(layer) -> list:
 def _same_dtype(w, x):
     # The promotion of `jnp.result_type`, without the strict-promotion check: an input
     # of another dtype than the weight is what mixed-precision models pass on purpose.
+    # A QuantizedArray takes the dtype as its logical one (its values stay as stored).
     with jax.numpy_dtype_promotion("standard"):
-        dt = jnp.result_type(w, x)
+        dt = jnp.result_type(w.dtype, x)
     return w.astype(dt), x.astype(dt)
+
+
+def _array_of(w):
+    """The array standing for the weight `w` (a QuantizedArray's `values`, or its spec's)."""
+    return w.values if isinstance(w, QuantizedArray) else w
+
+
+def _stationary(w):
+    """A weight that stays put in a ring (the x-gathers and reduce-scatters multiply
+    each step's block by it): a QuantizedArray's local shard is dequantized here, the
+    kernels take no quantized stationary operand."""
+    return w.materialise() if isinstance(w, QuantizedArray) else w
+
+
+def matmul_t(x, w, out_dtype=None):
+    """`x @ w.T` for a weight `(out, in)`, accumulating in float32 for 16-bit inputs; a
+    `QuantizedArray` weight is multiplied as int8/fp8 values, scales on the product."""
+    out_dtype = out_dtype or x.dtype
+    if isinstance(w, QuantizedArray):
+        acc = _definition.accumulation_dtype(x.dtype)
+        dn = (((x.ndim - 1,), (w.ndim - 1,)), ((), ()))
+        return qdot(x, w, dn, preferred_element_type=acc).astype(out_dtype)
+    return _definition.matmul(x, w.T).astype(out_dtype)
 
 
 def add_bias(y, b):
@@ -295,10 +367,80 @@ def add_bias(y, b):
 
 
 def gather_fsdp(w, rule: Rule):
-    """Gather the FSDP shards of the local weight (its transpose reduce-scatters the grad)."""
-    if rule.fsdp is None:
+    """Gather the FSDP shards of the local weight (its transpose reduce-scatters the grad).
+
+    With the FSDP style's `comm_dtype` each device quantizes its shard (one scale per
+    output channel of the shard) and the gather moves values and scales; the result is
+    dequantized, with a straight-through gradient. A `QuantizedArray` weight is
+    gathered as values and scales (scales along the features only where FSDP splits
+    the output features: a scale covers a whole row) and stays quantized; one with a
+    `master` is gathered the same way (the master stays home) and dequantized, its
+    gradient reduce-scattered to the master.
+    """
+    f = rule.fsdp
+    if f is None:
         return w
-    return lax.all_gather(w, rule.fsdp.axis, axis=rule.fsdp_dim, tiled=True)
+    d = rule.fsdp_dim
+    gather = functools.partial(lax.all_gather, axis_name=f.axis, axis=d, tiled=True)
+    if isinstance(w, QuantizedArray):
+        one = w.scales.shape[-1] == 1 and d == 1  # one scale per row: nothing to gather
+        g = QuantizedArray(gather(w.values), w.scales if one else gather(w.scales),
+                           axis=w.axis, dtype=w.dtype,
+                           allow_materialise=w.allow_materialise)
+        if w.master is None:
+            return g
+        # Training: the master stays home; its gradient is the gathered weight's,
+        # reduce-scattered (straight through the quantization).
+        full = g.dequantize()
+        return _gather_stored(full, w.master.astype(full.dtype), f.axis, d)
+    if f.comm_dtype is None:
+        return gather(w)
+    if f.grad_comm_dtype is not None:
+        raise NotImplementedError(
+            f"FSDP(grad_comm_dtype={f.grad_comm_dtype}): a sequence-parallel layer gathers "
+            "its FSDP weight with lax.all_gather, whose gradient is a psum_scatter in the "
+            "weight's dtype; grad_comm_dtype applies where the gather is an "
+            "all_gather_matmul (the non-sequence-parallel layers).")
+    return _gather_quantized(w, f.axis, d, f.comm_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _gather_stored(full, master, axis, dim):
+    """`full` (a stored QuantizedArray gathered and dequantized), differentiated as the
+    gather of `master` (the gradient reduce-scattered to it)."""
+    return full
+
+
+def _gather_stored_fwd(full, master, axis, dim):
+    return full, None
+
+
+def _gather_stored_bwd(axis, dim, _, g):
+    return None, lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+
+
+_gather_stored.defvjp(_gather_stored_fwd, _gather_stored_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gather_quantized(w, axis, dim, dtype):
+    q = _quantize.quantize(w, dtype, axis=1)
+    g = jax.tree.map(lambda a: lax.all_gather(a, axis, axis=dim, tiled=True), q)
+    n = g.scales.shape[1]  # blocks: one scale per row of each shard
+    return QuantizedArray(g.values, g.scales, axis=-1, dtype=w.dtype).dequantize() \
+        if n > 1 else _quantize.dequantize(g, w.dtype)
+
+
+def _gather_quantized_fwd(w, axis, dim, dtype):
+    return _gather_quantized(w, axis, dim, dtype), None
+
+
+def _gather_quantized_bwd(axis, dim, dtype, _, g):
+    # Straight-through: the gradient of the plain gather (a reduce-scatter).
+    return (lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True),)
+
+
+_gather_quantized.defvjp(_gather_quantized_fwd, _gather_quantized_bwd)
 
 
 def fsdp_matmul(x, w, rule: Rule, backend, out_dtype=None):
@@ -306,12 +448,21 @@ def fsdp_matmul(x, w, rule: Rule, backend, out_dtype=None):
 
     The weight's FSDP dimension `d` is `w.T`'s dimension `1 - d`: the contracting rows
     (gather="rhs", dim=0) or the output columns (dim=1). The op's backward
-    reduce-scatters the weight gradient over the FSDP axis.
+    reduce-scatters the weight gradient over the FSDP axis. The gather sends the FSDP
+    style's `comm_dtype`; a `QuantizedArray` weight travels as its stored values and
+    scales (no gradient), or, carrying a `master`, as the master quantized by the op
+    to the values' dtype (straight-through gradient to the master).
     """
-    if rule.fsdp is None:
-        return _definition.matmul(x, w.T).astype(out_dtype or x.dtype)
-    return all_gather_matmul(x, w.T, rule.fsdp.axis, gather="rhs", dim=1 - rule.fsdp_dim,
-                             backend=backend, preferred_element_type=out_dtype)
+    f = rule.fsdp
+    if f is None:
+        return matmul_t(x, w, out_dtype)
+    comm, grad_comm = f.comm_dtype, f.grad_comm_dtype
+    if isinstance(w, QuantizedArray) and w.master is not None:
+        w, comm = w.master.astype(w.dtype), w.values.dtype
+    wt = w.T.as_payload() if isinstance(w, QuantizedArray) else w.T
+    return all_gather_matmul(x, wt, f.axis, gather="rhs", dim=1 - rule.fsdp_dim,
+                             backend=backend, preferred_element_type=out_dtype,
+                             comm_dtype=comm, grad_comm_dtype=grad_comm)
 
 
 class ColumnLinear(ParallelLinear):
@@ -330,7 +481,8 @@ class ColumnLinear(ParallelLinear):
     def __init__(self, in_features: int, out_features: int, use_bias: bool = True,
                  dtype=None, *, key, axis: str = "tp", sequence_parallel: bool = False,
                  gather_output: bool = False, fsdp_axis: Optional[str] = None,
-                 fsdp_dim: Optional[int] = None, backend: str = "auto"):
+                 fsdp_dim: Optional[int] = None, backend: str = "auto", comm_dtype=None,
+                 grad_comm_dtype=None, fsdp_comm_dtype=None, fsdp_grad_comm_dtype=None):
         """**Arguments:**
 
         - `in_features`, `out_features`, `use_bias`, `dtype`, `key`: as `eqx.nn.Linear`
@@ -343,25 +495,34 @@ class ColumnLinear(ParallelLinear):
           `axis`); the input's batch dimension (dim 0) is sharded over it.
         - `backend`: the backend of the collective matmul ops (`"auto"`, `"reference"`,
           `"ring"`, ...).
+        - `comm_dtype`, `grad_comm_dtype`: `jnp.int8`, `jnp.float8_e4m3fn` or None: what
+          the sequence-parallel input gather (and its backward's reduce-scatter) sends
+          (`fusedpar.Column`); need `sequence_parallel=True`.
+        - `fsdp_comm_dtype`, `fsdp_grad_comm_dtype`: the same for the FSDP weight gather
+          (`fusedpar.FSDP`); need `fsdp_axis`.
         """
         _specs.check_fsdp_dim("ColumnLinear", fsdp_axis, fsdp_dim)
-        rule = _specs.compose(_specs.Column(axis, sequence_parallel, gather_output),
-                              None if fsdp_axis is None else _specs.FSDP(fsdp_axis, fsdp_dim),
-                              where="ColumnLinear")
+        rule = _specs.compose(
+            _specs.Column(axis, sequence_parallel, gather_output, comm_dtype, grad_comm_dtype),
+            _fsdp_style("ColumnLinear", fsdp_axis, fsdp_dim, fsdp_comm_dtype,
+                        fsdp_grad_comm_dtype),
+            where="ColumnLinear")
         self._setup(in_features, out_features, use_bias, dtype, key, rule, backend)
 
     def collectives(self) -> tuple[list, list]:
         """The collectives of the forward and of the backward pass (`fusedpar.describe`)."""
         tp, f = self.rule.tp, self.rule.fsdp
+        fw, fg = _in(self, f, "comm_dtype"), _in(self, f, "grad_comm_dtype")
         fwd, bwd = [], []
         if tp.sequence_parallel:
-            fwd += [f"all_gather W over {f.axis}"] if f else []
-            fwd.append(f"all_gather_matmul x(seq) over {tp.axis}")
-            bwd.append(f"matmul_reduce_scatter dx(seq) over {tp.axis}")
+            fwd += [f"all_gather W over {f.axis}{fw}"] if f else []
+            fwd.append(f"all_gather_matmul x(seq) over {tp.axis}{_in(self, tp, 'comm_dtype')}")
+            bwd.append(f"matmul_reduce_scatter dx(seq) over {tp.axis}"
+                       f"{_in(self, tp, 'grad_comm_dtype')}")
             bwd += [f"reduce_scatter dW over {f.axis}"] if f else []
         else:
-            fwd += [f"all_gather_matmul W over {f.axis}"] if f else []
-            bwd += [f"matmul_reduce_scatter dW over {f.axis}"] if f else []
+            fwd += [f"all_gather_matmul W over {f.axis}{fw}"] if f else []
+            bwd += [f"matmul_reduce_scatter dW over {f.axis}{fg}"] if f else []
             bwd.append(f"psum dx over {tp.axis}")
         fwd += [f"all_gather y over {tp.axis}"] if tp.gather_output else []
         return fwd, bwd + _bias_grad_sum(self)
@@ -370,9 +531,10 @@ class ColumnLinear(ParallelLinear):
         tp = rule.tp
         w, b, x = self._operands(x, rule, _length(self.in_features))
         if tp.sequence_parallel:
-            w = gather_fsdp(w, rule)
+            w = _stationary(gather_fsdp(w, rule))
             y = all_gather_matmul(x, w.T, tp.axis, gather="lhs", dim=x.ndim - 2,
-                                  backend=self.backend)
+                                  backend=self.backend, comm_dtype=tp.comm_dtype,
+                                  grad_comm_dtype=tp.grad_comm_dtype)
         else:
             y = fsdp_matmul(x, w, rule, self.backend)
         y = add_bias(y, b)
@@ -395,7 +557,8 @@ class RowLinear(ParallelLinear):
     def __init__(self, in_features: int, out_features: int, use_bias: bool = True,
                  dtype=None, *, key, axis: str = "tp", sequence_parallel: bool = False,
                  fsdp_axis: Optional[str] = None, fsdp_dim: Optional[int] = None,
-                 backend: str = "auto"):
+                 backend: str = "auto", comm_dtype=None, grad_comm_dtype=None,
+                 fsdp_comm_dtype=None, fsdp_grad_comm_dtype=None):
         """**Arguments:**
 
         - `in_features`, `out_features`, `use_bias`, `dtype`, `key`: as `eqx.nn.Linear`.
@@ -405,33 +568,43 @@ class RowLinear(ParallelLinear):
           `out_features` by default, or `fsdp_dim` (1 puts it on `in_features` after
           `axis`); the input's batch dimension (dim 0) is sharded over it.
         - `backend`: the backend of the collective matmul ops.
+        - `comm_dtype`, `grad_comm_dtype`: passed to the sequence-parallel
+          `matmul_reduce_scatter` (`fusedpar.Row`); need `sequence_parallel=True`.
+        - `fsdp_comm_dtype`, `fsdp_grad_comm_dtype`: what the FSDP weight gather (and
+          its gradient's reduce-scatter) sends (`fusedpar.FSDP`); need `fsdp_axis`.
         """
         _specs.check_fsdp_dim("RowLinear", fsdp_axis, fsdp_dim)
-        rule = _specs.compose(_specs.Row(axis, sequence_parallel),
-                              None if fsdp_axis is None else _specs.FSDP(fsdp_axis, fsdp_dim),
-                              where="RowLinear")
+        rule = _specs.compose(
+            _specs.Row(axis, sequence_parallel, comm_dtype, grad_comm_dtype),
+            _fsdp_style("RowLinear", fsdp_axis, fsdp_dim, fsdp_comm_dtype,
+                        fsdp_grad_comm_dtype),
+            where="RowLinear")
         self._setup(in_features, out_features, use_bias, dtype, key, rule, backend)
 
     def collectives(self) -> tuple[list, list]:
         """The collectives of the forward and of the backward pass (`fusedpar.describe`)."""
         tp, f = self.rule.tp, self.rule.fsdp
+        fw, fg = _in(self, f, "comm_dtype"), _in(self, f, "grad_comm_dtype")
         if tp.sequence_parallel:
-            fwd = ([f"all_gather W over {f.axis}"] if f else []) + [
-                f"matmul_reduce_scatter y(seq) over {tp.axis}"]
-            bwd = [f"all_gather_matmul dy(seq) over {tp.axis}"] + (
+            fwd = ([f"all_gather W over {f.axis}{fw}"] if f else []) + [
+                f"matmul_reduce_scatter y(seq) over {tp.axis}{_in(self, tp, 'comm_dtype')}"]
+            bwd = [f"all_gather_matmul dy(seq) over {tp.axis}"
+                   f"{_in(self, tp, 'grad_comm_dtype')}"] + (
                 [f"reduce_scatter dW over {f.axis}"] if f else [])
         else:
-            fwd = ([f"all_gather_matmul W over {f.axis}"] if f else []) + [
+            fwd = ([f"all_gather_matmul W over {f.axis}{fw}"] if f else []) + [
                 f"psum y over {tp.axis}"]
-            bwd = [f"matmul_reduce_scatter dW over {f.axis}"] if f else []
+            bwd = [f"matmul_reduce_scatter dW over {f.axis}{fg}"] if f else []
         return fwd, bwd + _bias_grad_sum(self)
 
     def _local(self, x, rule):
         tp = rule.tp
         w, b, x = self._operands(x, rule, self.in_features // lax.axis_size(tp.axis))
         if tp.sequence_parallel:
-            w = gather_fsdp(w, rule)
-            y = matmul_reduce_scatter(x, w.T, tp.axis, dim=x.ndim - 2, backend=self.backend)
+            w = _stationary(gather_fsdp(w, rule))
+            y = matmul_reduce_scatter(x, w.T, tp.axis, dim=x.ndim - 2, backend=self.backend,
+                                      comm_dtype=tp.comm_dtype,
+                                      grad_comm_dtype=tp.grad_comm_dtype)
         else:
             # Partial sums stay in the accumulation dtype through the psum, as the
             # reduce-scatter's do.
@@ -453,21 +626,27 @@ class FSDPLinear(ParallelLinear):
     """
 
     def __init__(self, in_features: int, out_features: int, use_bias: bool = True,
-                 dtype=None, *, key, axis: str = "fsdp", backend: str = "auto"):
+                 dtype=None, *, key, axis: str = "fsdp", backend: str = "auto",
+                 comm_dtype=None, grad_comm_dtype=None):
         """**Arguments:**
 
         - `in_features`, `out_features`, `use_bias`, `dtype`, `key`: as `eqx.nn.Linear`.
         - `axis`: the mesh axis the weight (and the input's batch) is sharded over.
         - `backend`: the backend of the collective matmul op.
+        - `comm_dtype`, `grad_comm_dtype`: `jnp.int8`, `jnp.float8_e4m3fn` or None: what
+          the weight gather and the weight gradient's reduce-scatter send
+          (`fusedpar.FSDP`).
         """
-        rule = _specs.compose(_specs.FSDP(axis), where="FSDPLinear")
+        rule = _specs.compose(_specs.FSDP(axis, None, comm_dtype, grad_comm_dtype),
+                              where="FSDPLinear")
         self._setup(in_features, out_features, use_bias, dtype, key, rule, backend)
 
     def collectives(self) -> tuple[list, list]:
         """The collectives of the forward and of the backward pass (`fusedpar.describe`)."""
-        axis = self.rule.fsdp.axis
-        return ([f"all_gather_matmul W over {axis}"],
-                [f"matmul_reduce_scatter dW over {axis}"] + _bias_grad_sum(self))
+        f = self.rule.fsdp
+        return ([f"all_gather_matmul W over {f.axis}{_in(self, f, 'comm_dtype')}"],
+                [f"matmul_reduce_scatter dW over {f.axis}{_in(self, f, 'grad_comm_dtype')}"]
+                + _bias_grad_sum(self))
 
     def _local(self, x, rule):
         w, b, x = self._operands(x, rule, _length(self.in_features))

@@ -104,18 +104,46 @@ class _Settings:
     grad_comm_dtype: object = None
 
 
+def _prequantized(op, x, w, gather, comm_dtype):
+    """`(w's stand-in for validation, comm_dtype)` for a `w` already quantized.
+
+    A `_quantize.Quantized` w (a stored quantized weight, `fusedpar.QuantizedArray`)
+    travels as it is: it must be the gathered operand, `(k, n)` int8/fp8 values with one
+    float32 scale per column (scales `(1, n)`), and stands for an array of x's dtype.
+    """
+    if op != ALL_GATHER_MATMUL or gather != "rhs":
+        raise ValueError(f"{op}: a pre-quantized w (values and scales) can only be the "
+                         "operand that travels, all_gather_matmul(gather='rhs'); got "
+                         f"{op}" + (f"(gather={gather!r})." if op == ALL_GATHER_MATMUL
+                                    else "."))
+    values, scales = w
+    dtype = _quantize.comm_dtype(op, "w.values.dtype", values.dtype)
+    if getattr(values, "ndim", None) != 2 or tuple(scales.shape) != (1, values.shape[1]) \
+            or scales.dtype != np.float32:
+        raise ValueError(f"{op}: a pre-quantized w needs values (k, n) and float32 scales "
+                         f"(1, n), one per column; got values {tuple(values.shape)} and "
+                         f"scales {tuple(scales.shape)} {scales.dtype}.")
+    if comm_dtype is not None and comm_dtype != dtype:
+        raise ValueError(f"{op}: w is already quantized to {dtype.name}; comm_dtype must be "
+                         f"None or that dtype, got {comm_dtype.name}.")
+    return jax.ShapeDtypeStruct(values.shape, x.dtype), dtype
+
+
 def _run(op, x, w, axis_name, gather, dim, s: _Settings):
     n = _validate.axis_size(op, axis_name)
     comm_dtype = _quantize.comm_dtype(op, "comm_dtype", s.comm_dtype)
     grad_comm_dtype = _quantize.comm_dtype(op, "grad_comm_dtype", s.grad_comm_dtype)
-    dim, call = _validate.op_call(op, x, w, n, gather, dim, s.bidirectional, comm_dtype,
+    w_like = w
+    if isinstance(w, _quantize.Quantized):
+        w_like, comm_dtype = _prequantized(op, x, w, gather, comm_dtype)
+    dim, call = _validate.op_call(op, x, w_like, n, gather, dim, s.bidirectional, comm_dtype,
                                   grad_comm_dtype)
     _validate.flag(op, "unroll", s.unroll)
     if not isinstance(s.keep_gathered, bool):
         raise TypeError(f"{op}: keep_gathered must be True or False, got {s.keep_gathered!r}.")
     out_dtype = _validate.float_dtype(op, "preferred_element_type", s.preferred_element_type)
     reduce_dtype = _validate.float_dtype(op, "reduce_dtype", s.reduce_dtype)
-    target = _target.current(x, w)
+    target = _target.current(x, *jax.tree.leaves(w))
     choice = _choose(call, s.backend, s.unroll, s.precision, s.options, target)
     _interpret.check_threads(op, choice.backend, s.options, target)  # before a hang
     cfg = Config(
@@ -170,6 +198,9 @@ def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, backend=AUTO,
       the input dtype). Gradients are straight-through: those of the lax expression on
       the operand the forward multiplied (with `keep_gathered=False` the backward gathers
       the operand again, in `grad_comm_dtype`).
+    - `w` may also be a `_quantize.Quantized(values, scales)` with `gather="rhs"`: a
+      weight stored quantized (`fusedpar.QuantizedArray.as_payload()`), sent as it is
+      (`comm_dtype` is its values' dtype); it gets no gradient, `x` does.
 
     **Returns:** the product, with `x`'s dim `dim` (lhs) or `w`'s (rhs) `N` times larger.
     """

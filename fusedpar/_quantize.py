@@ -89,6 +89,12 @@ def quantize(a, dtype, axis: int) -> Quantized:
     return Quantized(values, scales)
 
 
+def quantized(a, dtype, axis: int) -> Quantized:
+    """`quantize(a, dtype, axis)`, or `a` itself when it is already a `Quantized` (a
+    weight stored quantized, sent as it is)."""
+    return a if isinstance(a, Quantized) else quantize(a, dtype, axis)
+
+
 def dequantize(q: Quantized, dtype):
     """`values * scales`, in `dtype`.
 

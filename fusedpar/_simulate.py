@@ -146,7 +146,7 @@ class _Replay:
         if (i.opcode in _FREE or i.opcode.endswith("-done") or _hlo.is_async_start(i)
                 or i.name.startswith("async-collective-done")):
             return 0.0
-        operand_bytes = sum(by_name[o].bytes for o in i.operands if o in by_name)
+        operand_bytes = _hlo.read_bytes(self.module, i, by_name)
         update = _hlo.in_place_bytes(self.module, i, by_name)
         if update is not None:  # reads and writes the update, not the buffer
             memory = 2 * update / self.hw.hbm_bandwidth

@@ -30,6 +30,9 @@ import equinox as eqx
 import jax
 from jax.sharding import PartitionSpec as P
 
+from . import _quantize
+from ._quantized_array import QuantizedArray
+
 ROLES = ("tp", "fsdp")  # canonical order of axes sharing one dimension: major first
 
 
@@ -39,11 +42,23 @@ class Column:
 
     Input replicated (or, with `sequence_parallel`, sharded on its sequence dimension,
     dim -2); output sharded on its features (replicated with `gather_output`).
+    `comm_dtype` (`jnp.int8`, `jnp.float8_e4m3fn` or None): the dtype the
+    sequence-parallel input gather sends (`all_gather_matmul(comm_dtype=)`);
+    `grad_comm_dtype`: that of the backward's reduce-scatter. Both need
+    `sequence_parallel=True`.
     """
 
     axis: str = "tp"
     sequence_parallel: bool = False
     gather_output: bool = False
+    comm_dtype: Any = None
+    grad_comm_dtype: Any = None
+
+    def __post_init__(self):
+        _comm_dtypes(self)
+
+    def __repr__(self):
+        return _style_repr(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +67,21 @@ class Row:
 
     Input sharded on its features (a `Column` output); output replicated (or, with
     `sequence_parallel`, sharded on its sequence dimension, dim -2).
+    `comm_dtype` / `grad_comm_dtype`: passed to the sequence-parallel
+    `matmul_reduce_scatter` (forward) for its ring and its backward's gather; need
+    `sequence_parallel=True`.
     """
 
     axis: str = "tp"
     sequence_parallel: bool = False
+    comm_dtype: Any = None
+    grad_comm_dtype: Any = None
+
+    def __post_init__(self):
+        _comm_dtypes(self)
+
+    def __repr__(self):
+        return _style_repr(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,14 +92,55 @@ class FSDP:
     `Column`, dim 0 with `Row` or alone); `dim` equal to the tensor-parallel dimension
     shards it over both axes, `(tp, fsdp)`. The bias stays replicated over `axis` (it
     is small; its gradient is summed over the data shards by autodiff). The input's
-    batch dimension (dim 0) is sharded over `axis`.
+    batch dimension (dim 0) is sharded over `axis`. `comm_dtype`: the dtype the weight
+    gather sends (e.g. `jnp.int8`, one scale per output channel, or per shard of it
+    where `axis` splits the input features); `grad_comm_dtype`: that of the weight
+    gradient's reduce-scatter (where the gather is an `all_gather_matmul`).
     """
 
     axis: str = "fsdp"
     dim: Optional[int] = None
+    comm_dtype: Any = None
+    grad_comm_dtype: Any = None
+
+    def __post_init__(self):
+        _comm_dtypes(self)
+
+    def __repr__(self):
+        return _style_repr(self)
 
 
 Style = Union[Column, Row, FSDP]
+
+
+def _style_repr(style) -> str:
+    """The dataclass repr, with the comm dtypes only when set (by name)."""
+    parts = []
+    for f in dataclasses.fields(style):
+        v = getattr(style, f.name)
+        if f.name in ("comm_dtype", "grad_comm_dtype"):
+            if v is None:
+                continue
+            v = f"jnp.{v.name}"
+        else:
+            v = repr(v)
+        parts.append(f"{f.name}={v}")
+    return f"{type(style).__name__}({', '.join(parts)})"
+
+
+def _comm_dtypes(style) -> None:
+    """Validate and normalise a style's `comm_dtype` / `grad_comm_dtype` (numpy dtypes),
+    so that styles asking for one dtype compare equal however it was spelt."""
+    for name in ("comm_dtype", "grad_comm_dtype"):
+        d = _quantize.comm_dtype(type(style).__name__, name, getattr(style, name))
+        object.__setattr__(style, name, d)
+    if isinstance(style, (Column, Row)) and not style.sequence_parallel and (
+            style.comm_dtype is not None or style.grad_comm_dtype is not None):
+        raise ValueError(
+            f"{type(style).__name__}: comm_dtype / grad_comm_dtype need "
+            "sequence_parallel=True: they set the dtype of the sequence-parallel collective "
+            "matmul; without it the layer's tensor-parallel collective is a psum, sent in "
+            "the activation dtype.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +250,7 @@ class Rule:
             drops.append(Drop(f"{where}.weight", rule.tp_dim, weight_shape[rule.tp_dim],
                               (rule.tp.axis,)))
             rule = Rule(None, rule.fsdp if rule.fsdp is None or rule.fsdp.dim is not None
-                        else FSDP(rule.fsdp.axis, rule.fsdp_dim))
+                        else dataclasses.replace(rule.fsdp, dim=rule.fsdp_dim))
         if rule.fsdp is not None:
             d = rule.fsdp_dim
             n = sizes[rule.fsdp.axis] * (sizes[rule.tp.axis] if rule.tp_dim == d else 1)
@@ -211,6 +278,12 @@ class TableRule(Rule):
                 f"{where}: an embedding takes Row (a vocabulary-parallel table, "
                 f"fusedpar.Row()) and FSDP styles, not {rule.tp}; give the embedding its "
                 "own plan pattern.")
+        for s in (rule.tp, rule.fsdp):
+            if s is not None and (s.comm_dtype is not None or s.grad_comm_dtype is not None):
+                raise ValueError(
+                    f"{where}: an embedding runs no collective matmul, so {s} cannot set "
+                    "its comm_dtype / grad_comm_dtype; give the embedding its own plan "
+                    "pattern without them.")
         return cls(rule.tp, rule.fsdp)
 
     def param_specs(self, where: str, use_bias: bool = False) -> dict:
@@ -424,11 +497,32 @@ def layer_param_specs(layer, where: str, rule: Optional[Rule] = None) -> Any:
         name = path[-1].name if path and hasattr(path[-1], "name") else None
         # A weight tied by `eqx.nn.Shared` is a placeholder here: it is stored once, with
         # the spec of the array it is tied to (`check_ties` makes sure the two agree).
-        if name in specs and specs[name] is not None and is_param(leaf):
-            return stacked(specs[name], leaf.shape, PARAM_RANK[name])
+        if name in specs and specs[name] is not None and (is_param(leaf) or is_quantized(leaf)):
+            one = stacked(specs[name], leaf.shape, PARAM_RANK[name])
+            return quantized_specs(leaf, one) if is_quantized(leaf) else one
+        if is_quantized(leaf):
+            return quantized_specs(leaf, P())
         return P() if is_param(leaf) else None
 
-    return jax.tree_util.tree_map_with_path(spec, layer)
+    return jax.tree_util.tree_map_with_path(spec, layer, is_leaf=is_quantized)
+
+
+def is_quantized(x) -> bool:
+    """A `QuantizedArray` (a weight stored as values and scales)."""
+    return isinstance(x, QuantizedArray)
+
+
+def quantized_specs(q, spec: P):
+    """The specs of a QuantizedArray sharded like an array of spec `spec`: its `values`
+    (and `master`) by `spec`; its `scales` by `spec` too, except along the reduced axis
+    where one scale covers the whole axis (scales of size 1 there are replicated). A
+    QuantizedArray of those specs, so it matches `eqx.filter(model, eqx.is_array)`."""
+    full = tuple(spec) + (None,) * (q.ndim - len(spec))
+    ax = q.axis % q.ndim
+    whole = q.scales.shape[ax] == 1
+    scales = P(*(None if i == ax and whole else e for i, e in enumerate(full)))
+    leaves = [spec, scales] + ([spec] if q.master is not None else [])
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(q), leaves)
 
 
 # The rank of each parameter of one layer; more leading dimensions are a stack of layers.
@@ -461,9 +555,12 @@ def _specs_of(model) -> Any:
     def one(path, x):
         if is_layer(x):
             return layer_param_specs(x, layer_name(path, x))
+        if is_quantized(x):
+            return quantized_specs(x, P())
         return P() if is_param(x) else None
 
-    return jax.tree_util.tree_map_with_path(one, model, is_leaf=is_layer)
+    return jax.tree_util.tree_map_with_path(
+        one, model, is_leaf=lambda x: is_layer(x) or is_quantized(x))
 
 
 def _is_shared(x) -> bool:
@@ -524,7 +621,7 @@ def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
             if a not in sizes:
                 raise ValueError(f"{where}: mesh axis {a!r} is not in the mesh, whose axes "
                                  f"are {tuple(sizes)}.")
-        if relaxed and is_param(x.weight):  # a tied weight keeps its source's layout
+        if relaxed and (is_param(x.weight) or is_quantized(x.weight)):  # tied: its source's
             rule, drops = x.rule.relax(where, x.weight.shape[-2:], sizes)
             if drops:
                 dropped.extend(drops)
@@ -534,7 +631,11 @@ def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
         if hasattr(x, "in_features"):
             check_scalar(where, x.rule, x.in_features, x.out_features)
         specs = layer_param_specs(x, where)
-        if is_param(x.weight):  # else tied: checked where its array is stored
+        if is_quantized(x.weight):
+            check_spec(f"{where}.weight", x.weight.shape, specs.weight.values, sizes)
+            check_spec(f"{where}.weight.scales", x.weight.scales.shape,
+                       specs.weight.scales, sizes)
+        elif is_param(x.weight):  # else tied: checked where its array is stored
             shape = x.weight.shape
             check_spec(f"{where}.weight", shape, specs.weight, sizes,
                        vocab_dim=len(shape) - 2 if isinstance(x.rule, TableRule) else None)

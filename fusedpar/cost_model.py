@@ -257,8 +257,9 @@ def _matmul_time(hw: Hardware, m, k, n, dtype, out_bytes_per_elem, extra_bytes=0
     return max(flops / hw.matmul_flops(dtype), nbytes / hw.hbm_bandwidth) + hw.launch_overhead
 
 
-def _problem(prim, x_shape, w_shape, n, dtype, reduce_dtype):
-    """Per-step matmul (m, k, n, out bytes/elem, extra bytes) and the travelling block's bytes."""
+def _problem(prim, x_shape, w_shape, n, dtype, reduce_dtype, comm_dtype=None):
+    """Per-step matmul (m, k, n, out bytes/elem, extra bytes) and the travelling block's
+    bytes: with a `comm_dtype`, its values plus a float32 scale per row or column."""
     if prim not in prims.PRIMITIVES:
         raise ValueError(f"cost_model: unknown primitive {prim!r}; valid: "
                          f"{', '.join(prims.PRIMITIVES)}.")
@@ -267,28 +268,39 @@ def _problem(prim, x_shape, w_shape, n, dtype, reduce_dtype):
     b = _itemsize(dtype)
     acc = _itemsize(_acc_dtype(dtype))
     rb = _itemsize(reduce_dtype)
+    # The travelling operand's element bytes, and its float32 scales (one per row of x,
+    # one per column of w) when it is quantized.
+    tb = b if comm_dtype is None else _itemsize(comm_dtype)
+    sx, sw = (0, 0) if comm_dtype is None else (mx * 4, nw * 4)
     if prim == prims.AG_ROWS:  # x's row block travels; each step writes a row block of out
-        return (m, k, cols, b, 0), mx * kx * b
+        return (m, k, cols, b, 0), mx * kx * tb + sx
     if prim == prims.AG_COLS:  # w's column block travels; each step writes a column block
-        return (m, k, cols, b, 0), kw * nw * b
+        return (m, k, cols, b, 0), kw * nw * tb + sw
     if prim == prims.AG_CONTRACT:  # w's row block travels; each step adds into an f32 (M, n)
-        return (m, k, cols, acc, m * cols * acc), kw * nw * b
+        return (m, k, cols, acc, m * cols * acc), kw * nw * tb + sw
     # reduce-scatters: the accumulator of one output segment travels; each step adds into it
+    if comm_dtype is not None:  # a scale per row of the segment
+        return (m, k, cols, rb, m * cols * rb), m * cols * _itemsize(comm_dtype) + m * 4
     return (m, k, cols, rb, m * cols * rb), m * cols * rb
 
 
 def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
               hardware: Union[str, Hardware, None] = None, *,
               bidirectional: bool = False, reduce_dtype=None,
-              backends=("reference", "ring", "pallas")) -> dict[str, Breakdown]:
-    """The model for one primitive (`_primitives.py`) on canonical 2-D local shapes."""
+              backends=("reference", "ring", "pallas"),
+              comm_dtype=None) -> dict[str, Breakdown]:
+    """The model for one primitive (`_primitives.py`) on canonical 2-D local shapes.
+
+    `comm_dtype`: the narrow dtype the travelling block is sent in (its values, plus
+    float32 scales), None for the inputs' own.
+    """
     hw = get_hardware(hardware)
     n = int(ring_size)
     if n < 1:
         raise ValueError(f"cost_model: ring_size must be >= 1, got {ring_size!r}.")
     reduce_dtype = np.dtype(_acc_dtype(dtype) if reduce_dtype is None else reduce_dtype)
     (m, k, cols, out_b, extra), block_bytes = _problem(prim, x_shape, w_shape, n, dtype,
-                                                       reduce_dtype)
+                                                       reduce_dtype, comm_dtype)
     # The step's matmul, whole and per direction of a bidirectional ring (at least 1 x 1).
     step = ((m, k, cols),
             tuple(max(v, 1) for v in prims.step_matmul(prim, x_shape, w_shape, n, 2)))
@@ -346,7 +358,8 @@ def estimate_call(call, hardware=None, reduce_dtype=None) -> dict[str, Breakdown
     """The model for a `_primitives.Call`, with the ring shape the call runs with."""
     return breakdown(call.prim, call.x_shape, call.w_shape, call.axis_size, call.dtype,
                      get_hardware(hardware, call.target),
-                     bidirectional=call.runs_bidirectional, reduce_dtype=reduce_dtype)
+                     bidirectional=call.runs_bidirectional, reduce_dtype=reduce_dtype,
+                     comm_dtype=call.comm_dtype)
 
 
 def _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, platform):

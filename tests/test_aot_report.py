@@ -157,3 +157,41 @@ def test_tpu_async_collective_fusion():
 
     p = _simulate.predict(TPU_ASYNC, cost_model.get_hardware("v5e"))
     assert p.communication > 0 and p.seconds >= p.compute
+
+
+SLICED = """\
+HloModule sliced, is_scheduled=true
+
+%fused_slice (p0: bf16[64,128], p1: s32[]) -> bf16[8,128] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = bf16[8,128]{1,0} dynamic-slice(%p0, %p1, %z), dynamic_slice_sizes={8,128}
+}
+
+%fused_add (p0: bf16[64,128], p1: bf16[64,128]) -> bf16[64,128] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = bf16[64,128]{1,0} parameter(1)
+  ROOT %a = bf16[64,128]{1,0} add(%p0, %p1)
+}
+
+ENTRY %main (x: bf16[64,128], i: s32[]) -> bf16[8,128] {
+  %x = bf16[64,128]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %window = bf16[8,128]{1,0} fusion(%x, %i), kind=kLoop, calls=%fused_slice
+  %sum = bf16[64,128]{1,0} fusion(%x, %x), kind=kLoop, calls=%fused_add
+  ROOT %plain = bf16[8,128]{1,0} dynamic-slice(%x, %i, %i), dynamic_slice_sizes={8,128}
+}
+"""
+
+
+def test_a_slice_reads_its_window_not_the_buffer():
+    # Slicing one ring block out of a gathered buffer moves the block: the replay charges
+    # a (dynamic-)slice, alone or fused, for the window it reads, other operands in full.
+    module = _hlo.parse(SLICED)
+    entry = module.computations[module.entry]
+    by_name = {i.name: i for i in entry}
+    window = 8 * 128 * 2
+    assert _hlo.read_bytes(module, by_name["window"], by_name) == window + 4
+    assert _hlo.read_bytes(module, by_name["plain"], by_name) == window + 4 + 4
+    assert _hlo.read_bytes(module, by_name["sum"], by_name) == 2 * 64 * 128 * 2

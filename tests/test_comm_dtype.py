@@ -232,6 +232,28 @@ def test_reduce_scatters_within_the_derived_bound(n, comm):
             assert_close((dx, dw), (ox, ow), jnp.float32, f"{name} {backend} grads")
 
 
+def test_backward_gathers_in_grad_comm_dtype():
+    # A reduce-scatter's backward gathers the cotangent: in grad_comm_dtype, equal to the
+    # reference (the oracle of quantized gathers) with the same keep_gathered (which
+    # decides the scales: per row of dy for ag_rows/ag_cols, per block column for
+    # ag_contract). The forward sends its accumulator unquantized: exact.
+    n = 4
+    for name in ("rs_rows", "rs_cols"):
+        x, w = _inputs(name, n, jnp.float32)
+        configs = [(True, "reference", {}), (True, "ring", dict(bidirectional=True)),
+                   (False, "reference", {}),
+                   (False, "ring", dict(bidirectional=False, unroll=False))]
+        configs = [(k, b, dict(o, keep_gathered=k)) for k, b, o in configs]
+        fns = [_oracle(name, None)] + [_op(name, None, b, o, grad_comm=FP8)
+                                       for _, b, o in configs]
+        (want, dx, _), *got = _values_and_grads(fns, name, n, x, w)
+        assert float(np.max(np.abs(np.asarray(got[0][1]) - dx))) > 0  # it did quantize
+        for (keep, backend, options), g in zip(configs, got):
+            ref = got[0] if keep else got[2]
+            assert_close(g[0], want, jnp.float32, f"{name} {backend} {options} value")
+            assert_close(g[1:], ref[1:], jnp.float32, f"{name} {backend} {options} grads")
+
+
 # -- the accuracy targets ---------------------------------------------------------
 
 TARGET = {INT8: 0.01, FP8: 0.03}
@@ -343,3 +365,22 @@ def test_pallas_gpu_interpreted():
         assert_close(got, ring, jnp.float32, f"{name} pallas_gpu vs ring")
         if name.startswith("ag"):
             assert_close(got, want, jnp.float32, f"{name} pallas_gpu vs oracle")
+
+
+def test_cost_model_counts_the_narrow_bytes():
+    # The bytes one transfer carries, as the traced program sends them (docs/quantized.md:
+    # per device x 1024x4096 @ w 4096x4096, 8 devices): values and a scale per row.
+    from fusedpar import cost_model
+
+    def ring(prim, x_shape, w_shape, comm):
+        return cost_model.breakdown(prim, x_shape, w_shape, 8, "bfloat16", "h100_sxm",
+                                    comm_dtype=comm)["ring"]
+
+    big = (4096, 4096)
+    assert ring("ag_rows", (1024, 4096), big, None).bytes_step == 8_388_608
+    for comm in ("int8", "float8_e4m3fn"):
+        assert ring("ag_rows", (1024, 4096), big, comm).bytes_step == 4_198_400
+        assert ring("ag_cols", (1024, 4096), big, comm).bytes_step == 16_793_600
+        assert ring("rs_rows", (1024, 4096), big, comm).bytes_step == 524_800
+    assert (ring("ag_cols", (1024, 4096), big, "int8").seconds
+            < ring("ag_cols", (1024, 4096), big, None).seconds)

@@ -345,6 +345,20 @@ OPS = [
 ]
 
 LAYERS = [
+    Row("layers", "comm_dtype on a layer without sequence parallelism",
+        lazy(lambda: _col(8, 8, comm_dtype=jnp.int8)), ValueError,
+        ("Column: comm_dtype / grad_comm_dtype need sequence_parallel=True",)),
+    Row("layers", "fsdp_comm_dtype without fsdp_axis",
+        lazy(lambda: fusedpar.RowLinear(8, 8, key=KEY, fsdp_comm_dtype=jnp.int8)),
+        ValueError, ("RowLinear: fsdp_comm_dtype / fsdp_grad_comm_dtype", "pass fsdp_axis")),
+    Row("quantized", "QuantizedArray dtype not int8 or fp8",
+        lazy(lambda: fusedpar.QuantizedArray.quantize(jnp.ones((4, 8)), jnp.bfloat16)),
+        ValueError, ("QuantizedArray.quantize: dtype must be one of jnp.int8, "
+                     "jnp.float8_e4m3fn",)),
+    Row("quantized", "block_size that does not divide the reduced dimension",
+        lazy(lambda: fusedpar.QuantizedArray.quantize(jnp.ones((4, 10)), block_size=4)),
+        ValueError, ("dimension 1 of shape (4, 10) (size 10) does not split into blocks "
+                     "of block_size=4",)),
     Row("layers", "axis not a mesh axis name",
         lazy(lambda: _col(8, 8, axis=None)), TypeError,
         ("ColumnLinear: a mesh axis must be a name, a non-empty str such as 'tp'",

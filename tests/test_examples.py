@@ -51,15 +51,20 @@ def test_gpt_example_runs():
     loss), the loss goes down, the plan table and the shard_map run are printed."""
     stdout = _run("gpt.py")
     runs = dict(re.findall(r"^(\S+) +losses (\[[^]]*\])", stdout, re.M))
-    assert list(runs) == ["dense", "TP", "TP+SP", "FSDPxTP"], stdout
+    assert list(runs) == ["dense", "TP", "TP+SP", "FSDPxTP", "FSDPxTP-q8"], stdout
     dense = [float(v) for v in runs["dense"].strip("[]").split(",")]
     assert dense[2] < dense[1] < dense[0], dense
     for plan in ("TP", "TP+SP", "FSDPxTP"):
         losses = [float(v) for v in runs[plan].strip("[]").split(",")]
-        diff = float(re.search(rf"^{re.escape(plan)} .*max \|loss - dense\| (\S+)$", stdout,
+        diff = float(re.search(rf"^{re.escape(plan)} .*max \|loss - dense\| (\S+) ", stdout,
                                re.M).group(1))
         assert diff <= 2e-5 * max(dense), (plan, diff)  # printed losses are rounded
         assert max(abs(a - b) for a, b in zip(losses, dense)) <= 1e-5 + 2e-5 * max(dense)
+    # int8 FSDP weight gathers and fp8 sequence-parallel gathers: the issue's target is a
+    # final loss within 2% of the unquantized run's; the losses differ (it did quantize).
+    q8 = [float(v) for v in runs["FSDPxTP-q8"].strip("[]").split(",")]
+    assert abs(q8[-1] / dense[-1] - 1) <= 0.02, (q8, dense)
+    assert q8 != dense and q8[2] < q8[1] < q8[0], (q8, dense)
     assert "| embed             | Embedding    | Row('tp', sequence_parallel) + FSDP('fsdp')" in stdout
     assert "shard_map specs: tokens P(None, None), logits P(None, None, 'tp')" in stdout
     local = float(re.search(r"max \|local - dense\| (\S+)", stdout).group(1))

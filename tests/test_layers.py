@@ -370,3 +370,75 @@ def test_vmap_fold_rule():
     got, want = f(inputs)
     for (prim, mode, _), g, w in zip(cases, got, want):
         assert_close(g, w, F32, f"{prim} {mode}-mapped")
+
+
+def test_comm_dtype_matches_dense_fake_quantized(backend="ring"):
+    """Sequence-parallel gathers in fp8 and FSDP weight gathers in int8 (lax.all_gather
+    in the sequence-parallel Column, the op's ring in FSDPLinear): on a mesh the values
+    and gradients equal the layers with no mesh, which fake-quantize what would travel
+    (whole weight rows here: FSDP splits the output features)."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    fp8, i8 = jnp.float8_e4m3fn, jnp.int8
+    layers = (
+        fusedpar.ColumnLinear(IN, HID, key=k1, sequence_parallel=True, comm_dtype=fp8,
+                              gather_output=True, fsdp_axis="fsdp", fsdp_dim=0,
+                              fsdp_comm_dtype=i8, backend=backend),
+        fusedpar.FSDPLinear(HID, IN, key=k2, comm_dtype=i8, backend=backend))
+    x = normal(1, (4, 8, IN), F32)
+
+    def f(model, x):
+        a, b = model
+        return jnp.sum(jnp.sin(b(jnp.tanh(a(x)))))
+
+    want = eqx.filter_value_and_grad(lambda mx: f(*mx))((layers, x))
+    m = mesh((2, 4), ("fsdp", "tp"), AxisType.Explicit)
+    with jax.set_mesh(m):
+        sharded = fusedpar.shard(layers, m)
+        xs = jax.device_put(x, jax.sharding.NamedSharding(m, P("fsdp", "tp")))
+        got = eqx.filter_jit(eqx.filter_value_and_grad(lambda mx: f(*mx)))((sharded, xs))
+    assert_close(got[0], want[0], F32, "loss")
+    for i in range(2):
+        assert_close(got[1][0][i].weight, want[1][0][i].weight, F32, f"d{i}.weight")
+    assert_close(got[1][1], want[1][1], F32, "dx")
+    table = fusedpar.describe(layers)
+    assert "Column('tp', sequence_parallel, gather_output, comm_dtype=float8_e4m3fn)" in table
+    assert "all_gather_matmul x(seq) over tp in float8_e4m3fn" in table
+    assert "all_gather_matmul W over fsdp in int8" in table
+
+
+def test_comm_dtype_split_contraction_scales_each_shard():
+    """A RowLinear's weight is split along its input features over tp, so its FSDP
+    gather scales each device's part of a row on its own: the layer equals the dense
+    math on the weight fake-quantized in blocks of in/tp (the dense layer, not knowing
+    tp, uses whole rows: it agrees within the quantization error)."""
+    layer = fusedpar.RowLinear(HID, IN, key=jax.random.key(0), fsdp_axis="fsdp",
+                               fsdp_comm_dtype=jnp.int8, backend="ring")
+    x = normal(2, (4, 8, HID), F32)
+    blocks = fusedpar.QuantizedArray.quantize(layer.weight, jnp.int8, block_size=HID // 4)
+    want = x @ blocks.dequantize().T + layer.bias
+    m = mesh((2, 4), ("fsdp", "tp"), AxisType.Explicit)
+    with jax.set_mesh(m):
+        xs = jax.device_put(x, jax.sharding.NamedSharding(m, P("fsdp", None, "tp")))
+        got = eqx.filter_jit(lambda l, x: l(x))(fusedpar.shard(layer, m), xs)
+    assert_close(got, want, F32, "blocks of in/tp")
+    assert_close(layer(x), x @ fusedpar.QuantizedArray.quantize(
+        layer.weight, jnp.int8).dequantize().T + layer.bias, F32, "dense: whole rows")
+
+
+def test_comm_dtype_plan_and_bad_input():
+    """A plan's styles carry the dtypes to the layers; bad dtypes name the valid ones."""
+    model = [eqx.nn.Linear(IN, HID, key=jax.random.key(0)),
+             eqx.nn.Linear(HID, IN, key=jax.random.key(1))]
+    plan = {"0": fusedpar.Column(sequence_parallel=True, comm_dtype=jnp.float8_e4m3fn),
+            "1": fusedpar.Row(sequence_parallel=True),
+            "*": fusedpar.FSDP(comm_dtype="int8")}
+    up, down = fusedpar.parallelize(model, plan)
+    assert up.rule.tp.comm_dtype == np.dtype(jnp.float8_e4m3fn)
+    assert up.rule.fsdp.comm_dtype == down.rule.fsdp.comm_dtype == np.dtype(jnp.int8)
+    with pytest.raises(ValueError, match=r"FSDP: comm_dtype must be None .* jnp.int8, "
+                                         r"jnp.float8_e4m3fn, got float16"):
+        fusedpar.FSDP(comm_dtype="float16")
+    with pytest.raises(ValueError, match="need sequence_parallel=True"):
+        fusedpar.ColumnLinear(IN, HID, key=jax.random.key(0), comm_dtype=jnp.int8)
+    with pytest.raises(ValueError, match="pass fsdp_axis"):
+        fusedpar.RowLinear(IN, HID, key=jax.random.key(0), fsdp_comm_dtype=jnp.int8)

@@ -66,9 +66,9 @@ def _quantized_gather(prim, cfg, x, w, return_gathered):
     """Quantize the travelling operand, gather values and scales, dequantize, multiply."""
     axis = prims.GATHER_AXIS[prim]
     travelling = x if prims.TRAVELLER[prim] == "x" else w
-    q = _quantize.quantize(travelling, cfg.comm_dtype, _quantize.SCALE_AXIS[prim])
+    q = _quantize.quantized(travelling, cfg.comm_dtype, _quantize.SCALE_AXIS[prim])
     q = jax.tree.map(lambda a: lax.all_gather(a, cfg.axis_name, axis=axis, tiled=True), q)
-    gathered = _quantize.dequantize(q, travelling.dtype)
+    gathered = _quantize.dequantize(q, x.dtype)
     if prims.TRAVELLER[prim] == "x":
         x = gathered
     else:

@@ -261,21 +261,22 @@ def run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered=False)
     own = x if prims.TRAVELLER[prim] == "x" else w
     step = gather_step(prim, cfg, x, w)
     travelling = own
-    if cfg.comm_dtype is not None:  # quantized once, here on its owner
-        travelling = _quantize.quantize(own, cfg.comm_dtype, _quantize.SCALE_AXIS[prim])
+    if cfg.comm_dtype is not None:  # quantized once, here on its owner (or stored so)
+        travelling = _quantize.quantized(own, cfg.comm_dtype, _quantize.SCALE_AXIS[prim])
 
     def step_fn(carry, pieces, segs):
         out, gathered = carry
         if cfg.comm_dtype is not None:
             # Neither backend's step takes a `Quantized`: dequantize on arrival (a step
             # that multiplied narrow values, e.g. fp8 wgmma, would take them here).
-            pieces = tuple(_quantize.dequantize(p, own.dtype) for p in pieces)
+            pieces = tuple(_quantize.dequantize(p, x.dtype) for p in pieces)
         if return_gathered:
             for piece, seg in zip(pieces, segs):
                 gathered = put(gathered, piece, seg, axis)
         return step(out, pieces, segs), gathered
 
-    gathered = gathered_buffer(cfg, own, axis) if return_gathered else None
+    gathered = (gathered_buffer(cfg, jax.ShapeDtypeStruct(own.shape, x.dtype), axis)
+                if return_gathered else None)
     out, gathered = ring_gather(cfg, travelling, axis, step_fn,
                                 (gather_out(prim, cfg, x, w), gathered), inputs=(x, w))
     out = out.astype(cfg.out_dtype)
