@@ -27,6 +27,7 @@ import fusedpar
 from fusedpar import _primitives as Prim, _quantize
 from fusedpar._backends import pallas_tpu
 from fusedpar._primitives import Call
+from fusedpar._target import of_platform
 
 from helpers import assert_close, mesh, normal
 
@@ -107,6 +108,22 @@ def test_quantized_gather_bfloat16_eager(capfd):
 def test_quantized_gather_tiled_path(prim, comm_dtype, capfd):
     _run_checked(prim, 2, False, comm_dtype, jnp.float32, capfd, shapes=(64, 256, 256),
                  vmem=False, block_m=32, block_k=128, block_n=128)
+
+
+def test_quantized_gather_megacore(capfd):
+    """Two TensorCores per device (v5p's megacore, interpreted as two cores): core 0 runs
+    the ring (both parts of every transfer), both compute their tiles of each step."""
+    options = dict(vmem=False, chip="v5p", block_m=8, block_k=128, block_n=128)
+    module, params = pallas_tpu._params(
+        "ag_rows", axis_name=None, axis_size=2, bidirectional=True, out_dtype="float32",
+        reduce_dtype="float32", return_gathered=True, target=of_platform("cpu"),
+        get=options.get)
+    layout = module.plan(params, jax.ShapeDtypeStruct((64, 256), I8),
+                         jax.ShapeDtypeStruct((256, 256), jnp.float32),
+                         jax.ShapeDtypeStruct((64, 1), jnp.float32))[1]
+    assert layout.cores == 2 and layout.tiles[0] == 8, layout
+    _run_checked("ag_rows", 2, True, I8, jnp.float32, capfd, shapes=(64, 256, 256),
+                 vmem=False, chip="v5p", block_m=8, block_k=128, block_n=128)
 
 
 def test_public_op_sends_comm_dtype_through_the_kernel():
