@@ -53,16 +53,26 @@ def _product(a, b, scale, precision):
     return y if scale is None else y * scale
 
 
-def matmul(a, b, o, tiles, *, prev=None, scale=None, precision=None, cores=1, enforce=None):
+def _column(row):
+    """A `(1, rows)` row of per-row scales as the `(rows, 1)` column that scales the
+    product's rows. The scales travel lane-dense: a `(rows, 1)` f32 buffer would take 128
+    lanes a row in Mosaic's (8, 128) tiles (and its DMAs as many bytes)."""
+    return row.reshape(row.shape[1], 1)
+
+
+def matmul(a, b, o, tiles, *, prev=None, scale=None, scale_rows=False, precision=None,
+           cores=1, enforce=None):
     """`o = (a @ b) * scale (+ prev)` with f32 accumulation: whole VMEM refs (`tiles`
     None), or refs tiled by `tiles = (bm, bk, bn)`. `enforce`: the `Chip` built for (check
     tiles against Mosaic's layout), or None.
 
-    `scale` (float32, optional) is a quantized operand's scales, `(rows, 1)` (one per row
-    of the product) or `(1, cols)` (one per column): the step multiplies the 8-bit values
-    (widened in VMEM, exactly) and scales the f32 product once, before adding `prev`."""
+    `scale` (float32, optional) is a quantized operand's scales, `(1, rows)` with
+    `scale_rows` (one per row of the product, laid along lanes) or `(1, cols)` (one per
+    column): the step multiplies the 8-bit values (widened in VMEM, exactly) and scales
+    the f32 product once, before adding `prev`."""
     if tiles is None:
-        y = _product(a[...], b[...], None if scale is None else scale[...], precision)
+        s = None if scale is None else scale[...]
+        y = _product(a[...], b[...], _column(s) if scale_rows else s, precision)
         if prev is not None:
             y = y + prev[...].astype(jnp.float32)
         o[...] = y.astype(o.dtype)
@@ -70,9 +80,20 @@ def matmul(a, b, o, tiles, *, prev=None, scale=None, precision=None, cores=1, en
     (rows, contraction), cols = a.shape, b.shape[1]
     bm, bk, bn = tiles
     if cores == 1 and (bm, bk, bn) == (rows, contraction, cols):
-        return _whole(a, b, o, prev, scale, precision)
+        return _whole(a, b, o, prev, scale, scale_rows, precision)
+    if scale_rows:  # the pipeline takes (bm, 1) blocks of the scales as a column in VMEM
+        def with_column(row, column):
+            pltpu.sync_copy(scale, row)
+            column[...] = _column(row[...])
+            matmul(a, b, o, tiles, prev=prev, scale=column, precision=precision,
+                   cores=cores, enforce=enforce)
+
+        pl.run_scoped(with_column, pltpu.VMEM((1, rows), jnp.float32),
+                      pltpu.VMEM((rows, 1), jnp.float32))
+        return
     nk = contraction // bk
-    per_row = scale is not None and scale.shape[0] == rows and rows > 1
+    # A (rows, 1) column here is per-row scales (the VMEM column made above).
+    per_row = scale is not None and tuple(scale.shape) == (rows, 1) and rows > 1
     checks = [("the step's left operand", a, (bm, bk)),
               ("the step's right operand", b, (bk, bn)),
               ("the step's result", o, (bm, bn))]
@@ -126,7 +147,7 @@ def matmul(a, b, o, tiles, *, prev=None, scale=None, precision=None, cores=1, en
     pl.run_scoped(scoped, pltpu.VMEM((bm, bn), jnp.float32))
 
 
-def _whole(a, b, o, prev, scale, precision):
+def _whole(a, b, o, prev, scale, scale_rows, precision):
     """One tile: copy the operands into VMEM, multiply, copy the result out."""
     extra = [r for r in (prev, scale) if r is not None]
     refs = [a, b] + extra
@@ -135,8 +156,8 @@ def _whole(a, b, o, prev, scale, precision):
         *ins, o_v = vmem
         for src, dst in zip(refs, ins):
             pltpu.sync_copy(src, dst)
-        y = _product(ins[0][...], ins[1][...],
-                     None if scale is None else ins[-1][...], precision)
+        s = None if scale is None else ins[-1][...]
+        y = _product(ins[0][...], ins[1][...], _column(s) if scale_rows else s, precision)
         if prev is not None:
             y = y + ins[2][...].astype(jnp.float32)
         o_v[...] = y.astype(o_v.dtype)

@@ -86,18 +86,21 @@ class _Geometry:
 
     @property
     def scale_piece(self) -> tuple:
-        """The scales travelling with one piece of quantized values: one per row of the
-        piece (`ROWS`), per column (`COLUMNS`); a `CONTRACTION` block's halves share
-        their block's (1, n) scales, which travel whole with each half."""
+        """The scales travelling with one piece of quantized values, always a lane-dense
+        row: one per row of the piece (`ROWS`: a `(rows, 1)` column would take 128 lanes
+        a row in Mosaic's tiles), per column (`COLUMNS`); a `CONTRACTION` block's halves
+        share their block's (1, n) scales, which travel whole with each half."""
         rows, cols = self.piece
-        if self.travelling == "x":
-            return (rows, 1)
-        return (1, cols)
+        return (1, rows) if self.travelling == "x" else (1, cols)
 
     @property
-    def scales_cut(self) -> bool:
-        """Whether the scales are cut along `axis` like the values (not `CONTRACTION`)."""
-        return not (self.travelling == "w" and self.axis == 0)
+    def scale_cut(self) -> str:
+        """How the kernel's scales are cut into pieces: "leading" (`ROWS`: scales
+        `(directions, 1, half)`, a piece per leading index), "lanes" (`COLUMNS`: like the
+        values' columns) or "whole" (`CONTRACTION`)."""
+        if self.travelling == "x":
+            return "leading"
+        return "lanes" if self.axis == 1 else "whole"
 
 
 def shapes(params: AllGatherMatmulParams, x_shape, w_shape) -> _Geometry:
@@ -147,7 +150,7 @@ def _kernel(refs, *, params, geometry, layout, quantized):
     def compute(piece, seg, first, last):
         piece, scale = split(piece)
         how = dict(precision=launch.precision, cores=layout.cores, enforce=enforce,
-                   scale=scale)
+                   scale=scale, scale_rows=params.gather == ROWS)
         if params.gather == ROWS:
             _step_compute.matmul(piece, stationary, cut(out, seg, 0, "out"), tiles, **how)
         elif params.gather == COLUMNS:
@@ -161,8 +164,9 @@ def _kernel(refs, *, params, geometry, layout, quantized):
             pieces = [cut(travelling, h, geometry.axis, geometry.travelling) for h in range(nd)]
             outgoing = pieces if outbox is None else [outbox.at[h] for h in range(nd)]
             if quantized:
-                own = [cut(scales, h, geometry.axis, "the scales") if geometry.scales_cut
-                       else scales for h in range(nd)]
+                own = [{"leading": lambda h: scales.at[h],
+                        "lanes": lambda h: cut(scales, h, 1, "the scales"),
+                        "whole": lambda h: scales}[geometry.scale_cut](h) for h in range(nd)]
                 pieces = list(zip(pieces, own))
                 outgoing = list(zip(outgoing, own))
         else:
@@ -175,8 +179,10 @@ def _kernel(refs, *, params, geometry, layout, quantized):
                                                       "the gathered operand"))]
             if not quantized:
                 return copies
-            if geometry.scales_cut:
-                dst = cut(refs["gathered_scales"], seg, geometry.axis, "the gathered scales")
+            if geometry.scale_cut == "leading":
+                dst = refs["gathered_scales"].at[seg]
+            elif geometry.scale_cut == "lanes":
+                dst = cut(refs["gathered_scales"], seg, 1, "the gathered scales")
             elif h == 0:  # a CONTRACTION block's scales, once (both halves bring them)
                 dst = refs["gathered_scales"].at[seg // nd]
             else:
@@ -234,18 +240,19 @@ def windows(params: AllGatherMatmulParams, x, w, scales=None) -> list:
     if params.return_gathered:
         g = outputs["gathered"]
         cut.append(("the gathered operand", g.shape, g.dtype, geometry.axis))
-    if scales is not None and geometry.scales_cut:
-        cut.append(("the scales", scales.shape, scales.dtype, geometry.axis))
+    if scales is not None and geometry.scale_cut == "lanes":
+        cut.append(("the scales", scales.shape, scales.dtype, 1))
         if params.return_gathered:
             g = outputs["gathered_scales"]
-            cut.append(("the gathered scales", g.shape, g.dtype, geometry.axis))
+            cut.append(("the gathered scales", g.shape, g.dtype, 1))
     return _layout.segments(cut, length)
 
 
 def _outputs(params, geometry, travelling, scales=None):
     """The kernel's results (the product, and the gathered operand, and its scales when
-    quantized, if asked for; a `CONTRACTION` ring gathers scales (N, 1, n), a block's
-    scales in a leading index)."""
+    quantized, if asked for: `(N * directions, 1, half)` for `ROWS`, a piece's row per
+    leading index; `(1, N * n)` for `COLUMNS`; `(N, 1, n)` for `CONTRACTION`, a block's
+    scales per leading index)."""
     out = {"out": jax.ShapeDtypeStruct(geometry.out, params.out_dtype)}
     if params.return_gathered:
         n = params.launch.ring.size
@@ -253,12 +260,11 @@ def _outputs(params, geometry, travelling, scales=None):
         g[geometry.axis] *= n
         out["gathered"] = jax.ShapeDtypeStruct(tuple(g), travelling.dtype)
         if scales is not None:
-            g = list(scales.shape)
-            if geometry.scales_cut:
-                g[geometry.axis] *= n
-            else:
-                g = [n, *g]
-            out["gathered_scales"] = jax.ShapeDtypeStruct(tuple(g), scales.dtype)
+            piece = geometry.scale_piece
+            g = {"leading": (n * params.launch.ring.num_directions, *piece),
+                 "lanes": (1, n * scales.shape[1]),
+                 "whole": (n, *scales.shape)}[geometry.scale_cut]
+            out["gathered_scales"] = jax.ShapeDtypeStruct(g, scales.dtype)
     return out
 
 
@@ -329,7 +335,9 @@ def all_gather_matmul(x, w, params: AllGatherMatmulParams, scales=None):
     operands = {"x": x, "w": w}
     travelling = operands[geometry.travelling]
     if scales is not None:
-        operands["scales"] = scales
+        # Per-row scales travel lane-dense, each direction's half a row of its own.
+        operands["scales"] = (scales.reshape(params.launch.ring.num_directions, 1, -1)
+                              if geometry.scale_cut == "leading" else scales)
     results, scratch = _launch.place(layout, operands,
                                      _ring_buffers(params, geometry, travelling, scales),
                                      params.launch.ring)
@@ -346,7 +354,10 @@ def all_gather_matmul(x, w, params: AllGatherMatmulParams, scales=None):
         params.launch, layout, operands, outputs, scratch, cost)
     if params.return_gathered:
         if scales is not None:
-            return results["out"], (results["gathered"], results["gathered_scales"])
+            gathered_scales = results["gathered_scales"]
+            if geometry.scale_cut == "leading":  # back to one per row, in order
+                gathered_scales = gathered_scales.reshape(-1, 1)
+            return results["out"], (results["gathered"], gathered_scales)
         return results["out"], results["gathered"]
     return results["out"]
 
