@@ -88,11 +88,9 @@ def markdown() -> str:
                          f"{laid:.4f} | {arrays} |")
     lines += ["", "The fused TPU all-gathers (`backend=\"pallas_tpu\"`): one remote DMA of "
               "values and one of scales per transfer, into the receive slots the kernel's "
-              "custom call returns; their compiled layouts size a transfer. A row kernel's "
-              "scales (one per row, f32[512,1]) are laid out in (8, 128) tiles in the "
-              "kernel's buffers: 128 lanes a row, so its transfer is 0.5625 of bfloat16's "
-              "as laid out (0.5005 logical) — above the 0.52 target; XLA's own ring lays "
-              "the same scales out lane-dense.", "",
+              "custom call returns; their compiled layouts size a transfer. The row "
+              "kernel's per-row scales travel as lane-dense rows (as an f32[512,1] column "
+              "they would be laid out 128 lanes a row: 0.5625 of bfloat16).", "",
               "| target | kernel | comm | bytes / transfer | laid out | / bf16 | "
               "laid out / bf16 | receive slots (values, scales) |",
               "|---|---|---|---|---|---|---|---|"]
