@@ -25,6 +25,7 @@ tests) took 160 s, the slow rest (23) 150 s.
 
 import functools
 import importlib.util
+import re
 
 import jax.numpy as jnp
 import pytest
@@ -34,7 +35,7 @@ if importlib.util.find_spec("libtpu") is None:
                 "TPU kernels with Mosaic for TPUs that are not here; pip install "
                 "'fusedpar[aot]' (or 'jax[tpu]') to run them", allow_module_level=True)
 
-from fusedpar import _aot_programs, aot  # noqa: E402
+from fusedpar import _aot_programs, _hlo, aot  # noqa: E402
 from fusedpar.kernels.tpu import _layout  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -224,6 +225,15 @@ def test_quantized_gathers_compile_at_a_realistic_size(generation, prim, comm_dt
     # The kernel's operands: the 8-bit values in Mosaic's 8-row tiles.
     narrow = "s8" if comm_dtype == I8 else "f8e4m3fn"
     assert f"{narrow}[" in text and "T(8,128)(4,1)" in text
+    # One transfer fills one receive slot of values and one of scales (the kernel's
+    # (directions, 2, ...) results): as laid out, at most 0.52 of a bfloat16 slot.
+    call = next(line for line in text.splitlines() if "tpu_custom_call" in line)
+    slots = re.findall(r"[a-z0-9]+\[2,2,[\d,]+\]\{[^{}]*\}", call.split(" custom-call(")[0])
+    values = [s for s in slots if s.startswith(narrow)]
+    scales = [s for s in slots if s.startswith("f32")]
+    assert len(values) == len(scales) == 1, slots
+    bf16 = 2 * _hlo.shape_bytes(values[0])
+    assert (_hlo.laid_out_bytes(values[0]) + _hlo.laid_out_bytes(scales[0])) / bf16 <= 0.52, slots
 
 
 def _gathered_program(generation, comm_dtype, rows, vmem, block_m=None):
