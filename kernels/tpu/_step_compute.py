@@ -72,7 +72,8 @@ def matmul(a, b, o, tiles, *, prev=None, scale=None, scale_rows=False, precision
     the f32 product once, before adding `prev`."""
     if tiles is None:
         s = None if scale is None else scale[...]
-        y = _product(a[...], b[...], _column(s) if scale_rows else s, precision)
+        y = _product(a[...], b[...], _column(s) if s is not None and scale_rows else s,
+                     precision)
         if prev is not None:
             y = y + prev[...].astype(jnp.float32)
         o[...] = y.astype(o.dtype)
@@ -81,7 +82,7 @@ def matmul(a, b, o, tiles, *, prev=None, scale=None, scale_rows=False, precision
     bm, bk, bn = tiles
     if cores == 1 and (bm, bk, bn) == (rows, contraction, cols):
         return _whole(a, b, o, prev, scale, scale_rows, precision)
-    if scale_rows:  # the pipeline takes (bm, 1) blocks of the scales as a column in VMEM
+    if scale is not None and scale_rows:  # the pipeline takes (bm, 1) blocks of a column
         def with_column(row, column):
             pltpu.sync_copy(scale, row)
             column[...] = _column(row[...])
@@ -157,7 +158,8 @@ def _whole(a, b, o, prev, scale, scale_rows, precision):
         for src, dst in zip(refs, ins):
             pltpu.sync_copy(src, dst)
         s = None if scale is None else ins[-1][...]
-        y = _product(ins[0][...], ins[1][...], _column(s) if scale_rows else s, precision)
+        y = _product(ins[0][...], ins[1][...], _column(s) if s is not None and scale_rows else s,
+                     precision)
         if prev is not None:
             y = y + ins[2][...].astype(jnp.float32)
         o_v[...] = y.astype(o_v.dtype)
