@@ -36,8 +36,19 @@ from ._quantized_array import QuantizedArray
 ROLES = ("tp", "fsdp")  # canonical order of axes sharing one dimension: major first
 
 
-@dataclasses.dataclass(frozen=True)
-class Column:
+class _Style:
+    """What the three styles share: their comm dtypes checked and normalised on
+    construction, and a repr that shows them only when set."""
+
+    def __post_init__(self):
+        _comm_dtypes(self)
+
+    def __repr__(self):
+        return _style_repr(self)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Column(_Style):
     """Tensor parallel on the output features: weight `(out, in)` dim 0 over `axis`.
 
     Input replicated (or, with `sequence_parallel`, sharded on its sequence dimension,
@@ -54,15 +65,9 @@ class Column:
     comm_dtype: Any = None
     grad_comm_dtype: Any = None
 
-    def __post_init__(self):
-        _comm_dtypes(self)
 
-    def __repr__(self):
-        return _style_repr(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
+@dataclasses.dataclass(frozen=True, repr=False)
+class Row(_Style):
     """Tensor parallel on the input features: weight `(out, in)` dim 1 over `axis`.
 
     Input sharded on its features (a `Column` output); output replicated (or, with
@@ -77,15 +82,9 @@ class Row:
     comm_dtype: Any = None
     grad_comm_dtype: Any = None
 
-    def __post_init__(self):
-        _comm_dtypes(self)
 
-    def __repr__(self):
-        return _style_repr(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class FSDP:
+@dataclasses.dataclass(frozen=True, repr=False)
+class FSDP(_Style):
     """Fully sharded data parallel: the weight's dimension `dim` over `axis`.
 
     `dim=None` picks the weight dimension a tensor-parallel style leaves free (dim 1 with
@@ -102,12 +101,6 @@ class FSDP:
     dim: Optional[int] = None
     comm_dtype: Any = None
     grad_comm_dtype: Any = None
-
-    def __post_init__(self):
-        _comm_dtypes(self)
-
-    def __repr__(self):
-        return _style_repr(self)
 
 
 Style = Union[Column, Row, FSDP]

@@ -60,3 +60,14 @@ needs_aot = pytest.mark.skipif(
     or importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
     reason='the compilers for absent hardware come with the aot extra: '
            'pip install -e ".[test,aot]"')
+
+
+# (backend, ring options): directions x loop shapes x residual policy, covering each
+# option value at least twice; reference is the dispatch path of the definition itself.
+RING_CONFIGS = [
+    ("reference", {}),
+    ("ring", dict(bidirectional=False, unroll=True, keep_gathered=True)),
+    ("ring", dict(bidirectional=True, unroll=False, keep_gathered=True)),
+    ("ring", dict(bidirectional=True, unroll=True, keep_gathered=False)),
+    ("ring", dict(bidirectional=False, unroll=False, keep_gathered=False)),
+]

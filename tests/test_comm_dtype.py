@@ -22,21 +22,12 @@ from jax.sharding import PartitionSpec as P
 
 import fusedpar
 from fusedpar import _definition, _quantize
-from helpers import assert_close, mesh, normal, tolerance
+from helpers import RING_CONFIGS as CONFIGS, assert_close, mesh, normal, tolerance
 
 pytestmark = pytest.mark.timeout(300)
 
 AGM, MRS = fusedpar.all_gather_matmul, fusedpar.matmul_reduce_scatter
 INT8, FP8 = jnp.int8, jnp.float8_e4m3fn
-
-# (backend, ring options), as tests/test_ops.py: each option value at least twice.
-CONFIGS = [
-    ("reference", {}),
-    ("ring", dict(bidirectional=False, unroll=True, keep_gathered=True)),
-    ("ring", dict(bidirectional=True, unroll=False, keep_gathered=True)),
-    ("ring", dict(bidirectional=True, unroll=True, keep_gathered=False)),
-    ("ring", dict(bidirectional=False, unroll=False, keep_gathered=False)),
-]
 
 
 def _problems(n, b=8, k=16, c=8):

@@ -16,19 +16,9 @@ from jax.sharding import PartitionSpec as P
 
 import fusedpar
 from fusedpar import _definition
-from helpers import assert_close, mesh, normal
+from helpers import RING_CONFIGS as CONFIGS, assert_close, mesh, normal
 
 pytestmark = pytest.mark.timeout(300)
-
-# (backend, ring options): directions x loop shapes x residual policy, covering each
-# option value at least twice; reference is the dispatch path of the definition itself.
-CONFIGS = [
-    ("reference", {}),
-    ("ring", dict(bidirectional=False, unroll=True, keep_gathered=True)),
-    ("ring", dict(bidirectional=True, unroll=False, keep_gathered=True)),
-    ("ring", dict(bidirectional=True, unroll=True, keep_gathered=False)),
-    ("ring", dict(bidirectional=False, unroll=False, keep_gathered=False)),
-]
 
 
 @dataclasses.dataclass(frozen=True)
