@@ -21,6 +21,14 @@ pytestmark = [pytest.mark.aot, needs_aot]
 # Per device x (1024, 2048) @ w (2048, 2048) bf16 (as tests/test_aot.py).
 SIZE = dict(rows=1024, k=2048, cols=2048)
 GPU = (("h100x8", False), ("h100x8", True))  # (target, cuBLAS GEMMs instead of Triton)
+GPU_IDS = ("h100-triton", "h100-cublas")
+TPU = (("v5e:2x4", False), ("v5p:2x2x2", False), ("v6e:2x4", False))
+TPU_IDS = ("v5e", "v5p", "v6e")
+# Not yet hidden (strict: a fix flips the test). v5p's scheduler moves the last
+# accumulator of one direction into VMEM (copy-start/done) before sending it, after both
+# directions' last products have run: that one transfer has no matmul left to hide it.
+KNOWN_EXPOSED = {("v5p:2x2x2", prims.RS_ROWS, True):
+                 "v5p: the last bidirectional reduce-scatter send waits for a VMEM copy"}
 
 
 def _report(target, cublas, program, args):
@@ -34,11 +42,14 @@ def _report(target, cublas, program, args):
 
 @pytest.mark.parametrize("bidirectional", (False, True), ids=("uni", "bidi"))
 @pytest.mark.parametrize("prim", prims.PRIMITIVES)
-@pytest.mark.parametrize("target, cublas", GPU + (("v5e:2x4", False),),
-                         ids=("h100-triton", "h100-cublas", "v5e"))
-def test_ring_hides_every_transfer(target, cublas, prim, bidirectional):
+@pytest.mark.parametrize("target, cublas", GPU + TPU, ids=GPU_IDS + TPU_IDS)
+def test_ring_hides_every_transfer(target, cublas, prim, bidirectional, request):
     """The lax ring, forward and backward (a vjp against a cotangent argument)."""
     from fusedpar import aot
+
+    if (target, prim, bidirectional) in KNOWN_EXPOSED:
+        request.applymarker(pytest.mark.xfail(strict=True,
+                                              reason=KNOWN_EXPOSED[target, prim, bidirectional]))
 
     program, args = progs.op_program(aot.mesh(target, (8,), ("x",)), prim, "ring",
                                      bidirectional=bidirectional, **SIZE)
