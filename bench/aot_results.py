@@ -158,7 +158,9 @@ def markdown(rows) -> str:
                 "slower than the reference (forward and backward together) on H100, v5e and "
                 "v6e, and faster on v5p. Its steps are thin matmuls with a launch each, and "
                 "XLA overlaps the reference's own collectives with the other pass's "
-                "matmuls; see the *reference / predicted* column.", ""]
+                "matmuls; see the *reference / predicted* column. Forward passes alone, "
+                "where nothing hides the reference's collective, are in "
+                "[RESULTS-aot-forward.md](RESULTS-aot-forward.md) (8 x H100).", ""]
     for name in dict.fromkeys(r["target"] for r in ops):
         out += [f"## {name}", "", "| op | backend | ring | compiled (s) | hidden fwd | "
                 "hidden bwd | predicted (us) | bound (us) | predicted / bound | reference / "
