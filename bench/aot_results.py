@@ -156,7 +156,7 @@ def markdown(rows) -> str:
             out.append(f"| {name} | {cells[0]} | {cells[1]} |")
         out += ["", "Overlap is not yet speed: at this size the replay predicts the lax ring "
                 "slower than the reference (forward and backward together) on H100, v5e and "
-                "v6e, and faster on v5p. Its steps are thin matmuls with a launch each, and "
+                "v6e, and faster on v5p (with the better ring direction, 1.13-1.54x). Its steps are thin matmuls with a launch each, and "
                 "XLA overlaps the reference's own collectives with the other pass's "
                 "matmuls; see the *reference / predicted* column. Forward passes alone, "
                 "where nothing hides the reference's collective, are in "
