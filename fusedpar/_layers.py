@@ -392,7 +392,7 @@ def gather_fsdp(w, rule: Rule):
         # Training: the master stays home; its gradient is the gathered weight's,
         # reduce-scattered (straight through the quantization).
         full = g.dequantize()
-        return _gather_stored(full, w.master.astype(full.dtype), f.axis, d)
+        return _straight_through_gather(full, w.master.astype(full.dtype), f.axis, d)
     if f.comm_dtype is None:
         return gather(w)
     if f.grad_comm_dtype is not None:
@@ -405,42 +405,30 @@ def gather_fsdp(w, rule: Rule):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _gather_stored(full, master, axis, dim):
-    """`full` (a stored QuantizedArray gathered and dequantized), differentiated as the
-    gather of `master` (the gradient reduce-scattered to it)."""
+def _straight_through_gather(full, own, axis, dim):
+    """`full` (a gathered weight, dequantized), differentiated as the gather of `own`
+    (this device's shard, or the master a stored QuantizedArray carries): the gradient
+    is reduce-scattered to it, straight through the quantization."""
     return full
 
 
-def _gather_stored_fwd(full, master, axis, dim):
+def _straight_through_gather_fwd(full, own, axis, dim):
     return full, None
 
 
-def _gather_stored_bwd(axis, dim, _, g):
+def _straight_through_gather_bwd(axis, dim, _, g):
     return None, lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
 
 
-_gather_stored.defvjp(_gather_stored_fwd, _gather_stored_bwd)
+_straight_through_gather.defvjp(_straight_through_gather_fwd, _straight_through_gather_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _gather_quantized(w, axis, dim, dtype):
+    """The FSDP gather of `w` sent in `dtype`: each shard quantized with one scale per
+    row (of the shard: a gathered row has one scale per shard where FSDP splits `in`)."""
     q = _quantize.quantize(w, dtype, axis=1)
     g = jax.tree.map(lambda a: lax.all_gather(a, axis, axis=dim, tiled=True), q)
-    n = g.scales.shape[1]  # blocks: one scale per row of each shard
-    return QuantizedArray(g.values, g.scales, axis=-1, dtype=w.dtype).dequantize() \
-        if n > 1 else _quantize.dequantize(g, w.dtype)
-
-
-def _gather_quantized_fwd(w, axis, dim, dtype):
-    return _gather_quantized(w, axis, dim, dtype), None
-
-
-def _gather_quantized_bwd(axis, dim, dtype, _, g):
-    # Straight-through: the gradient of the plain gather (a reduce-scatter).
-    return (lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True),)
-
-
-_gather_quantized.defvjp(_gather_quantized_fwd, _gather_quantized_bwd)
+    return _straight_through_gather(_quantize.dequantize(g, w.dtype), w, axis, dim)
 
 
 def fsdp_matmul(x, w, rule: Rule, backend, out_dtype=None):

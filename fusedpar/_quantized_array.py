@@ -283,10 +283,16 @@ def qdot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=Non
                                preferred_element_type=preferred_element_type)
     out_dtype = preferred_element_type or jnp.result_type(other.dtype, q.logical_dtype)
     oax = oc[0] % other.ndim
+    y = _qdot(other, q.values, q.scales, q.axis, oax, q_left, precision, out_dtype)
     if q.master is None:
-        return _qdot(other, q.values, q.scales, q.axis, oax, q_left, precision, out_dtype)
-    return _qdot_ste(other, q.values, q.scales, q.master, q.axis, oax, q_left, precision,
-                     np.dtype(out_dtype))
+        return y
+    dn = ((ax,), (oax,)) if q_left else ((oax,), (ax,))
+
+    def dense(o, w):
+        return lax.dot_general(*((w, o) if q_left else (o, w)), (dn, ((), ())),
+                               precision=precision, preferred_element_type=out_dtype)
+
+    return _ste_dot(dense, q.axis, y, other, q.values, q.scales, q.master)
 
 
 def qdot_scaled(q, scaled, other, dimension_numbers, q_left, precision,
@@ -312,7 +318,9 @@ def qdot_scaled(q, scaled, other, dimension_numbers, q_left, precision,
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _ste_dot(dense, axis, y, other, values, scales, master):
     """`y` (the quantized dot of `other` with the array), differentiated as
-    `dense(other, dequantized array)` with the array's cotangent going to `master`."""
+    `dense(other, dequantized array)` with the array's cotangent going to `master`: the
+    straight-through estimator (the dequantized array is formed in the backward pass
+    of training only)."""
     return y
 
 
@@ -352,38 +360,6 @@ def _qdot(other, values, scales, qax, oax, q_left, precision, out_dtype):
         s = jnp.moveaxis(scales, qax, 0)
         s = s.reshape((g,) + (1,) * (other.ndim - 1) + s.shape[1:])
     return jnp.sum(y.astype(jnp.float32) * s, axis=0).astype(out_dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _qdot_ste(other, values, scales, master, qax, oax, q_left, precision, out_dtype):
-    return _qdot(other, values, scales, qax, oax, q_left, precision, out_dtype)
-
-
-def _qdot_ste_fwd(other, values, scales, master, qax, oax, q_left, precision, out_dtype):
-    y = _qdot(other, values, scales, qax, oax, q_left, precision, out_dtype)
-    return y, (other, values, scales, master)
-
-
-def _qdot_ste_bwd(qax, oax, q_left, precision, out_dtype, res, g):
-    other, values, scales, master = res
-    # The straight-through estimator: both gradients of the dot at the dequantized array
-    # (formed here, in the backward pass of training only), that of the array going to
-    # `master` unchanged.
-    deq = QuantizedArray(values, scales, axis=qax, dtype=master.dtype).dequantize()
-    dn_other = ((oax,), (qax % values.ndim,))
-
-    def dot(o, w):
-        lhs, rhs = (w, o) if q_left else (o, w)
-        dn = (dn_other[::-1], ((), ())) if q_left else (dn_other, ((), ()))
-        return lax.dot_general(lhs, rhs, dn, precision=precision,
-                               preferred_element_type=out_dtype)
-
-    _, vjp = jax.vjp(dot, other, deq)
-    d_other, d_w = vjp(g)
-    return d_other, None, None, d_w.astype(master.dtype)
-
-
-_qdot_ste.defvjp(_qdot_ste_fwd, _qdot_ste_bwd)
 
 
 # --- quax rules -----------------------------------------------------------------------

@@ -224,9 +224,7 @@ def _gathered(prim, gathered, dtype):
     pass's residual: what the forward multiplied with)."""
     values, scales = gathered
     if prim == prims.AG_CONTRACT:  # scales (N, 1, n): one row per gathered block
-        n, _, cols = scales.shape
-        blocks = values.reshape(n, -1, cols)
-        return _quantize.dequantize(_quantize.Quantized(blocks, scales), dtype).reshape(values.shape)
+        scales = scales.reshape(scales.shape[0], scales.shape[-1])
     return _quantize.dequantize(_quantize.Quantized(values, scales), dtype)
 
 
