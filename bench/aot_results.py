@@ -71,7 +71,7 @@ def _row(name, mesh, build, **fields):
         p[0] += s.hidden
         p[1] += s.transfers
     row.update(compiled=True, compile_s=round(seconds, 1), passes=passes,
-               hidden=report.hidden, transfers=report.total,
+               hidden=report.hidden, hideable=report.hideable, transfers=report.total,
                predicted_us=round(predicted.seconds * 1e6, 1),
                lower_bound_us=round(predicted.lower_bound * 1e6, 1))
     return row
@@ -193,8 +193,13 @@ def markdown(rows) -> str:
         out += ["## Layer programs", "", "Training steps on global arrays under "
                 "`jax.set_mesh`: `mlp` a sequence-parallel MLP (dim 4096, hidden 16384, 1024 "
                 "tokens per device, tp=8), `block` an FSDP x TP transformer block (2 x 4 "
-                "mesh, 32 heads).", "",
-                "| target | program | backend | compiled (s) | transfers hidden | "
+                "mesh, 32 heads). Every collective of the step counts, the layers' rings "
+                "and XLA's own (FSDP weight gathers, gradient reduce-scatters, bias "
+                "gradient sums, the loss). *Hidden / hideable / transfers*: transfers with a "
+                "matmul in flight / those the program has a matmul for that neither feeds "
+                "them nor waits for them (`Transfer.hideable`: a schedule could hide them) / "
+                "all.", "",
+                "| target | program | backend | compiled (s) | hidden / hideable / transfers | "
                 "predicted (us) | bound (us) |", "|---|---|---|---:|---:|---:|---:|"]
         for r in layers:
             if not r["compiled"]:
@@ -202,7 +207,8 @@ def markdown(rows) -> str:
                            f"{r['error'][:90]} | | | |")
                 continue
             out.append(f"| {r['target']} | {r['program']} | {r['backend']} | "
-                       f"{r['compile_s']} | {r['hidden']}/{r['transfers']} | "
+                       f"{r['compile_s']} | {r['hidden']} / {r.get('hideable', '?')} / "
+                       f"{r['transfers']} | "
                        f"{r['predicted_us']:,.0f} | {r['lower_bound_us']:,.0f} |")
         out.append("")
     published = [r for r in rows if r["program"] == "published" and r["compiled"]]

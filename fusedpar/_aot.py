@@ -140,7 +140,10 @@ class Transfer:
     matmuls scheduled between its start and done (none for a synchronous collective);
     `laid_out`: the same bytes as laid out in memory (TPU tiles pad a thin array: an
     f32[512,1] in `T(8,128)` tiles takes 128 lanes a row); `arrays`: `(dtype, dims)` of
-    each array sent.
+    each array sent; `hideable`: whether the program has a matmul that neither feeds the
+    transfer nor waits for it, one that some schedule could run while it is in flight (a
+    model's first weight gather has none: every matmul needs it; nor has the gradient
+    reduce-scatter of the last matmul of the backward).
     """
 
     name: str
@@ -151,6 +154,7 @@ class Transfer:
     matmuls: tuple
     laid_out: int = 0
     arrays: tuple = ()
+    hideable: bool = True
 
     @property
     def hidden(self) -> bool:
@@ -168,6 +172,11 @@ class OpSummary:
     matmuls: int
     exposed: int
     kernels: int
+    hideable: int = -1  # -1: as many as `transfers`
+
+    def __post_init__(self):
+        if self.hideable < 0:
+            object.__setattr__(self, "hideable", self.transfers)
 
     @property
     def verdict(self) -> str:
@@ -179,6 +188,12 @@ class OpSummary:
             return "no communication"
         if self.hidden == self.transfers:
             return "overlapped: every transfer has a matmul in flight"
+        unhideable = self.transfers - self.hideable
+        if self.hideable == 0:
+            return "nothing to overlap: every matmul feeds or waits for these transfers"
+        if self.hidden == self.hideable and backend not in ("reference", ""):
+            return (f"overlapped: every transfer that can be hidden has a matmul in flight "
+                    f"({unhideable} have no matmul independent of them)")
         if backend in ("reference", ""):
             kind = "collective" if backend == "reference" else "transfer"
             return (f"not overlapped: {self.transfers - self.hidden} of {self.transfers} "
@@ -203,6 +218,11 @@ class Report:
     def hidden(self) -> int:
         return sum(t.hidden for t in self.transfers)
 
+    @property
+    def hideable(self) -> int:
+        """Transfers that some schedule could hide (`Transfer.hideable`)."""
+        return sum(t.hideable for t in self.transfers)
+
     def op(self, prim: str, backend: str, pass_: str = "forward") -> Optional[OpSummary]:
         for s in self.ops:
             if s.op == (prim, backend, pass_):
@@ -219,7 +239,9 @@ class Report:
             lines.append(f"| {prim} | {backend or '-'} | {pass_} | {s.hidden} / "
                          f"{s.transfers} | {s.bytes:,} | {s.exposed} / {s.matmuls} | "
                          f"{s.verdict} |")
-        lines += ["", f"{self.hidden} of {self.total} transfers have a matmul in flight."]
+        lines += ["", f"{self.hidden} of {self.total} transfers have a matmul in flight"
+                  + (f"; {self.total - self.hideable} have no matmul independent of them."
+                     if self.hideable < self.total else ".")]
         return "\n".join(lines)
 
 
@@ -247,6 +269,7 @@ def overlap(program) -> Report:
     for comp in _hlo.scheduled_computations(module):
         instructions = module.computations[comp]
         by_name = {i.name: i for i in instructions}
+        hideable = _hideable(instructions, multiplying)
         open_: dict = {}  # start name -> (instruction, kind, matmuls so far)
         for i in instructions:
             kind = _hlo.collective_kind(module, i)
@@ -255,9 +278,11 @@ def overlap(program) -> Report:
                 open_[i.name] = (i, kind, [])
             elif done in open_:
                 start, kind, seen = open_.pop(done)
-                transfers.append(_transfer(module, start, kind, by_name, comp, tuple(seen)))
+                transfers.append(_transfer(module, start, kind, by_name, comp, tuple(seen),
+                                           hideable(start.name, i.name)))
             elif kind is not None:  # synchronous
-                transfers.append(_transfer(module, i, kind, by_name, comp, ()))
+                transfers.append(_transfer(module, i, kind, by_name, comp, (),
+                                           hideable(i.name, i.name)))
             elif _hlo.is_matmul(i, multiplying):
                 for _, _, seen in open_.values():
                     seen.append(i.name)
@@ -268,7 +293,8 @@ def overlap(program) -> Report:
                     kernels.append(key)
                 matmuls.append((key, not open_))
         for start, kind, seen in open_.values():  # done in another computation
-            transfers.append(_transfer(module, start, kind, by_name, comp, tuple(seen)))
+            transfers.append(_transfer(module, start, kind, by_name, comp, tuple(seen),
+                                       hideable(start.name, start.name)))
     keys = []
     for key in [t.op for t in transfers] + [m[0] for m in matmuls]:
         if key not in keys:
@@ -279,8 +305,26 @@ def overlap(program) -> Report:
         mm = [exposed for k, exposed in matmuls if k == key]
         ops.append(OpSummary(key, len(mine), sum(t.hidden for t in mine),
                              sum(t.bytes for t in mine), len(mm), sum(mm),
-                             kernels.count(key)))
+                             kernels.count(key), sum(t.hideable for t in mine)))
     return Report(tuple(transfers), tuple(ops))
+
+
+def _hideable(instructions, multiplying):
+    """`hideable(start, done)`: whether a matmul of the computation is independent of the
+    transfer from `start` to `done` (neither an ancestor of the start nor a descendant of
+    the done, in the dataflow), so that a schedule could run it in flight."""
+    ancestors, descendants = _hlo.dataflow(instructions)
+    index = {i.name: k for k, i in enumerate(instructions)}
+    matmuls = 0
+    for k, i in enumerate(instructions):
+        if _hlo.is_matmul(i, multiplying):
+            matmuls |= 1 << k
+
+    def hideable(start: str, done: str) -> bool:
+        s, d = index[start], index[done]
+        return bool(matmuls & ~(ancestors[s] | descendants[d] | (1 << s) | (1 << d)))
+
+    return hideable
 
 
 def _sent(i, by_name) -> list:
@@ -296,7 +340,7 @@ def _sent(i, by_name) -> list:
     return operands
 
 
-def _transfer(module, i, kind, by_name, computation, matmuls) -> Transfer:
+def _transfer(module, i, kind, by_name, computation, matmuls, hideable=True) -> Transfer:
     operands = _sent(i, by_name) if i.operands else []
     if operands and all(o is not None for o in operands):
         shapes = [o.shape for o in operands]
@@ -306,7 +350,7 @@ def _transfer(module, i, kind, by_name, computation, matmuls) -> Transfer:
     laid_out = sum(_hlo.laid_out_bytes(s) for s in shapes)
     arrays = tuple(a for s in shapes for a in _hlo.array_shapes(s))
     return Transfer(i.name, kind, _op_of(_hlo.op_name(module, i)), nbytes, computation,
-                    matmuls, laid_out, arrays)
+                    matmuls, laid_out, arrays, hideable or bool(matmuls))
 
 
 def _first_array(shape: str) -> str:

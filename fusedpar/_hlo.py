@@ -356,3 +356,20 @@ def scheduled_computations(module: Module) -> list:
             if i.opcode not in ("while", "call", "conditional"):
                 inside.update(i.calls)
     return [name for name in module.computations if name not in inside]
+
+
+def dataflow(instructions) -> tuple[list, list]:
+    """Each instruction's ancestors and descendants in its computation's dataflow, as
+    bitsets (Python ints, bit `k` for `instructions[k]`). The instructions of a
+    scheduled computation are listed in an order where operands come first."""
+    index = {i.name: k for k, i in enumerate(instructions)}
+    operands = [[index[o] for o in i.operands if o in index] for i in instructions]
+    ancestors = [0] * len(instructions)
+    for k, ops in enumerate(operands):
+        for o in ops:
+            ancestors[k] |= ancestors[o] | (1 << o)
+    descendants = [0] * len(instructions)
+    for k in range(len(instructions) - 1, -1, -1):
+        for o in operands[k]:
+            descendants[o] |= descendants[k] | (1 << k)
+    return ancestors, descendants

@@ -86,6 +86,44 @@ def test_serialised_schedule():
     assert s.verdict.startswith("NOT overlapped")
 
 
+# A weight gathered once and multiplied twice (every matmul needs it: no schedule can
+# hide it), and an all-reduce of the first product that the second matmul, independent
+# of it, could hide but is scheduled after.
+DEPENDENT = """\
+HloModule fsdp, is_scheduled=true
+
+ENTRY %main (x: f16[8,8], w: f16[4,8]) -> (f16[8,8], f16[8,8]) {
+  %x = f16[8,8]{1,0} parameter(0)
+  %w = f16[4,8]{1,0} parameter(1)
+  %ag-start = (f16[4,8]{1,0}, f16[8,8]{1,0}) all-gather-start(%w), channel_id=1, replica_groups={{0,1}}, dimensions={0}
+  %ag-done = f16[8,8]{1,0} all-gather-done(%ag-start)
+  %gemm = (f16[8,8]{1,0}, s8[0]{0}) custom-call(%x, %ag-done), custom_call_target="__cublas$gemm"
+  %gte = f16[8,8]{1,0} get-tuple-element(%gemm), index=0
+  %ar-start = f16[8,8]{1,0} all-reduce-start(%gte), channel_id=2, replica_groups={{0,1}}, to_apply=%add
+  %ar-done = f16[8,8]{1,0} all-reduce-done(%ar-start)
+  %gemm.1 = (f16[8,8]{1,0}, s8[0]{0}) custom-call(%x, %ag-done), custom_call_target="__cublas$gemm"
+  %gte.1 = f16[8,8]{1,0} get-tuple-element(%gemm.1), index=0
+  ROOT %out = (f16[8,8]{1,0}, f16[8,8]{1,0}) tuple(%ar-done, %gte.1)
+}
+"""
+
+
+def test_hideable_transfers_are_those_with_an_independent_matmul():
+    r = aot.overlap(DEPENDENT)
+    gather, reduce = r.transfers
+    assert (gather.kind, gather.hidden, gather.hideable) == ("all-gather", False, False)
+    assert (reduce.kind, reduce.hidden, reduce.hideable) == ("all-reduce", False, True)
+    assert (r.total, r.hidden, r.hideable) == (2, 0, 1)
+    assert "1 have no matmul independent of them" in r.markdown()
+    # In the overlapped ring every transfer is hideable (and hidden).
+    ring = aot.overlap(OVERLAPPED)
+    assert ring.hideable == ring.hidden == ring.total == 2
+    ancestors, descendants = _hlo.dataflow(_hlo.parse(DEPENDENT).computations["main"])
+    bits = lambda *ks: sum(1 << k for k in ks)  # noqa: E731 - instructions by position
+    # gemm (4): fed by x, w and the gather (0-3); feeds its gte, the all-reduce, the root.
+    assert (ancestors[4], descendants[4]) == (bits(0, 1, 2, 3), bits(5, 6, 7, 10))
+
+
 def test_tpu_dialect_and_backward_attribution():
     r = aot.overlap(TPU)
     s = r.op("rs_rows", "ring", "backward")  # the innermost fusedpar scope names the op
