@@ -7,7 +7,8 @@ For each target (8 x H100 with Triton GEMMs and with cuBLAS, TPU v5e, v5p and v6
 8 devices) it compiles, per device x (1024, 4096) @ w (4096, 4096) bfloat16:
 
 - every op (the five primitives) x backend (reference, ring, pallas, auto) x ring
-  direction, forward and backward (a vjp against a cotangent argument), each program on
+  direction, forward and backward (a vjp against the cotangent `ct * y` of the output
+  `y`: as in a training step, the backward waits for the forward), each program on
   its own (so no op's transfers hide behind another's matmuls);
 - the two layer programs of `fusedpar._aot_programs`: a sequence-parallel MLP and an
   FSDP x TP transformer block, training steps on global arrays under `jax.set_mesh`;
@@ -130,8 +131,9 @@ def markdown(rows) -> str:
            "Made by `python bench/aot_results.py` (JAX's real TPU and GPU compilers on a "
            "2-core CPU machine; compile-only devices: nothing here ran on a GPU or TPU). "
            "Per device x (1024, 4096) @ w (4096, 4096) bfloat16, rings of 8 devices; each "
-           "program is the op's forward and its backward (a vjp against a cotangent "
-           "argument). *Hidden*: transfers (collective starts) with a matmul scheduled "
+           "program is the op's forward and its backward (a vjp against the cotangent "
+           "`ct * y` of its output `y`, the loss `sum(ct * y**2) / 2`'s: as in a training "
+           "step, the backward waits for the forward). *Hidden*: transfers (collective starts) with a matmul scheduled "
            "before their done, forward / backward. *Predicted*: the schedule replayed with "
            "the target's spec-sheet numbers (`fusedpar.aot.predict`); *bound*: "
            "max(compute, communication) of the same program; *reference / predicted*: the "

@@ -2,7 +2,11 @@
 
 The gradient of an all-gather-matmul with respect to its non-gathered operand is a
 matmul-reduce-scatter and vice versa, so the backward pass overlaps its collectives the
-same way the forward does, on the same backend. With `keep_gathered` the forward of an
+same way the forward does, on the same backend — or, when the forward's backend was
+picked by `backend="auto"`, on the one the same policy picks for each dual primitive's
+own shapes: a forward all-gather whose ring pays can have a gradient reduce-scatter
+whose ring does not (on 8 x H100 at 1024 x 4096 @ 4096 x 4096 per device, ag_rows
+forward on the ring, its rs_rows gradient on the reference). With `keep_gathered` the forward of an
 all-gather returns the gathered operand as a residual and the other gradient is a local
 matmul; without it, that gradient gathers again (a second ring, less memory). A
 reduce-scatter's backward gathers the cotangent once and, with `keep_gathered`, reuses it.
@@ -22,7 +26,7 @@ import functools
 
 import jax
 
-from . import _backends, _definition, _primitives as prims, _quantize
+from . import _backends, _definition, _dispatch, _primitives as prims, _quantize, cost_model
 from ._vma import cotangent_like
 
 
@@ -59,15 +63,26 @@ def _fwd(prim, cfg, x, w):
     return out, (x, w, gathered)
 
 
-def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False):
+def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None):
     """`run` for the backward pass, checked first like the forward call was.
 
     The forward's dispatch checked only the forward primitive's shapes; a dual step can
     have other ones (its contraction is the forward's output width, say), which a kernel
     backend may not tile: that is an error here, before any kernel is traced.
+    `beside`: the operands of the backward's other gradient matmul, which needs nothing
+    this one computes (under "auto" the reference's collective can hide behind it).
     """
     op = prims.ALL_GATHER_MATMUL if fwd_prim in prims.GATHERS else prims.MATMUL_REDUCE_SCATTER
     call = cfg.call(op, prim, x, w)
+    if cfg.auto:  # this primitive's own pick (the ring shape stays the forward's)
+        if beside is not None and call.platform not in ("", "cpu"):
+            (m, k), (_, n) = beside[0].shape, beside[1].shape
+            seconds = cost_model.matmul_seconds(
+                m, k, n, call.dtype, cost_model.get_hardware(None, call.target))
+            call = dataclasses.replace(call, beside=seconds)
+        choice = _dispatch.choose(call, _dispatch.AUTO, cfg.unroll)
+        cfg = dataclasses.replace(cfg, backend=choice.backend,
+                                  bidirectional=choice.bidirectional, unroll=choice.unroll)
     why = _backends.get(cfg.backend).unavailable(call)
     if why is not None:
         raise NotImplementedError(
@@ -98,15 +113,17 @@ def _bwd(prim, cfg, res, dy):
                             grad_comm_dtype=None)
     keep = cfg.keep_gathered
     dual = functools.partial(_run_dual, prim)
+    # With `keep`, an all-gather's backward is a reduce-scatter and a local matmul that
+    # needs nothing the reduce-scatter computes (`beside`).
     if prim == prims.AG_ROWS:  # y = AG_rows(x) @ w
-        dx = dual(prims.RS_ROWS, c, dy, w.T)
+        dx = dual(prims.RS_ROWS, c, dy, w.T, beside=(gathered.T, dy) if keep else None)
         dw = _local(c, gathered.T, dy, w.dtype) if keep else dual(prims.AG_CONTRACT, c, dy.T, x).T
     elif prim == prims.AG_COLS:  # y = x @ AG_cols(w)
         dx = _local(c, dy, gathered.T, x.dtype) if keep else dual(prims.AG_CONTRACT, c, dy, w.T)
-        dw = dual(prims.RS_COLS, c, x.T, dy)
+        dw = dual(prims.RS_COLS, c, x.T, dy, beside=(dy, gathered.T) if keep else None)
     elif prim == prims.AG_CONTRACT:  # y = x @ AG_rows(w)
         dx = _local(c, dy, gathered.T, x.dtype) if keep else dual(prims.AG_COLS, c, dy, w.T)
-        dw = dual(prims.RS_ROWS, c, x.T, dy)
+        dw = dual(prims.RS_ROWS, c, x.T, dy, beside=(dy, gathered.T) if keep else None)
     elif prim == prims.RS_ROWS:  # y = RS_rows(x @ w): dy gathers along rows
         if keep:
             dx, dyg = dual(prims.AG_ROWS, c, dy, w.T, return_gathered=True)

@@ -147,6 +147,10 @@ def auto_choice(call: Call) -> tuple[str, str]:
                            "matmul into ring steps only adds overhead")
     hw = cost_model.get_hardware(None, call.target)
     est = cost_model.estimate_call(call, hw)
+    if call.beside > 0:  # the reference's collective hides behind that much other work
+        r = est[REFERENCE]
+        exposed = max(r.transfer_step - call.beside, 0.0)
+        est[REFERENCE] = dataclasses.replace(r, seconds=r.compute_step + exposed)
     candidates = [RING]
     why_not = _pallas_why_not(call)
     if why_not is None:
@@ -158,6 +162,9 @@ def auto_choice(call: Call) -> tuple[str, str]:
     summary = f"{hw.name}: {cost_model.describe({n: est[n] for n in [REFERENCE] + candidates})}"
     if why_not:
         summary += f"; pallas cannot run it: {why_not}"
+    if call.beside > 0:
+        summary += (f"; the reference's collective can hide behind "
+                    f"{cost_model._fmt(call.beside)} of other matmuls")
     ref, fast = est[REFERENCE].seconds, est[best].seconds
     if fast < AUTO_MARGIN * ref:
         return best, (f"{best} is estimated {ref / fast:.2f}x faster than reference "

@@ -240,14 +240,38 @@ def read_bytes(module: Module, i: Instruction, by_name: dict) -> int:
         return i.bytes + sum(o.bytes for o in operands[1:] if o is not None)
     windows = {}  # fused parameter number -> bytes its slices read (only-sliced ones)
     for c in i.calls if i.opcode == "fusion" else ():
-        inner = module.computations.get(c, ())
-        for j in inner:
-            number = _PARAMETER.search(j.line) if j.opcode == "parameter" else None
-            users = [u for u in inner if j.name in u.operands]
-            if number and users and all(u.opcode in _WINDOWS and u.operands[0] == j.name
-                                        for u in users):
-                windows[int(number.group(1))] = sum(u.bytes for u in users)
+        windows.update(_sliced_parameters(module, c))
     return sum(windows.get(n, o.bytes) for n, o in enumerate(operands) if o is not None)
+
+
+def _sliced_parameters(module: Module, computation: str, depth: int = 0) -> dict:
+    """`{parameter number: bytes read}` for the parameters of a fused computation that
+    are only read through slices: by `slice` / `dynamic-slice` instructions, or as the
+    operand of a nested fusion that only slices it (the TPU compiler wraps a step's
+    dynamic-slice in a loop fusion inside the matmul's fusion)."""
+    inner = module.computations.get(computation, ())
+    found = {}
+    for j in inner:
+        number = _PARAMETER.search(j.line) if j.opcode == "parameter" else None
+        users = [u for u in inner if j.name in u.operands]
+        if not number or not users:
+            continue
+        read = 0
+        for u in users:
+            if u.opcode in _WINDOWS and u.operands[0] == j.name:
+                read += u.bytes
+                continue
+            nested = (_sliced_parameters(module, u.calls[0], depth + 1)
+                      if u.opcode == "fusion" and u.calls and depth < 4 else {})
+            positions = [k for k, o in enumerate(u.operands) if o == j.name]
+            if positions and all(k in nested for k in positions):
+                read += sum(nested[k] for k in positions)
+                continue
+            read = None
+            break
+        if read is not None:
+            found[int(number.group(1))] = read
+    return found
 
 
 def collective_kind(module: Module, instruction: Instruction) -> Optional[str]:

@@ -153,7 +153,8 @@ def _run(op, x, w, axis_name, gather, dim, s: _Settings):
         reduce_dtype=np.dtype(_definition.accumulation_dtype(x.dtype)
                               if reduce_dtype is None else reduce_dtype),
         precision=s.precision, keep_gathered=s.keep_gathered, options=_pairs(s.options),
-        target=target, comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype)
+        target=target, comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype,
+        auto=s.backend == AUTO)
     c = prims.canonicalize(op, gather, dim, x, w, n)
     return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
 

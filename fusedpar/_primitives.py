@@ -62,7 +62,10 @@ class Call:
     `precision` is the matmuls' (some kernels cannot compute every precision); `options`
     the backend options, as pairs; `comm_dtype` the name of the narrow dtype the
     travelling operand or accumulator is sent in (`_quantize.COMM_DTYPES`), None for
-    the inputs' own (not every backend can send a quantized payload).
+    the inputs' own (not every backend can send a quantized payload); `beside` the
+    seconds of other work the program can run while the reference's collective is in
+    flight (a backward pass's other gradient matmul, which needs nothing this call
+    computes: XLA hides the reference's collective behind it).
     """
 
     op: str
@@ -76,6 +79,7 @@ class Call:
     precision: Any = None
     options: tuple = ()
     comm_dtype: Optional[str] = None
+    beside: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.target, str):
@@ -118,6 +122,9 @@ class Config:
     - `comm_dtype`: the narrow dtype (`_quantize.COMM_DTYPES`) the forward's travelling
       operand or accumulator is sent in, None for its own dtype; `grad_comm_dtype`: the
       same for the backward pass.
+    - `auto`: the backend was picked by `backend="auto"`; the backward pass then picks
+      the backend of each dual primitive it runs the same way, for that primitive's own
+      shapes (`_autodiff._run_dual`).
     """
 
     backend: str
@@ -133,6 +140,7 @@ class Config:
     target: Any = None
     comm_dtype: Any = None
     grad_comm_dtype: Any = None
+    auto: bool = False
 
     def option(self, name, default=None):
         return dict(self.options).get(name, default)

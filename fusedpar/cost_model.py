@@ -362,6 +362,12 @@ def estimate_call(call, hardware=None, reduce_dtype=None) -> dict[str, Breakdown
                      comm_dtype=call.comm_dtype)
 
 
+def matmul_seconds(m: int, k: int, n: int, dtype="bfloat16",
+                   hardware: Union[str, Hardware, None] = None) -> float:
+    """Roofline time of one local (m, k) @ (k, n) matmul with its result in `dtype`."""
+    return _matmul_time(get_hardware(hardware), m, k, n, dtype, _itemsize(dtype))
+
+
 def _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, platform):
     """Validate an op's local shapes and canonicalise them, as the ops do."""
     import jax
@@ -430,4 +436,5 @@ def _fmt(seconds: float) -> str:
 
 
 __all__ = ["Hardware", "PRESETS", "Breakdown", "get_hardware", "set_hardware", "calibrate",
-           "estimate", "breakdown", "estimate_call", "bytes_sent", "describe"]
+           "estimate", "breakdown", "estimate_call", "bytes_sent", "describe",
+           "matmul_seconds"]

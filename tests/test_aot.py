@@ -1,8 +1,8 @@
 """Programs compiled for hardware that is not here: 8 x H100 and TPU v5e, v5p, v6e slices.
 
 Every op (the five primitives) x backend (reference, ring, pallas, auto) x ring direction,
-forward and backward (a vjp against a cotangent argument), and the two layer programs (a
-sequence-parallel MLP, an FSDP x TP transformer block, on global arrays under
+forward and backward (a vjp against a cotangent made from the output), and the two layer
+programs (a sequence-parallel MLP, an FSDP x TP transformer block, on global arrays under
 `jax.set_mesh`) go through the real compilers — XLA for the GPU and TPU, Mosaic for the
 Pallas TPU kernels, Mosaic GPU for the Hopper step kernels. With no options, "pallas"
 becomes the target's own kernels and "auto" decides with the target's cost preset.
@@ -92,6 +92,23 @@ def test_layer_programs_compile(target, layers, backend):
 
 
 # JAX's Mosaic GPU collective matmul docs: all-gather + cuBLAS, float16, per device
+def test_auto_picks_each_pass_on_its_own():
+    """Under "auto" the backward's dual primitive is chosen for its own shapes, counting
+    the other gradient's matmul that XLA runs beside the reference's collective: on 8 x
+    H100 at the bench size, ag_rows runs forward on the ring (the model estimates it
+    faster than an all-gather with nothing beside it) and its rs_rows gradient on the
+    reference (its reduce-scatter hides behind the weight gradient's matmul). Only
+    lowered: the choice is made at trace time."""
+    mesh = _mesh("h100x8")
+    program, args = progs.op_program(mesh, prims.AG_ROWS, "auto")
+    text = program.lower(*args).as_text(debug_info=True)  # with the name scopes
+    assert "fusedpar.ag_rows.ring" in text
+    assert "fusedpar.rs_rows.reference" in text and "fusedpar.rs_rows.ring" not in text
+    # Asked for by name, the backward stays on that backend.
+    program, args = progs.op_program(mesh, prims.AG_ROWS, "ring")
+    assert "fusedpar.rs_rows.ring" in program.lower(*args).as_text(debug_info=True)
+
+
 # x (1024, 4096) @ w (4096, 4096), forward, on 2 / 4 / 8 H100s.
 PUBLISHED_US = {2: 147, 4: 290, 8: 565}
 

@@ -207,17 +207,27 @@ HloModule sliced, is_scheduled=true
   ROOT %ds = bf16[8,128]{1,0} dynamic-slice(%p0, %p1, %z), dynamic_slice_sizes={8,128}
 }
 
+%fused_matmul (p0: bf16[64,128], p1: s32[], p2: bf16[8,8]) -> f32[8,128] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %p2 = bf16[8,8]{1,0} parameter(2)
+  %win = bf16[8,128]{1,0} fusion(%p0, %p1), kind=kLoop, calls=%fused_slice
+  ROOT %c = f32[8,128]{1,0} convolution(%p2, %win), dim_labels=bf_io->bf
+}
+
 %fused_add (p0: bf16[64,128], p1: bf16[64,128]) -> bf16[64,128] {
   %p0 = bf16[64,128]{1,0} parameter(0)
   %p1 = bf16[64,128]{1,0} parameter(1)
   ROOT %a = bf16[64,128]{1,0} add(%p0, %p1)
 }
 
-ENTRY %main (x: bf16[64,128], i: s32[]) -> bf16[8,128] {
+ENTRY %main (x: bf16[64,128], i: s32[], y: bf16[8,8]) -> bf16[8,128] {
   %x = bf16[64,128]{1,0} parameter(0)
   %i = s32[] parameter(1)
   %window = bf16[8,128]{1,0} fusion(%x, %i), kind=kLoop, calls=%fused_slice
   %sum = bf16[64,128]{1,0} fusion(%x, %x), kind=kLoop, calls=%fused_add
+  %y = bf16[8,8]{1,0} parameter(2)
+  %step = f32[8,128]{1,0} fusion(%x, %i, %y), kind=kOutput, calls=%fused_matmul
   ROOT %plain = bf16[8,128]{1,0} dynamic-slice(%x, %i, %i), dynamic_slice_sizes={8,128}
 }
 """
@@ -233,3 +243,6 @@ def test_a_slice_reads_its_window_not_the_buffer():
     assert _hlo.read_bytes(module, by_name["window"], by_name) == window + 4
     assert _hlo.read_bytes(module, by_name["plain"], by_name) == window + 4 + 4
     assert _hlo.read_bytes(module, by_name["sum"], by_name) == 2 * 64 * 128 * 2
+    # The TPU compiler's step matmul: its window cut by a loop fusion nested inside the
+    # matmul's own fusion. It reads the window, the index and the other operand.
+    assert _hlo.read_bytes(module, by_name["step"], by_name) == window + 4 + 8 * 8 * 2

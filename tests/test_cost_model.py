@@ -144,6 +144,28 @@ def test_auto_follows_the_model_on_tpu_and_uses_set_hardware():
         cost_model.set_hardware(None)
 
 
+def test_auto_counts_the_work_the_reference_collective_hides_behind():
+    """In a backward pass the reference's reduce-scatter runs beside the other gradient's
+    matmul (`Call.beside`): its estimate loses the collective time that work hides, so
+    a ring that beat the bare reference may no longer pay."""
+    call = _call("rs_rows", (8192, 4096), (4096, 4096), 8, "gpu")
+    est = cost_model.estimate_call(call, "h100_sxm")
+    ref, ring = est["reference"], est["ring"]
+    assert _dispatch.auto_choice(call)[0] == "ring"
+    # The other gradient of an 8-way ag_rows at this size: (4096, 8192) @ (8192, 4096).
+    beside = cost_model.matmul_seconds(4096, 8192, 4096, "bfloat16", "h100_sxm")
+    assert beside > ref.transfer_step  # enough to hide the whole collective
+    name, reason = _dispatch.auto_choice(dataclasses.replace(call, beside=beside))
+    assert ring.seconds > _dispatch.AUTO_MARGIN * ref.compute_step
+    assert name == "reference" and "can hide behind" in reason
+    # Less work beside it hides less: the reference pays what sticks out.
+    half = dataclasses.replace(call, beside=ref.transfer_step / 2)
+    pays = ring.seconds < _dispatch.AUTO_MARGIN * (ref.compute_step + ref.transfer_step / 2)
+    assert _dispatch.auto_choice(half)[0] == ("ring" if pays else "reference")
+    assert cost_model.matmul_seconds(1, 1, 1, "bfloat16", "h100_sxm") == pytest.approx(
+        cost_model.PRESETS["h100_sxm"].launch_overhead, rel=1e-3)
+
+
 def test_auto_stays_on_reference_for_tiny_rings_and_cpu():
     assert _dispatch.auto_choice(_call("ag_rows", (2048, 8192), (8192, 8192), 1, "gpu"))[0] \
         == "reference"

@@ -44,7 +44,8 @@ def _report(target, cublas, program, args):
 @pytest.mark.parametrize("prim", prims.PRIMITIVES)
 @pytest.mark.parametrize("target, cublas", GPU + TPU, ids=GPU_IDS + TPU_IDS)
 def test_ring_hides_every_transfer(target, cublas, prim, bidirectional, request):
-    """The lax ring, forward and backward (a vjp against a cotangent argument)."""
+    """The lax ring, forward and backward (a vjp against a cotangent made from the
+    output, as a training step's)."""
     from fusedpar import aot
 
     if (target, prim, bidirectional) in KNOWN_EXPOSED:
