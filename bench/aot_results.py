@@ -156,13 +156,18 @@ def markdown(rows) -> str:
             cells = ["{}/{}".format(*totals[(name, b)]) if (name, b) in totals else
                      "in kernel" for b in ("ring", "pallas")]
             out.append(f"| {name} | {cells[0]} | {cells[1]} |")
-        out += ["", "Overlap is not yet speed: at this size the replay predicts the lax ring "
-                "slower than the reference (forward and backward together) on H100, v5e and "
-                "v6e, and faster on v5p (with the better ring direction, 1.13-1.54x). Its steps are thin matmuls with a launch each, and "
-                "XLA overlaps the reference's own collectives with the other pass's "
-                "matmuls; see the *reference / predicted* column. Forward passes alone, "
-                "where nothing hides the reference's collective, are in "
-                "[RESULTS-aot-forward.md](RESULTS-aot-forward.md) (8 x H100).", ""]
+        out += ["", "Overlap is not yet speed. At this size, forward and backward together, "
+                "the replay predicts the lax ring (with the better direction) at 0.66-0.95x "
+                "the reference's speed on 8 x H100 (0.77-0.96x with cuBLAS), 0.82-1.05x on "
+                "v5e, 0.59-0.86x on v6e, and 1.14-1.38x on v5p: its steps are thin matmuls "
+                "with a launch each, and a gather's ring copies each product into a zeroed "
+                "output; the reference's backward hides its collective behind the other "
+                "gradient's matmul. `auto` now decides each pass (the backward's dual "
+                "primitive for its own shapes, counting that matmul): it is never predicted "
+                "slower than the reference here but for v6e ag_rows (0.96x), and is faster "
+                "where a ring pays (v5p rs_cols 1.22x, v5e rs_cols 1.06x). Forward passes "
+                "alone are in [RESULTS-aot-forward.md](RESULTS-aot-forward.md) (8 x H100).",
+                ""]
     for name in dict.fromkeys(r["target"] for r in ops):
         out += [f"## {name}", "", "| op | backend | ring | compiled (s) | hidden fwd | "
                 "hidden bwd | predicted (us) | bound (us) | predicted / bound | reference / "

@@ -95,17 +95,18 @@ def test_layer_programs_compile(target, layers, backend):
 def test_auto_picks_each_pass_on_its_own():
     """Under "auto" the backward's dual primitive is chosen for its own shapes, counting
     the other gradient's matmul that XLA runs beside the reference's collective: on 8 x
-    H100 at the bench size, ag_rows runs forward on the ring (the model estimates it
-    faster than an all-gather with nothing beside it) and its rs_rows gradient on the
-    reference (its reduce-scatter hides behind the weight gradient's matmul). Only
-    lowered: the choice is made at trace time."""
+    H100 with per device x (2048, 8192) @ w (8192, 2048), ag_rows runs forward on the
+    ring (the model estimates it faster than an all-gather with nothing beside it) and
+    its rs_rows gradient on the reference (its reduce-scatter hides behind the weight
+    gradient's matmul). Only lowered: the choice is made at trace time."""
     mesh = _mesh("h100x8")
-    program, args = progs.op_program(mesh, prims.AG_ROWS, "auto")
+    size = dict(rows=2048, k=8192, cols=2048)
+    program, args = progs.op_program(mesh, prims.AG_ROWS, "auto", **size)
     text = program.lower(*args).as_text(debug_info=True)  # with the name scopes
     assert "fusedpar.ag_rows.ring" in text
     assert "fusedpar.rs_rows.reference" in text and "fusedpar.rs_rows.ring" not in text
     # Asked for by name, the backward stays on that backend.
-    program, args = progs.op_program(mesh, prims.AG_ROWS, "ring")
+    program, args = progs.op_program(mesh, prims.AG_ROWS, "ring", **size)
     assert "fusedpar.rs_rows.ring" in program.lower(*args).as_text(debug_info=True)
 
 
