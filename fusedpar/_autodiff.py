@@ -6,10 +6,12 @@ same way the forward does, on the same backend — or, when the forward's backen
 picked by `backend="auto"`, on the one the same policy picks for each dual primitive's
 own shapes: a forward all-gather whose ring pays can have a gradient reduce-scatter
 whose ring does not (on 8 x H100 with per device x (2048, 8192) @ w (8192, 2048),
-ag_rows forward on the ring, its rs_rows gradient on the reference). With `keep_gathered` the forward of an
-all-gather returns the gathered operand as a residual and the other gradient is a local
-matmul; without it, that gradient gathers again (a second ring, less memory). A
-reduce-scatter's backward gathers the cotangent once and, with `keep_gathered`, reuses it.
+ag_rows forward on the ring, its rs_rows gradient on the reference).
+
+With `keep_gathered` the forward of an all-gather returns the gathered operand as a
+residual and the other gradient is a local matmul; without it, that gradient gathers
+again (a second ring, less memory). A reduce-scatter's backward gathers the cotangent
+once and, with `keep_gathered`, reuses it.
 
 Quantized communication (`comm_dtype`) is straight-through: the backward differentiates
 the lax expression on the operand the forward multiplied (the dequantized one, which is

@@ -164,7 +164,7 @@ def auto_choice(call: Call) -> tuple[str, str]:
         summary += f"; pallas cannot run it: {why_not}"
     if call.beside > 0:
         summary += (f"; the reference's collective can hide behind "
-                    f"{cost_model._fmt(call.beside)} of other matmuls")
+                    f"{call.beside * 1e6:.3g} us of other matmuls")
     ref, fast = est[REFERENCE].seconds, est[best].seconds
     if fast < AUTO_MARGIN * ref:
         return best, (f"{best} is estimated {ref / fast:.2f}x faster than reference "
