@@ -172,11 +172,7 @@ class OpSummary:
     matmuls: int
     exposed: int
     kernels: int
-    hideable: int = -1  # -1: as many as `transfers`
-
-    def __post_init__(self):
-        if self.hideable < 0:
-            object.__setattr__(self, "hideable", self.transfers)
+    hideable: int  # transfers some schedule could hide (`Transfer.hideable`)
 
     @property
     def verdict(self) -> str:

@@ -82,9 +82,11 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None):
             seconds = cost_model.matmul_seconds(
                 m, k, n, call.dtype, cost_model.get_hardware(None, call.target))
             call = dataclasses.replace(call, beside=seconds)
+        # `choose` picks only a backend that can run the call.
         choice = _dispatch.choose(call, _dispatch.AUTO, cfg.unroll)
         cfg = dataclasses.replace(cfg, backend=choice.backend,
                                   bidirectional=choice.bidirectional, unroll=choice.unroll)
+        return run(prim, cfg, x, w, return_gathered)
     why = _backends.get(cfg.backend).unavailable(call)
     if why is not None:
         raise NotImplementedError(
