@@ -48,7 +48,7 @@ def _passes(row) -> dict:
 
 def _compile(name, program, args):
     target, _, variant = name.partition(" ")
-    options = aot.gpu_compiler_options(variant == "cublas") if target.startswith("h100") else None
+    options = aot.compiler_options(target, variant == "cublas")
     start = time.perf_counter()
     compiled = program.lower(*args).compile(compiler_options=options)
     return compiled, time.perf_counter() - start

@@ -29,7 +29,7 @@ COMMS = {"bfloat16": None, "int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn}
 
 def ring_rows(target):
     mesh = aot.mesh(target, (8,), ("x",))
-    options = aot.gpu_compiler_options() if target.startswith("h100") else None
+    options = aot.compiler_options(target)
     base = {}
     for name, comm in COMMS.items():
         for prim in PRIMS:  # one program each: XLA on GPU merges permutes across ops

@@ -164,7 +164,7 @@ def compiled_transfers(targets=("h100x8", "v5e:2x4"), n=8, rows=1024, k=4096, co
 
     for target in targets:
         mesh = aot.mesh(target, (n,), ("x",))
-        options = aot.gpu_compiler_options() if target.startswith("h100") else None
+        options = aot.compiler_options(target)
         for name, op, kw, xs, ws, specs in [
             ("ag_rows", fusedpar.all_gather_matmul, dict(gather="lhs", dim=0),
              (n * rows, k), (k, cols), (P("x"), P())),

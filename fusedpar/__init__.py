@@ -36,6 +36,8 @@ from ._whole_model import shard_map_specs as shard_map_specs
 from ._xla_flags import (
     gpu_overlap_flags as gpu_overlap_flags,
     set_gpu_overlap_flags as set_gpu_overlap_flags,
+    set_overlap_flags as set_overlap_flags,
+    tpu_overlap_flags as tpu_overlap_flags,
 )
 
 __all__ = [
@@ -51,7 +53,7 @@ __all__ = [
     # quantized weights
     "QuantizedArray", "quantize",
     # GPU
-    "gpu_overlap_flags", "set_gpu_overlap_flags",
+    "gpu_overlap_flags", "set_gpu_overlap_flags", "set_overlap_flags", "tpu_overlap_flags",
 ]
 
 # Before JAX starts its CPU backend: threads enough for the TPU interpreter's simulated

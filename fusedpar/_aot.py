@@ -104,12 +104,24 @@ def gpu_compiler_options(cublas: bool = False) -> dict:
     """The `compiler_options` this package compiles GPU programs with: the XLA flags a
     ring needs to overlap (`fusedpar.gpu_overlap_flags`), and cuBLAS instead of Triton
     GEMMs with `cublas=True` (a real H100 may pick either)."""
-    from ._xla_flags import _FLAGS
+    from ._xla_flags import _GPU_FLAGS
 
-    options = {name: _flag_value(value) for name, value in _FLAGS}
+    options = {name: _flag_value(value) for name, value in _GPU_FLAGS}
     if cublas:
         options["xla_gpu_enable_triton_gemm"] = False
     return options
+
+
+def compiler_options(target: str, cublas: bool = False) -> dict:
+    """The `compiler_options` this package compiles `target`'s programs with, what
+    `fusedpar.set_overlap_flags()` sets for a program run on it: the GPU flags
+    (`gpu_compiler_options(cublas)`) for an H100 target, the TPU flags
+    (`fusedpar.tpu_overlap_flags()`) for a TPU slice."""
+    from ._xla_flags import _TPU_FLAGS
+
+    if _check_target(target)[0] == "gpu":
+        return gpu_compiler_options(cublas)
+    return {name: _flag_value(value) for name, value in _TPU_FLAGS}
 
 
 def _flag_value(value: str):

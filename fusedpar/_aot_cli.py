@@ -108,7 +108,7 @@ def main(argv=None):
     args = _parse(argv)
     from . import _aot as aot
 
-    options = aot.gpu_compiler_options(args.cublas) if args.target.startswith("h100") else {}
+    options = aot.compiler_options(args.target, args.cublas)
     rows = []
     for label, mesh, fn, arguments in _programs(args):
         start = time.perf_counter()

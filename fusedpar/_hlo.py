@@ -234,7 +234,9 @@ _PARAMETER = re.compile(r"\bparameter\((\d+)\)")
 def read_bytes(module: Module, i: Instruction, by_name: dict) -> int:
     """The bytes `i` reads from memory: each operand's, except that an operand only
     sliced (a `slice` or `dynamic-slice`, alone or inside the fusion) is read only
-    where the windows are: slicing one block out of a gathered buffer reads the block."""
+    where the windows are: slicing one block out of a gathered buffer reads the block;
+    and an operand a fusion only passes through (to its root tuple, or to a collective
+    whose transfer the DMA engines make) is not read by the fusion at all."""
     operands = [by_name.get(o) for o in i.operands]
     if i.opcode in _WINDOWS:
         return i.bytes + sum(o.bytes for o in operands[1:] if o is not None)
@@ -250,6 +252,7 @@ def _sliced_parameters(module: Module, computation: str, depth: int = 0) -> dict
     operand of a nested fusion that only slices it (the TPU compiler wraps a step's
     dynamic-slice in a loop fusion inside the matmul's fusion)."""
     inner = module.computations.get(computation, ())
+    root = module.roots.get(computation)
     found = {}
     for j in inner:
         number = _PARAMETER.search(j.line) if j.opcode == "parameter" else None
@@ -258,6 +261,8 @@ def _sliced_parameters(module: Module, computation: str, depth: int = 0) -> dict
             continue
         read = 0
         for u in users:
+            if _passes_through(u, root):
+                continue
             if u.opcode in _WINDOWS and u.operands[0] == j.name:
                 read += u.bytes
                 continue
@@ -272,6 +277,31 @@ def _sliced_parameters(module: Module, computation: str, depth: int = 0) -> dict
         if read is not None:
             found[int(number.group(1))] = read
     return found
+
+
+def _passes_through(user: Instruction, root: Optional[Instruction]) -> bool:
+    """Whether a fused computation's `user` of a value moves it without the compute
+    units: the root tuple returning it as it is (an output aliased to the operand, as
+    in the TPU compiler's asynchronous collective fusions, which thread the
+    collective's buffers through the matmuls running beside it), or a collective,
+    whose bytes the DMA engines move and the replay counts as a transfer."""
+    return ((user is root and user.opcode == "tuple")
+            or user.opcode.replace("-start", "") in COLLECTIVES)
+
+
+def written_bytes(module: Module, i: Instruction) -> int:
+    """The bytes `i` writes: its result's, less the parts of a fusion's tuple result that
+    its computation passes through from a parameter or takes from a collective (see
+    `_passes_through`)."""
+    for c in i.calls if i.opcode == "fusion" else ():
+        root = module.roots.get(c)
+        if root is None or root.opcode != "tuple":
+            continue
+        inner = {j.name: j for j in module.computations.get(c, ())}
+        return sum(inner[o].bytes for o in root.operands if o in inner
+                   and inner[o].opcode != "parameter"
+                   and inner[o].opcode.replace("-start", "") not in COLLECTIVES)
+    return i.bytes
 
 
 def collective_kind(module: Module, instruction: Instruction) -> Optional[str]:

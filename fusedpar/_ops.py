@@ -65,14 +65,28 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     comm_dtype = _quantize.comm_dtype("explain", "comm_dtype", comm_dtype)
     _, call = _validate.op_call(op, x, w, axis_size, gather, dim, bidirectional, comm_dtype)
     choice = _choose(call, backend, unroll, precision, options, where)
-    if where.platform == "gpu" and choice.backend != "reference":
-        missing = _xla_flags.missing_gpu_overlap_flags(choice.bidirectional)
-        if missing:  # XLA reads them once: say so, rather than set them behind your back
-            choice = dataclasses.replace(choice, reason=(
-                f"{choice.reason}; XLA_FLAGS lacks {' '.join(missing)}, which a GPU ring "
-                "needs for its transfers to overlap: call fusedpar.set_gpu_overlap_flags() "
-                "before JAX starts"))
+    missing = _missing_flags(where.platform, choice)
+    if missing:  # XLA reads them once: say so, rather than set them behind your back
+        choice = dataclasses.replace(choice, reason=f"{choice.reason}; {missing}")
     return choice
+
+
+def _missing_flags(platform: str, choice: Choice) -> str:
+    """What `explain` says of the overlap flags (`fusedpar.set_overlap_flags`) this
+    process's environment lacks on `platform`, or ""."""
+    if platform == "gpu" and choice.backend != "reference":
+        missing = _xla_flags.missing_overlap_flags("gpu", choice.bidirectional)
+        why = "which a GPU ring needs for its transfers to overlap"
+    elif platform == "tpu":
+        missing = _xla_flags.missing_overlap_flags("tpu")
+        why = ("which XLA's own all-gathers beside this op (an FSDP weight gather) need to "
+               "run beside matmuls")
+    else:
+        return ""
+    if not missing:
+        return ""
+    return (f"{_xla_flags.VARIABLES[platform]} lacks {' '.join(missing)}, {why}: call "
+            "fusedpar.set_overlap_flags() before JAX starts")
 
 
 def _choose(call, backend, unroll, precision, options, target) -> Choice:

@@ -151,7 +151,8 @@ class _Replay:
         if update is not None:  # reads and writes the update, not the buffer
             memory = 2 * update / self.hw.hbm_bandwidth
         else:
-            memory = (operand_bytes + i.bytes) / self.hw.hbm_bandwidth
+            written = _hlo.written_bytes(self.module, i)
+            memory = (operand_bytes + written) / self.hw.hbm_bandwidth
         if _hlo.is_matmul(i, self.multiplying):
             flops, dtype = self._matmul_flops(i, by_name)
             return max(flops / self._peak(dtype), memory) + self.hw.launch_overhead

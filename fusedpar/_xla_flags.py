@@ -1,28 +1,50 @@
-"""The XLA flags a GPU ring needs to overlap its transfers with the step kernels.
+"""The XLA flags that let the compiler overlap transfers with matmuls, per platform.
 
-On GPU the ring's `ppermute`s run on XLA's collective stream; XLA only schedules them to
-run while the previous step's matmul runs when its latency-hiding scheduler is on, and a
-bidirectional ring has two transfers in flight at once, which XLA allows only with a
-parallel collective overlap limit of 2 or more. Neither is on by default, and XLA reads
-its flags once, when the backend starts, so fusedpar never sets them behind your back:
+XLA reads its flags once, when JAX starts its backends, so fusedpar never sets them behind
+your back: call, at the top of your program, before the first JAX computation,
 
     import fusedpar
-    fusedpar.set_gpu_overlap_flags()  # before the first JAX computation
+    fusedpar.set_overlap_flags()
 
-or in the shell, before starting Python (`gpu_overlap_flags()` returns the string):
+which appends what is missing to `XLA_FLAGS` (GPU) and `LIBTPU_INIT_ARGS` (TPU, read by
+libtpu); flags you set yourself win. Or export the strings `gpu_overlap_flags()` and
+`tpu_overlap_flags()` return in the shell.
 
-    export XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_latency_hiding_scheduler=true \
-        --xla_gpu_experimental_parallel_collective_overlap_limit=2"
+- GPU: the ring's `ppermute`s run on XLA's collective stream; XLA only schedules them to
+  run while the previous step's matmul runs when its latency-hiding scheduler is on, and
+  a bidirectional ring has two transfers in flight at once, which XLA allows only with a
+  parallel collective overlap limit of 2 or more.
+- TPU: the ring's `ppermute`s overlap without flags. XLA's own all-gathers, all-reduces
+  and reduce-scatters (an FSDP layer's weight gather, a bias gradient's psum) run
+  synchronously; with the asynchronous collective fusion on, the compiler splits an
+  all-gather into steps fused into the matmuls that run beside it.
 """
 
 from __future__ import annotations
 
 import os
 
-_FLAGS = (
+_GPU_FLAGS = (
     ("xla_gpu_enable_latency_hiding_scheduler", "true"),
     ("xla_gpu_experimental_parallel_collective_overlap_limit", "2"),
 )
+# The "continuation fusion" of XLA's all-gathers, as MaxText sets it for TPU training.
+# Measured on an FSDP x TP block's training step (FSDP 2 x TP 4, compiled deviceless and
+# replayed): the forward weight gathers hidden, 51 -> 55 of 65 transfers on v6e:2x4
+# (6.38 -> 6.10 ms predicted), 45 -> 49 of 59 on v5p:2x2x2 and v4:2x2x2 (12.15 -> 11.70
+# ms on v4); v5e's compiler leaves the program as it was. We leave out the same fusion
+# for all-reduces and reduce-scatters: on v6e it hid the bias gradients' psums too (58 of
+# 66, 6.02 ms), but libtpu then ran out of scoped VMEM compiling the step for v5e and
+# v5p, and a larger `xla_tpu_scoped_vmem_limit_kib` does not fit v4. The weight
+# gradients' reduce-scatters stay synchronous with every flag we tried.
+_TPU_FLAGS = (
+    ("xla_tpu_enable_async_collective_fusion", "true"),
+    ("xla_tpu_enable_async_collective_fusion_fuse_all_gather", "true"),
+    ("xla_tpu_enable_async_collective_fusion_multiple_steps", "true"),
+    ("xla_tpu_overlap_compute_collective_tc", "true"),
+    ("xla_enable_async_all_gather", "true"),
+)
+VARIABLES = {"gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
 
 
 def gpu_overlap_flags(bidirectional: bool = True) -> str:
@@ -33,14 +55,32 @@ def gpu_overlap_flags(bidirectional: bool = True) -> str:
     - `bidirectional`: include the collective overlap limit of 2 that a bidirectional
       ring needs (both directions' transfers in flight at once).
     """
-    flags = _FLAGS if bidirectional else _FLAGS[:1]
+    return _join(_GPU_FLAGS if bidirectional else _GPU_FLAGS[:1])
+
+
+def tpu_overlap_flags() -> str:
+    """The libtpu flags (one string, `LIBTPU_INIT_ARGS` syntax) that let XLA run its own
+    collectives on a TPU (an FSDP weight gather, a gradient's psum) beside the matmuls."""
+    return _join(_TPU_FLAGS)
+
+
+def _join(flags) -> str:
     return " ".join(f"--{name}={value}" for name, value in flags)
 
 
-def missing_gpu_overlap_flags(bidirectional: bool = True) -> list[str]:
-    """The flags of `gpu_overlap_flags(bidirectional)` that `XLA_FLAGS` does not set."""
-    present = {f.split("=")[0].lstrip("-") for f in os.environ.get("XLA_FLAGS", "").split()}
-    return [f for f in gpu_overlap_flags(bidirectional).split()
+def _flags(platform: str, bidirectional: bool = True) -> str:
+    return gpu_overlap_flags(bidirectional) if platform == "gpu" else tpu_overlap_flags()
+
+
+def _names(flags: str) -> set:
+    return {f.split("=")[0].lstrip("-") for f in flags.split()}
+
+
+def missing_overlap_flags(platform: str, bidirectional: bool = True) -> list[str]:
+    """The flags of `platform`'s overlap flags ("gpu" or "tpu") that its environment
+    variable (`XLA_FLAGS`, `LIBTPU_INIT_ARGS`) does not set."""
+    present = _names(os.environ.get(VARIABLES[platform], ""))
+    return [f for f in _flags(platform, bidirectional).split()
             if f.split("=")[0].lstrip("-") not in present]
 
 
@@ -52,6 +92,20 @@ def _backends_started() -> bool:
     return bool(getattr(xla_bridge, "_backends", None))
 
 
+def _set(where: str, platform: str, bidirectional: bool = True) -> str:
+    variable = VARIABLES[platform]
+    if _backends_started():
+        raise RuntimeError(
+            f"{where}() must run before JAX starts its backends (the first computation or "
+            f"jax.devices()): XLA has already read {variable}. Call it at the top of your "
+            f"program, or export {variable}=\"{_flags(platform, bidirectional)}\" in the "
+            "shell.")
+    current = os.environ.get(variable, "")
+    wanted = missing_overlap_flags(platform, bidirectional)
+    os.environ[variable] = " ".join([current] + wanted).strip()
+    return os.environ[variable]
+
+
 def set_gpu_overlap_flags(bidirectional: bool = True) -> str:
     """Append `gpu_overlap_flags()` to the `XLA_FLAGS` environment variable.
 
@@ -61,15 +115,18 @@ def set_gpu_overlap_flags(bidirectional: bool = True) -> str:
 
     Raises `RuntimeError` if JAX's backends have already started.
     """
-    if _backends_started():
-        raise RuntimeError(
-            "set_gpu_overlap_flags() must run before JAX starts its backends (the first "
-            "computation or jax.devices()): XLA has already read XLA_FLAGS. Call it at the "
-            "top of your program, or export XLA_FLAGS=\"" + gpu_overlap_flags(bidirectional)
-            + "\" in the shell.")
-    current = os.environ.get("XLA_FLAGS", "")
-    present = {f.split("=")[0].lstrip("-") for f in current.split()}
-    wanted = [f for f in gpu_overlap_flags(bidirectional).split()
-              if f.split("=")[0].lstrip("-") not in present]
-    os.environ["XLA_FLAGS"] = " ".join([current] + wanted).strip()
-    return os.environ["XLA_FLAGS"]
+    return _set("set_gpu_overlap_flags", "gpu", bidirectional)
+
+
+def set_overlap_flags() -> dict:
+    """Append the GPU flags (`gpu_overlap_flags()`) to `XLA_FLAGS` and the TPU flags
+    (`tpu_overlap_flags()`) to `LIBTPU_INIT_ARGS`: one call, whichever platform the
+    program runs on (each platform reads only its own variable).
+
+    Flags already set are kept as they are (yours win). Call it before JAX starts its
+    backends (the first computation or `jax.devices()`): XLA reads the flags once.
+    Returns the two variables' new values, by name.
+
+    Raises `RuntimeError` if JAX's backends have already started.
+    """
+    return {VARIABLES[p]: _set("set_overlap_flags", p) for p in ("gpu", "tpu")}

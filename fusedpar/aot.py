@@ -32,6 +32,7 @@ from ._aot import (
     OpSummary as OpSummary,
     Report as Report,
     Transfer as Transfer,
+    compiler_options as compiler_options,
     devices as devices,
     gpu_compiler_options as gpu_compiler_options,
     mesh as mesh,

@@ -36,7 +36,7 @@ def _mesh(target, shape=(8,), axes=("x",)):
 def _compile(target, program, args):
     from fusedpar import aot
 
-    options = aot.gpu_compiler_options() if target.startswith("h100") else None
+    options = aot.compiler_options(target)
     return program.lower(*args).compile(compiler_options=options)
 
 

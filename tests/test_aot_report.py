@@ -246,3 +246,43 @@ def test_a_slice_reads_its_window_not_the_buffer():
     # The TPU compiler's step matmul: its window cut by a loop fusion nested inside the
     # matmul's own fusion. It reads the window, the index and the other operand.
     assert _hlo.read_bytes(module, by_name["step"], by_name) == window + 4 + 8 * 8 * 2
+
+
+# The TPU compiler's asynchronous collective fusion (continuation fusion, with
+# `fusedpar.tpu_overlap_flags()`): a matmul fusion also runs a step of an all-gather and
+# threads the collective's buffers through its tuple result, aliased to its operands.
+CONTINUATION = """\
+HloModule continuation, is_scheduled=true
+
+%fused_step (p0: bf16[64,128], p1: bf16[128,128], p2: bf16[8,128], p3: bf16[128,128]) -> (f32[8,128], bf16[64,128], bf16[128,128], bf16[128,128]) {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = bf16[128,128]{1,0} parameter(1)
+  %p2 = bf16[8,128]{1,0} parameter(2)
+  %p3 = bf16[128,128]{1,0} parameter(3)
+  %c = f32[8,128]{1,0} convolution(%p2, %p3), dim_labels=bf_io->bf
+  %ag = bf16[128,128]{1,0} all-gather(%p0), replica_groups={{0,1}}, dimensions={0}
+  ROOT %t = (f32[8,128]{1,0}, bf16[64,128]{1,0}, bf16[128,128]{1,0}, bf16[128,128]{1,0}) tuple(%c, %p0, %p1, %ag)
+}
+
+ENTRY %main (x: bf16[64,128], b: bf16[128,128], y: bf16[8,128], w: bf16[128,128]) -> (f32[8,128], bf16[64,128], bf16[128,128], bf16[128,128]) {
+  %x = bf16[64,128]{1,0} parameter(0)
+  %b = bf16[128,128]{1,0} parameter(1)
+  %y = bf16[8,128]{1,0} parameter(2)
+  %w = bf16[128,128]{1,0} parameter(3)
+  ROOT %step = (f32[8,128]{1,0}, bf16[64,128]{1,0}, bf16[128,128]{1,0}, bf16[128,128]{1,0}) fusion(%x, %b, %y, %w), kind=kOutput, output_to_operand_aliasing={{1}: (0, {}), {2}: (1, {}), {3}: (1, {})}, calls=%fused_step
+}
+"""
+
+
+def test_a_continuation_fusion_moves_only_its_matmuls_bytes():
+    # The buffers a fusion passes through (to its root tuple, or to a collective the DMA
+    # engines run) are neither read nor written by it: charged in full, the step matmuls
+    # of an FSDP x TP block on v6e took 109 us each instead of 20 (a 32 MB weight buffer
+    # threaded through each).
+    module = _hlo.parse(CONTINUATION)
+    entry = module.computations[module.entry]
+    by_name = {i.name: i for i in entry}
+    step = by_name["step"]
+    assert _hlo.read_bytes(module, step, by_name) == 8 * 128 * 2 + 128 * 128 * 2
+    assert _hlo.written_bytes(module, step) == 8 * 128 * 4
+    assert step.bytes > 10 * _hlo.written_bytes(module, step)  # what it was charged

@@ -37,7 +37,7 @@ def sent(target, comm):
     the ring's forward with `comm` ("bfloat16", "int8", "float8_e4m3fn") compiled for
     `target`."""
     mesh = aot.mesh(target, (8,), ("x",))
-    options = aot.gpu_compiler_options() if target.startswith("h100") else None
+    options = aot.compiler_options(target)
     out = {}
     for prim in PRIMS:  # one program each: XLA on GPU merges permutes across ops
         fn, args = _aot_programs.comm_program(

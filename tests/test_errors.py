@@ -627,7 +627,7 @@ PARALLELIZE = [
 
 def _late_flags():
     jax.devices()  # JAX's backends are up (as in any test)
-    return fusedpar.set_gpu_overlap_flags()
+    return fusedpar.set_overlap_flags()
 
 
 COST_MODEL = [
@@ -646,7 +646,7 @@ COST_MODEL = [
     Row("cost model", "unknown op",
         lambda: fusedpar.cost_model.estimate("allgather", (8, 128), (128, 128), 4),
         ValueError, ("allgather",)),
-    Row("XLA flags", "set_gpu_overlap_flags after JAX started", _late_flags, RuntimeError,
+    Row("XLA flags", "set_overlap_flags after JAX started", _late_flags, RuntimeError,
         ("must run before JAX starts its backends", "export XLA_FLAGS=")),
 ]
 

@@ -141,10 +141,30 @@ def test_set_gpu_overlap_flags_keeps_the_users_flags(monkeypatch):
     assert fusedpar.set_gpu_overlap_flags() == flags  # idempotent
 
 
+def test_set_overlap_flags_sets_both_platforms(monkeypatch):
+    from fusedpar import _xla_flags
+
+    monkeypatch.setattr(_xla_flags, "_backends_started", lambda: False)
+    monkeypatch.setenv("XLA_FLAGS", "--foo=1")
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_enable_async_collective_fusion=false")
+    env = fusedpar.set_overlap_flags()
+    assert env["XLA_FLAGS"].split() == ["--foo=1"] + fusedpar.gpu_overlap_flags().split()
+    tpu = fusedpar.tpu_overlap_flags().split()
+    assert env["LIBTPU_INIT_ARGS"].split() == (
+        ["--xla_tpu_enable_async_collective_fusion=false"] + tpu[1:])  # yours win
+    assert tpu[0] == "--xla_tpu_enable_async_collective_fusion=true"
+    assert fusedpar.set_overlap_flags() == env  # idempotent
+    import os
+
+    assert os.environ["LIBTPU_INIT_ARGS"] == env["LIBTPU_INIT_ARGS"]
+
+
 def test_set_gpu_overlap_flags_too_late():
     jax.devices()  # the test session's backends are up: XLA has read its flags
     with pytest.raises(RuntimeError, match="before JAX starts its backends"):
         fusedpar.set_gpu_overlap_flags()
+    with pytest.raises(RuntimeError, match="XLA has already read XLA_FLAGS"):
+        fusedpar.set_overlap_flags()
 
 
 def test_set_gpu_overlap_flags_before_jax_starts():

@@ -34,7 +34,7 @@ KNOWN_EXPOSED = {("v5p:2x2x2", prims.RS_ROWS, True):
 def _report(target, cublas, program, args):
     from fusedpar import aot
 
-    options = aot.gpu_compiler_options(cublas) if target.startswith("h100") else None
+    options = aot.compiler_options(target, cublas)
     report = aot.overlap(program.lower(*args).compile(compiler_options=options))
     assert report.total > 0, report.markdown()
     return report
@@ -93,3 +93,24 @@ def test_layers_hide_every_transfer(target, cublas, layers):
     # fusedpar layer) are not a ring's to hide.
     ring = [s for s in report.ops if s.op[0] in prims.PRIMITIVES]
     assert ring and all(s.hidden == s.transfers for s in ring), report.markdown()
+
+
+def test_tpu_overlap_flags_hide_the_fsdp_weight_gathers():
+    """XLA's own all-gathers (an FSDP block's forward weight gathers) run synchronously on
+    a TPU unless `fusedpar.tpu_overlap_flags()` are set; with them the compiler fuses
+    their steps into the matmuls beside them."""
+    from fusedpar import aot
+
+    build, shape, axes, size = LAYERS["block"]
+    mesh = aot.mesh("v6e:2x4", shape, axes)
+    program, args = build(mesh, "ring", **size)
+    lowered = program.lower(*args)
+
+    def gathers(options):
+        report = aot.overlap(lowered.compile(compiler_options=options))
+        return [t for t in report.transfers if t.kind == "all-gather" and t.hideable
+                and t.op[2] == "forward"]
+
+    without, with_flags = gathers(None), gathers(aot.compiler_options("v6e:2x4"))
+    assert without and not any(t.hidden for t in without)
+    assert with_flags and all(t.hidden for t in with_flags), with_flags

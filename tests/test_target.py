@@ -136,7 +136,7 @@ def test_requests_that_contradict_the_target():
 
 
 @needs_aot
-def test_explain_reports_missing_gpu_flags(monkeypatch):
+def test_explain_reports_missing_overlap_flags(monkeypatch):
     x = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
     h100 = _aot_mesh("h100x8")
@@ -144,9 +144,17 @@ def test_explain_reports_missing_gpu_flags(monkeypatch):
     choice = fusedpar.explain(AGM, x, w, 8, backend="ring", bidirectional=True, target=h100)
     assert ("XLA_FLAGS lacks --xla_gpu_enable_latency_hiding_scheduler=true "
             "--xla_gpu_experimental_parallel_collective_overlap_limit=2") in choice.reason
-    assert "fusedpar.set_gpu_overlap_flags()" in choice.reason
+    assert "fusedpar.set_overlap_flags()" in choice.reason
     monkeypatch.setenv("XLA_FLAGS", fusedpar.gpu_overlap_flags())
     choice = fusedpar.explain(AGM, x, w, 8, backend="ring", bidirectional=True, target=h100)
-    assert "XLA_FLAGS lacks" not in choice.reason
-    v5e = fusedpar.explain(AGM, x, w, 8, backend="ring", target=_aot_mesh("v5e:2x4"))
-    assert "XLA_FLAGS" not in v5e.reason  # TPU: nothing to set
+    assert "lacks" not in choice.reason
+    # TPU: the flags of XLA's own collectives, read from LIBTPU_INIT_ARGS.
+    v5e = _aot_mesh("v5e:2x4")
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_enable_async_all_gather=false")
+    choice = fusedpar.explain(AGM, x, w, 8, backend="ring", target=v5e)
+    assert "XLA_FLAGS" not in choice.reason
+    missing = [f for f in fusedpar.tpu_overlap_flags().split()
+               if not f.startswith("--xla_enable_async_all_gather=")]  # the user's wins
+    assert f"LIBTPU_INIT_ARGS lacks {' '.join(missing)}, which XLA's own" in choice.reason
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", fusedpar.tpu_overlap_flags())
+    assert "lacks" not in fusedpar.explain(AGM, x, w, 8, backend="ring", target=v5e).reason
