@@ -357,7 +357,11 @@ def _transfer(module, i, kind, by_name, computation, matmuls, hideable=True) -> 
     nbytes = sum(_hlo.shape_bytes(s) for s in shapes)
     laid_out = sum(_hlo.laid_out_bytes(s) for s in shapes)
     arrays = tuple(a for s in shapes for a in _hlo.array_shapes(s))
-    return Transfer(i.name, kind, _op_of(_hlo.op_name(module, i)), nbytes, computation,
+    # A collective the compiler wrapped without a name (a TPU reduce-scatter fusion)
+    # belongs to the op whose result it sends.
+    name = _hlo.op_name(module, i) or next(
+        (_hlo.op_name(module, o) for o in operands if o is not None), "")
+    return Transfer(i.name, kind, _op_of(name), nbytes, computation,
                     matmuls, laid_out, arrays, hideable or bool(matmuls))
 
 

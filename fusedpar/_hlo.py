@@ -313,7 +313,24 @@ def collective_kind(module: Module, instruction: Instruction) -> Optional[str]:
     if op == "async-start" or is_async_start(instruction):
         inner = collective_inside(module, instruction)
         return None if inner is None else inner.opcode.replace("-start", "")
+    if op == "fusion" and not instruction.name.startswith("async-collective-done"):
+        return _fused_collective(module, instruction)
     return None
+
+
+def _fused_collective(module: Module, fusion: Instruction) -> Optional[str]:
+    """The synchronous collective a fusion is, else None. The TPU compiler wraps a
+    reduce-scatter in a fusion (`%all-reduce-scatter`: an all-reduce of the padded input
+    and the slice each device keeps); a fusion with a matmul beside its collective is a
+    step of an asynchronous collective fusion (its transfer is the start's)."""
+    inner = list(_inside(module, fusion))
+    collective = next((j for j in inner if j.opcode in COLLECTIVES), None)
+    if collective is None or any(_is_matmul_itself(j) for j in inner):
+        return None
+    root = module.roots.get(fusion.calls[0]) if fusion.calls else None
+    if collective.opcode == "all-reduce" and root is not None and root.opcode == "dynamic-slice":
+        return "reduce-scatter"
+    return collective.opcode
 
 
 def _inside(module: Module, instruction: Instruction):
