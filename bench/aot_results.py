@@ -159,14 +159,18 @@ def markdown(rows) -> str:
         out += ["", "Overlap is not yet speed. At this size, forward and backward together, "
                 "the replay predicts the lax ring (with the better direction) at 0.66-0.95x "
                 "the reference's speed on 8 x H100 (0.77-0.96x with cuBLAS), 0.82-1.05x on "
-                "v5e, 0.59-0.86x on v6e, and 1.14-1.38x on v5p: its steps are thin matmuls "
+                "v5e, 0.58-1.00x on v6e, and 1.15-1.44x on v5p: its steps are thin matmuls "
                 "with a launch each, and a gather's ring copies each product into a zeroed "
                 "output; the reference's backward hides its collective behind the other "
-                "gradient's matmul. `auto` now decides each pass (the backward's dual "
-                "primitive for its own shapes, counting that matmul): it is never predicted "
-                "slower than the reference here but for v6e ag_rows (0.96x), and is faster "
-                "where a ring pays (v5p rs_cols 1.22x, v5e rs_cols 1.06x). Forward passes "
-                "alone are in [RESULTS-aot-forward.md](RESULTS-aot-forward.md) (8 x H100).",
+                "gradient's matmul. `auto` decides each pass (the backward's dual primitive "
+                "for its own shapes, counting that matmul): it is never predicted slower "
+                "than the reference here but for v6e ag_rows (0.99x), and is faster where a "
+                "ring pays (ag_cols 1.36x on v5e, 1.30x on v6e, 1.26x on v5p; v5p rs_cols "
+                "1.23x, v5e rs_cols 1.06x). TPU programs are compiled with "
+                "`fusedpar.tpu_overlap_flags()`, GPU ones with `gpu_overlap_flags()` (what "
+                "`fusedpar.set_overlap_flags()` sets for a program that runs). Forward "
+                "passes alone are in [RESULTS-aot-forward.md](RESULTS-aot-forward.md) (8 x "
+                "H100).",
                 ""]
     for name in dict.fromkeys(r["target"] for r in ops):
         out += [f"## {name}", "", "| op | backend | ring | compiled (s) | hidden fwd | "
@@ -205,7 +209,16 @@ def markdown(rows) -> str:
                 "gradient sums, the loss). *Hidden / hideable / transfers*: transfers with a "
                 "matmul in flight / those the program has a matmul for that neither feeds "
                 "them nor waits for them (`Transfer.hideable`: a schedule could hide them) / "
-                "all.", "",
+                "all. On TPU the flags make XLA run its FSDP weight gathers in steps inside "
+                "the matmuls beside them (the block's ring hides 55 of 66 transfers on v6e, "
+                "49 of 60 on v5p; v5e's compiler leaves the program as it was); the weight "
+                "gradients' reduce-scatters stay synchronous. The replay reads the TPU "
+                "compiler's fused reduce-scatter (an all-reduce and the kept slice, in one "
+                "fusion) as the transfer it is: it had cost the reference's gradient "
+                "reduce-scatters nothing on the links. `auto` is predicted faster than the "
+                "reference for the MLP on every target (1.06x on H100 and v5e, 1.31x on "
+                "v5p, 1.45x on v6e) and at 1.01x (H100), 0.92x (v5e), 1.12x (v5p) and 0.99x "
+                "(v6e) for the block.", "",
                 "| target | program | backend | compiled (s) | hidden / hideable / transfers | "
                 "predicted (us) | bound (us) |", "|---|---|---|---:|---:|---:|---:|"]
         for r in layers:

@@ -52,7 +52,7 @@ __all__ = [
     "Column", "Row", "FSDP", "Rule", "Drop",
     # quantized weights
     "QuantizedArray", "quantize",
-    # GPU
+    # XLA flags (GPU and TPU)
     "gpu_overlap_flags", "set_gpu_overlap_flags", "set_overlap_flags", "tpu_overlap_flags",
 ]
 

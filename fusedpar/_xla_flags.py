@@ -29,13 +29,13 @@ _GPU_FLAGS = (
     ("xla_gpu_experimental_parallel_collective_overlap_limit", "2"),
 )
 # The "continuation fusion" of XLA's all-gathers, as MaxText sets it for TPU training.
-# Measured on an FSDP x TP block's training step (FSDP 2 x TP 4, compiled deviceless and
-# replayed): the forward weight gathers hidden, 51 -> 55 of 65 transfers on v6e:2x4
-# (6.38 -> 6.10 ms predicted), 45 -> 49 of 59 on v5p:2x2x2 and v4:2x2x2 (12.15 -> 11.70
-# ms on v4); v5e's compiler leaves the program as it was. We leave out the same fusion
-# for all-reduces and reduce-scatters: on v6e it hid the bias gradients' psums too (58 of
-# 66, 6.02 ms), but libtpu then ran out of scoped VMEM compiling the step for v5e and
-# v5p, and a larger `xla_tpu_scoped_vmem_limit_kib` does not fit v4. The weight
+# Measured on an FSDP x TP block's training step (FSDP 2 x TP 4, ring backend, compiled
+# deviceless and replayed): the forward weight gathers hidden, 51 -> 55 of 66 transfers
+# on v6e:2x4 (6.43 -> 6.15 ms predicted), 45 -> 49 of 60 on v5p:2x2x2 (6.30 -> 5.90 ms)
+# and v4:2x2x2 (12.28 -> 11.83 ms); v5e's compiler leaves the program as it was. We
+# leave out the same fusion for all-reduces and reduce-scatters: on v6e it also hid the
+# bias gradients' psums, but libtpu then ran out of scoped VMEM compiling the step for
+# v5e and v5p, and a larger `xla_tpu_scoped_vmem_limit_kib` does not fit v4. The weight
 # gradients' reduce-scatters stay synchronous with every flag we tried.
 _TPU_FLAGS = (
     ("xla_tpu_enable_async_collective_fusion", "true"),
