@@ -8,8 +8,10 @@ device, per-hop latency, launch overhead — each preset cites its spec sheet):
 - the compute stream runs the instructions in schedule order; a matmul (a dot or
   convolution, alone or in a fusion, a cuBLAS call, a Pallas kernel) costs its roofline,
   `max(flops / (peak * efficiency), bytes / HBM bandwidth)`, plus a launch; any other
-  kernel costs its bytes over HBM bandwidth (an in-place update only its update's);
-  bookkeeping (parameters, tuples, bitcasts) is free;
+  kernel costs its bytes over HBM bandwidth (an in-place update only its update's; a
+  fusion not the buffers it passes through untouched, as the TPU compiler's
+  asynchronous collective fusions do); bookkeeping (parameters, tuples, bitcasts, the
+  TPU compiler's `ConcatBitcast` of slices it placed side by side) is free;
 - an asynchronous collective starts when the compute stream reaches its `-start` and
   runs beside it; its `-done` makes the compute stream wait for it. A transfer costs
   its latency plus its bytes over the bandwidth one device sends with (`hops` times for a
@@ -17,7 +19,8 @@ device, per-hop latency, launch overhead — each preset cites its spec sheet):
   egress where the links are shared (NVSwitch), and each has its own link where the
   device has one per neighbour (a TPU torus);
 - a synchronous collective (and the whole-array collectives of the reference, as a ring
-  of `N - 1` hops) blocks the compute stream for its duration;
+  of `N - 1` hops; the TPU compiler's reduce-scatter wrapped in a fusion too) blocks the
+  compute stream for its duration;
 - a `while` loop runs its body as many times as XLA knows it iterates.
 
 The lower bound of the same program is `max(compute, communication)`: every matmul and
@@ -36,6 +39,9 @@ from . import _hlo
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "copy-start",
          "copy-done", "after-all", "partition-id", "replica-id", "opt-barrier",
          "optimization-barrier", "add-dependency", "get-dimension-size"}
+# Custom calls that move nothing: the TPU compiler's concatenation of slices it already
+# placed side by side in memory (a bitcast of their buffers).
+_FREE_TARGETS = {"ConcatBitcast"}
 _DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64",
                 "s8": "int8", "u8": "uint8", "s32": "int32",
                 "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2"}
@@ -144,7 +150,7 @@ class _Replay:
 
     def _kernel_time(self, i, by_name) -> float:
         if (i.opcode in _FREE or i.opcode.endswith("-done") or _hlo.is_async_start(i)
-                or i.name.startswith("async-collective-done")):
+                or i.name.startswith("async-collective-done") or i.target in _FREE_TARGETS):
             return 0.0
         operand_bytes = _hlo.read_bytes(self.module, i, by_name)
         update = _hlo.in_place_bytes(self.module, i, by_name)
