@@ -279,6 +279,11 @@ def _sliced_parameters(module: Module, computation: str, depth: int = 0) -> dict
     return found
 
 
+def is_collective(i: Instruction) -> bool:
+    """Whether `i` is a collective (`COLLECTIVES`) or the start of one."""
+    return i.opcode.replace("-start", "") in COLLECTIVES
+
+
 def _passes_through(user: Instruction, root: Optional[Instruction]) -> bool:
     """Whether a fused computation's `user` of a value moves it without the compute
     units: the root tuple returning it as it is (an output aliased to the operand, as
@@ -286,7 +291,7 @@ def _passes_through(user: Instruction, root: Optional[Instruction]) -> bool:
     collective's buffers through the matmuls running beside it), or a collective,
     whose bytes the DMA engines move and the replay counts as a transfer."""
     return ((user is root and user.opcode == "tuple")
-            or user.opcode.replace("-start", "") in COLLECTIVES)
+            or is_collective(user))
 
 
 def written_bytes(module: Module, i: Instruction) -> int:
@@ -299,8 +304,7 @@ def written_bytes(module: Module, i: Instruction) -> int:
             continue
         inner = {j.name: j for j in module.computations.get(c, ())}
         return sum(inner[o].bytes for o in root.operands if o in inner
-                   and inner[o].opcode != "parameter"
-                   and inner[o].opcode.replace("-start", "") not in COLLECTIVES)
+                   and inner[o].opcode != "parameter" and not is_collective(inner[o]))
     return i.bytes
 
 
@@ -350,8 +354,8 @@ def _inside(module: Module, instruction: Instruction):
 def collective_inside(module: Module, instruction: Instruction) -> Optional[Instruction]:
     """The collective instruction an async wrapper runs (its replica groups, its
     op_name), found through the computations it calls; None if there is none."""
-    return next((inner for inner in _inside(module, instruction)
-                 if inner.opcode.replace("-start", "") in COLLECTIVES), None)
+    return next((inner for inner in _inside(module, instruction) if is_collective(inner)),
+                None)
 
 
 def op_name(module: Module, i: Instruction) -> str:
