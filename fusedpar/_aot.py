@@ -106,7 +106,7 @@ def gpu_compiler_options(cublas: bool = False) -> dict:
     GEMMs with `cublas=True` (a real H100 may pick either)."""
     from ._xla_flags import _GPU_FLAGS
 
-    options = {name: _flag_value(value) for name, value in _GPU_FLAGS}
+    options = _options(_GPU_FLAGS)
     if cublas:
         options["xla_gpu_enable_triton_gemm"] = False
     return options
@@ -121,11 +121,14 @@ def compiler_options(target: str, cublas: bool = False) -> dict:
 
     if _check_target(target)[0] == "gpu":
         return gpu_compiler_options(cublas)
-    return {name: _flag_value(value) for name, value in _TPU_FLAGS}
+    return _options(_TPU_FLAGS)
 
 
-def _flag_value(value: str):
-    return {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
+def _options(flags) -> dict:
+    """`compiler_options` from `(name, value)` flag pairs, values typed."""
+    typed = {"true": True, "false": False}
+    return {name: typed.get(value, int(value) if value.isdigit() else value)
+            for name, value in flags}
 
 
 # -- what overlaps ------------------------------------------------------------------------

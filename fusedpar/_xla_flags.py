@@ -60,7 +60,7 @@ def gpu_overlap_flags(bidirectional: bool = True) -> str:
 
 def tpu_overlap_flags() -> str:
     """The libtpu flags (one string, `LIBTPU_INIT_ARGS` syntax) that let XLA run its own
-    collectives on a TPU (an FSDP weight gather, a gradient's psum) beside the matmuls."""
+    all-gathers on a TPU (an FSDP weight gather) beside the matmuls."""
     return _join(_TPU_FLAGS)
 
 
@@ -72,16 +72,15 @@ def _flags(platform: str, bidirectional: bool = True) -> str:
     return gpu_overlap_flags(bidirectional) if platform == "gpu" else tpu_overlap_flags()
 
 
-def _names(flags: str) -> set:
-    return {f.split("=")[0].lstrip("-") for f in flags.split()}
+def _name(flag: str) -> str:
+    return flag.split("=")[0].lstrip("-")
 
 
 def missing_overlap_flags(platform: str, bidirectional: bool = True) -> list[str]:
     """The flags of `platform`'s overlap flags ("gpu" or "tpu") that its environment
     variable (`XLA_FLAGS`, `LIBTPU_INIT_ARGS`) does not set."""
-    present = _names(os.environ.get(VARIABLES[platform], ""))
-    return [f for f in _flags(platform, bidirectional).split()
-            if f.split("=")[0].lstrip("-") not in present]
+    present = {_name(f) for f in os.environ.get(VARIABLES[platform], "").split()}
+    return [f for f in _flags(platform, bidirectional).split() if _name(f) not in present]
 
 
 def _backends_started() -> bool:
