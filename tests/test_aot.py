@@ -143,3 +143,18 @@ def test_cost_model_agrees_with_the_schedule():
 
 
 ROWS, K, COLS = progs.ROWS, progs.K, progs.COLS
+
+
+@pytest.mark.parametrize("target", ("h100x8", "v5e:2x4"))
+def test_ring_gather_buffers_are_not_copied(target):
+    """ag_rows' output and its gathered residual (one shape here: k == cols) start as two
+    buffers of their own. Filled from one constant, XLA merged them into one broadcast
+    and copied all of it for the second in-place fill (`ring._blank`)."""
+    from fusedpar import _hlo
+
+    program, args = progs.op_program(_mesh(target), prims.AG_ROWS, "ring", **SIZE)
+    module = _hlo.parse(_compile(target, program, args).as_text())
+    gathered = f"bf16[{8 * SIZE['rows']},{SIZE['k']}]"
+    copies = [i.name for instructions in module.computations.values() for i in instructions
+              if i.opcode in ("copy", "copy-start") and str(i.shape).startswith(gathered)]
+    assert not copies, copies

@@ -232,18 +232,36 @@ def ring_reduce_scatter(cfg, accumulate, out_len, axis):
 # -- the five primitives on the loops, given a backend's step functions -------------------
 
 
-def gathered_buffer(cfg, travelling, axis):
-    shape = list(travelling.shape)
+def _blank(shape, dtype, operand, last=False):
+    """A buffer of `shape` that a gather's steps overwrite in full (its values never show).
+
+    Its fill is zero times the first (or with `last` the last) element of `operand`, not
+    the constant 0: XLA merges equal constant broadcasts, and where two gathers (the
+    output and the gathered residual of one op, or two ops with outputs of one shape)
+    update a single broadcast in place, it copies the whole buffer for the second one. On
+    v5e an FSDP x TP block's training step spent 0.57 ms of 14.7 in such copies. The
+    operand is the activations, never a weight: reading an element of a weight that XLA
+    all-gathers (FSDP) keeps the TPU compiler from fusing that all-gather into the matmuls.
+    """
+    if operand.size == 0:
+        return jnp.zeros(shape, dtype)
+    flat = operand.reshape(-1)
+    return jnp.broadcast_to(flat[-1 if last else 0].astype(dtype) * 0, shape)
+
+
+def gathered_buffer(cfg, own, axis):
+    """The buffer the pieces of `own` fill in, the gathered residual."""
+    shape = list(own.shape)
     shape[axis] *= cfg.axis_size
-    return jnp.zeros(shape, travelling.dtype)
+    return _blank(shape, own.dtype, own)
 
 
 def gather_out(prim, cfg, x, w):
-    """The zero output an all-gather's steps fill in (`ag_contract` sums in f32)."""
-    dtype = cfg.out_dtype
+    """The output an all-gather's steps fill in (`ag_contract` sums in f32 from zero)."""
+    shape = prims.out_shape(prim, x.shape, w.shape, cfg.axis_size)
     if prim == prims.AG_CONTRACT:  # summed over the steps: keep it in f32 until the end
-        dtype = _definition.accumulation_dtype(x.dtype)
-    return jnp.zeros(prims.out_shape(prim, x.shape, w.shape, cfg.axis_size), dtype)
+        return jnp.zeros(shape, _definition.accumulation_dtype(x.dtype))
+    return _blank(shape, cfg.out_dtype, x, last=True)
 
 
 def run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered=False):
@@ -275,8 +293,7 @@ def run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered=False)
                 gathered = put(gathered, piece, seg, axis)
         return step(out, pieces, segs), gathered
 
-    gathered = (gathered_buffer(cfg, jax.ShapeDtypeStruct(own.shape, x.dtype), axis)
-                if return_gathered else None)
+    gathered = gathered_buffer(cfg, own.astype(x.dtype), axis) if return_gathered else None
     out, gathered = ring_gather(cfg, travelling, axis, step_fn,
                                 (gather_out(prim, cfg, x, w), gathered), inputs=(x, w))
     out = out.astype(cfg.out_dtype)
