@@ -157,15 +157,15 @@ def markdown(rows) -> str:
                      "in kernel" for b in ("ring", "pallas")]
             out.append(f"| {name} | {cells[0]} | {cells[1]} |")
         out += ["", "Overlap is not yet speed. At this size, forward and backward together, "
-                "the replay predicts the lax ring (with the better direction) at 0.66-0.95x "
+                "the replay predicts the lax ring (with the better direction) at 0.67-0.95x "
                 "the reference's speed on 8 x H100 (0.77-0.96x with cuBLAS), 0.82-1.06x on "
-                "v5e, 0.58-1.00x on v6e, and 1.15-1.44x on v5p: its steps are thin matmuls "
+                "v5e, 0.59-1.02x on v6e, and 1.15-1.44x on v5p: its steps are thin matmuls "
                 "with a launch each, and a gather's ring copies each product into a zeroed "
                 "output; the reference's backward hides its collective behind the other "
                 "gradient's matmul. `auto` decides each pass (the backward's dual primitive "
                 "for its own shapes, counting that matmul): it is never predicted slower "
-                "than the reference here but for v6e ag_rows (0.99x), and is faster where a "
-                "ring pays (v5p rs_cols 1.23x, v5e rs_cols 1.04x, v5p ag_rows 1.03x); on "
+                "than the reference here, and is faster where a ring pays (v5p rs_cols "
+                "1.23x, v5e rs_cols 1.04x, v5p ag_rows 1.04x, v5e and v6e ag_rows 1.01x); on "
                 "TPU it gives ag_cols' forward to the fused kernel, which the replay can "
                 "only floor (1.26-1.36x). TPU programs are compiled with "
                 "`fusedpar.tpu_overlap_flags()`, GPU ones with `gpu_overlap_flags()` (what "
@@ -218,9 +218,9 @@ def markdown(rows) -> str:
                 "compiler's fused reduce-scatter (an all-reduce and the kept slice, in one "
                 "fusion) as the transfer it is: it had cost the reference's gradient "
                 "reduce-scatters nothing on the links. `auto` is predicted faster than the "
-                "reference for the MLP on every target (1.06x on H100, 1.09x on v5e, "
-                "1.31x on v5p, 1.46x on v6e) and at 1.01x (H100), 0.95x (v5e), 1.12x (v5p) "
-                "and 0.98x (v6e) for the block.", "",
+                "reference for the MLP on every target (1.07x on H100, 1.10x on v5e, "
+                "1.32x on v5p, 1.46x on v6e) and at 1.01x (H100), 0.96x (v5e), 1.12x (v5p) "
+                "and 0.99x (v6e) for the block.", "",
                 "| target | program | backend | compiled (s) | hidden / hideable / transfers | "
                 "predicted (us) | bound (us) |", "|---|---|---|---:|---:|---:|---:|"]
         for r in layers:

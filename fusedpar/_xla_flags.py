@@ -31,8 +31,8 @@ _GPU_FLAGS = (
 # The "continuation fusion" of XLA's all-gathers, as MaxText sets it for TPU training.
 # Measured on an FSDP x TP block's training step (FSDP 2 x TP 4, ring backend, compiled
 # deviceless and replayed): the forward weight gathers hidden, 51 -> 55 of 66 transfers
-# on v6e:2x4 (5.86 -> 5.72 ms predicted), 45 -> 49 of 60 on v5p:2x2x2 (6.30 -> 5.90 ms)
-# and v4:2x2x2 (11.71 -> 11.32 ms); v5e's compiler leaves the program as it was. We
+# on v6e:2x4 (5.78 -> 5.64 ms predicted), 43 -> 49 of 60 on v5p:2x2x2 (6.25 -> 5.85 ms),
+# 45 -> 49 on v4:2x2x2 (11.59 -> 11.20 ms); v5e's compiler leaves the program as it was. We
 # leave out the same fusion for all-reduces and reduce-scatters: on v6e it also hid the
 # bias gradients' psums, but libtpu then ran out of scoped VMEM compiling the step for
 # v5e and v5p, and a larger `xla_tpu_scoped_vmem_limit_kib` does not fit v4. The weight

@@ -149,7 +149,7 @@ ROWS, K, COLS = progs.ROWS, progs.K, progs.COLS
 def test_ring_gather_buffers_are_not_copied(target):
     """ag_rows' output and its gathered residual (one shape here: k == cols) start as two
     buffers of their own. Filled from one constant, XLA merged them into one broadcast
-    and copied all of it for the second in-place fill (`ring._blank`)."""
+    and copied all of it for the second in-place fill (`ring.gathered_buffer`)."""
     from fusedpar import _hlo
 
     program, args = progs.op_program(_mesh(target), prims.AG_ROWS, "ring", **SIZE)

@@ -232,36 +232,32 @@ def ring_reduce_scatter(cfg, accumulate, out_len, axis):
 # -- the five primitives on the loops, given a backend's step functions -------------------
 
 
-def _blank(shape, dtype, operand, last=False):
-    """A buffer of `shape` that a gather's steps overwrite in full (its values never show).
-
-    Its fill is zero times the first (or with `last` the last) element of `operand`, not
-    the constant 0: XLA merges equal constant broadcasts, and where two gathers (the
-    output and the gathered residual of one op, or two ops with outputs of one shape)
-    update a single broadcast in place, it copies the whole buffer for the second one. On
-    v5e an FSDP x TP block's training step spent 0.57 ms of 14.7 in such copies. The
-    operand is the activations, never a weight: reading an element of a weight that XLA
-    all-gathers (FSDP) keeps the TPU compiler from fusing that all-gather into the matmuls.
-    """
-    if operand.size == 0:
-        return jnp.zeros(shape, dtype)
-    flat = operand.reshape(-1)
-    return jnp.broadcast_to(flat[-1 if last else 0].astype(dtype) * 0, shape)
-
-
 def gathered_buffer(cfg, own, axis):
-    """The buffer the pieces of `own` fill in, the gathered residual."""
+    """The buffer the pieces of `own` fill in, the gathered residual (all of it written).
+
+    Its fill is zero times an element of `own`, not the constant 0 of the output's buffer
+    (`gather_out`): XLA merges equal constant broadcasts, and where two gathers update one
+    broadcast in place it copies the whole buffer (a read and a write) for the second.
+    Measured on an FSDP x TP block's training step compiled for v5e: 14.71 -> 14.53 ms
+    predicted, 0.38 ms fewer copies; on 8 x H100, ag_rows' forward and backward lose a
+    40 us copy. The output keeps its constant zeros: filled from an operand too, it cost
+    ag_cols and rs_cols up to 40 us more on v5e, and read from a weight that XLA
+    all-gathers (FSDP) it kept the TPU compiler from fusing that all-gather into the
+    matmuls beside it.
+    """
     shape = list(own.shape)
     shape[axis] *= cfg.axis_size
-    return _blank(shape, own.dtype, own)
+    if own.size == 0:
+        return jnp.zeros(shape, own.dtype)
+    return jnp.broadcast_to(own.reshape(-1)[0] * 0, shape)
 
 
 def gather_out(prim, cfg, x, w):
-    """The output an all-gather's steps fill in (`ag_contract` sums in f32 from zero)."""
-    shape = prims.out_shape(prim, x.shape, w.shape, cfg.axis_size)
+    """The zero output an all-gather's steps fill in (`ag_contract` sums in f32)."""
+    dtype = cfg.out_dtype
     if prim == prims.AG_CONTRACT:  # summed over the steps: keep it in f32 until the end
-        return jnp.zeros(shape, _definition.accumulation_dtype(x.dtype))
-    return _blank(shape, cfg.out_dtype, x, last=True)
+        dtype = _definition.accumulation_dtype(x.dtype)
+    return jnp.zeros(prims.out_shape(prim, x.shape, w.shape, cfg.axis_size), dtype)
 
 
 def run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered=False):
