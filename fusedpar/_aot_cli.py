@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.util
 import json
 import os
 import time
 
-PROGRAMS = ("ops", "mlp", "block", "demo")
+PROGRAMS = ("ops", "mlp", "block", "block-qkv", "demo")
 BACKENDS = ("reference", "ring", "pallas", "auto")
 
 
@@ -26,15 +27,16 @@ def _parse(argv):
     p.add_argument("--program", default="mlp",
                    help="ops (the five primitives, forward and backward), mlp (a "
                         "sequence-parallel MLP), block (an FSDP x TP transformer block), "
+                        "block-qkv (the block with one q, k, v projection), "
                         "demo (the demo's model), or your own: FILE.py:FUNCTION or "
                         "module:FUNCTION, a function (mesh, backend) -> (jitted, args)")
     p.add_argument("--backend", default="auto", help=f"one of {', '.join(BACKENDS)}")
     p.add_argument("--mesh", default=None,
                    help="mesh shape, e.g. 2x4 (default: all devices on one axis; 2 x n/2 "
-                        "for block and demo)")
+                        "for the blocks and demo)")
     p.add_argument("--axes", default=None,
                    help="mesh axis names, comma-separated (default: x for ops, tp for "
-                        "mlp, fsdp,tp for block and demo)")
+                        "mlp, fsdp,tp for the blocks and demo)")
     p.add_argument("--cublas", action="store_true",
                    help="GPU: cuBLAS GEMMs instead of Triton ones")
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
@@ -98,7 +100,9 @@ def _programs(args):
         build = progs.mlp_program
     else:
         mesh = _mesh(args, ("fsdp", "tp"))
-        build = {"block": progs.block_program, "demo": progs.demo_program}.get(args.program)
+        build = {"block": progs.block_program, "demo": progs.demo_program,
+                 "block-qkv": functools.partial(progs.block_program, fused_qkv=True),
+                 }.get(args.program)
         build = build or _user_program(args.program)
     fn, a = build(mesh, backend)
     yield args.program, mesh, fn, a

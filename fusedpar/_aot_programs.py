@@ -154,6 +154,13 @@ class _MLP(eqx.Module):
         return x + self.down(jax.nn.gelu(self.up(x)))
 
 
+def _attention(x, q, k, v):
+    """Softmax attention of (batch, seq, heads, head_dim) q, k, v, heads flattened back."""
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+    attn = jax.nn.softmax(scores / q.shape[-1] ** 0.5, axis=-1).astype(x.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(*q.shape[:2], -1)
+
+
 class _Block(eqx.Module):
     """A transformer block like examples/gpt.py's, on (batch, seq, dim) arrays."""
 
@@ -179,10 +186,32 @@ class _Block(eqx.Module):
         b, s, _ = x.shape
         q, k, v = (f(x).reshape(b, -1, heads, f.out_features // self.heads)
                    for f in (self.q, self.k, self.v))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
-        attn = jax.nn.softmax(scores / q.shape[-1] ** 0.5, axis=-1).astype(x.dtype)
-        y = jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(b, q.shape[1], -1)
-        return self.mlp(x + self.out(y))
+        return self.mlp(x + self.out(_attention(x, q, k, v)))
+
+
+class _FusedQKVBlock(eqx.Module):
+    """`_Block` with one `qkv` projection, its columns ordered (heads, 3, head_dim) so that
+    a column shard holds whole heads with their q, k and v: one gather of the input."""
+
+    qkv: eqx.nn.Linear
+    out: eqx.nn.Linear
+    mlp: _MLP
+    heads: int = eqx.field(static=True)
+
+    def __init__(self, dim, hidden, heads, dtype, key):
+        keys = jax.random.split(key, 3)
+        self.qkv = eqx.nn.Linear(dim, 3 * dim, use_bias=False, dtype=dtype, key=keys[0])
+        self.out = eqx.nn.Linear(dim, dim, use_bias=False, dtype=dtype, key=keys[1])
+        self.mlp = _MLP(dim, hidden, dtype, keys[2])
+        self.heads = heads
+
+    def __call__(self, x):
+        from ._context import local_size
+
+        heads = local_size(self.heads, "tp")
+        b, s, _ = x.shape
+        y = self.qkv(x).reshape(b, -1, heads, 3, self.qkv.out_features // 3 // self.heads)
+        return self.mlp(x + self.out(_attention(x, y[..., 0, :], y[..., 1, :], y[..., 2, :])))
 
 
 def _is_array(a) -> bool:
@@ -235,12 +264,15 @@ def mlp_program(mesh, backend="ring", *, dim=4096, hidden=4096 * 4, tokens=1024,
 
 
 def block_program(mesh, backend="ring", *, dim=4096, hidden=4096 * 4, heads=32,
-                  seq=1024, dtype=jnp.bfloat16):
+                  seq=1024, dtype=jnp.bfloat16, fused_qkv=False):
     """An FSDP x TP transformer block (sequence parallel) over the axes ("fsdp", "tp"):
-    `seq` positions per tensor-parallel device, one sequence per FSDP device."""
+    `seq` positions per tensor-parallel device, one sequence per FSDP device; with
+    `fused_qkv`, one q, k, v projection instead of three."""
     f, t = mesh.shape["fsdp"], mesh.shape["tp"]
-    model = eqx.filter_eval_shape(_Block, dim, hidden, heads, dtype, jax.random.key(0))
-    plan = {"[qkv]": Column(sequence_parallel=True), "out": Row(sequence_parallel=True),
+    block = _FusedQKVBlock if fused_qkv else _Block
+    model = eqx.filter_eval_shape(block, dim, hidden, heads, dtype, jax.random.key(0))
+    plan = {"qkv" if fused_qkv else "[qkv]": Column(sequence_parallel=True),
+            "out": Row(sequence_parallel=True),
             "mlp.up": Column(sequence_parallel=True),
             "mlp.down": Row(sequence_parallel=True), "*": FSDP()}
     return _layer_program(mesh, model, plan, backend, (f, t * seq, dim),

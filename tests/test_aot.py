@@ -158,3 +158,21 @@ def test_ring_gather_buffers_are_not_copied(target):
     copies = [i.name for instructions in module.computations.values() for i in instructions
               if i.opcode in ("copy", "copy-start") and str(i.shape).startswith(gathered)]
     assert not copies, copies
+
+
+def test_fused_qkv_block_gathers_its_input_once():
+    """docs/transformer.md: three column layers on one input run three rings (XLA merges
+    the reference's equal all-gathers, not rings); one q, k, v layer runs one. Each ring of
+    the forward (qkv, then the MLP's up projection) sends the input's 3 other blocks."""
+    from fusedpar import aot
+
+    build, shape, axes, size = LAYERS["block"]
+    mesh = _mesh("h100x8", shape, axes)
+    sent = {}
+    for fused in (False, True):
+        program, args = build(mesh, "ring", fused_qkv=fused, **size)
+        sent[fused] = aot.overlap(_compile("h100x8", program, args)).op(
+            prims.AG_ROWS, "ring").bytes
+    block = size["seq"] * size["dim"] * 2  # one device's (seq, dim) bf16 block
+    assert sent[True] == 2 * 3 * block, sent
+    assert sent[False] > sent[True], sent
