@@ -232,8 +232,9 @@ def ring_reduce_scatter(cfg, accumulate, out_len, axis):
 # -- the five primitives on the loops, given a backend's step functions -------------------
 
 
-def gathered_buffer(cfg, own, axis):
-    """The buffer the pieces of `own` fill in, the gathered residual (all of it written).
+def gathered_buffer(cfg, own, axis, dtype):
+    """The `dtype` buffer the pieces of `own` (an array, or a weight stored `Quantized`)
+    fill in, the gathered residual (all of it written).
 
     Its fill is zero times an element of `own`, not the constant 0 of the output's buffer
     (`gather_out`): XLA merges equal constant broadcasts, and where two gathers update one
@@ -245,11 +246,12 @@ def gathered_buffer(cfg, own, axis):
     all-gathers (FSDP) it kept the TPU compiler from fusing that all-gather into the
     matmuls beside it.
     """
-    shape = list(own.shape)
+    values = own.values if isinstance(own, _quantize.Quantized) else own
+    shape = list(values.shape)
     shape[axis] *= cfg.axis_size
-    if own.size == 0:
-        return jnp.zeros(shape, own.dtype)
-    return jnp.broadcast_to(own.reshape(-1)[0] * 0, shape)
+    if values.size == 0:
+        return jnp.zeros(shape, dtype)
+    return jnp.broadcast_to(values.reshape(-1)[0].astype(dtype) * 0, shape)
 
 
 def gather_out(prim, cfg, x, w):
@@ -289,7 +291,7 @@ def run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered=False)
                 gathered = put(gathered, piece, seg, axis)
         return step(out, pieces, segs), gathered
 
-    gathered = gathered_buffer(cfg, own.astype(x.dtype), axis) if return_gathered else None
+    gathered = gathered_buffer(cfg, own, axis, x.dtype) if return_gathered else None
     out, gathered = ring_gather(cfg, travelling, axis, step_fn,
                                 (gather_out(prim, cfg, x, w), gathered), inputs=(x, w))
     out = out.astype(cfg.out_dtype)
