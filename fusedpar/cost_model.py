@@ -34,7 +34,7 @@ from typing import Mapping, Optional, Union
 
 import numpy as np
 
-from . import _primitives as prims, _validate
+from . import _primitives as prims, _quantize, _validate
 
 # -- hardware --------------------------------------------------------------------------
 
@@ -388,19 +388,22 @@ def matmul_seconds(m: int, k: int, n: int, dtype="bfloat16",
     return _matmul_time(get_hardware(hardware), m, k, n, dtype, _itemsize(dtype))
 
 
-def _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, platform):
+def _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, platform,
+          comm_dtype=None):
     """Validate an op's local shapes and canonicalise them, as the ops do."""
     import jax
 
     x = jax.ShapeDtypeStruct(tuple(x_shape), np.dtype(dtype))
     w = jax.ShapeDtypeStruct(tuple(w_shape), np.dtype(dtype))
-    _, call = _validate.op_call(op, x, w, int(ring_size), gather, dim, bidirectional)
+    comm_dtype = _quantize.comm_dtype(f"cost_model: {op}", "comm_dtype", comm_dtype)
+    _, call = _validate.op_call(op, x, w, int(ring_size), gather, dim, bidirectional,
+                                comm_dtype)
     return dataclasses.replace(call, target=platform)
 
 
 def estimate(op: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
              hardware: Union[str, Hardware] = "h100_sxm", *, gather="lhs", dim=0,
-             bidirectional: Optional[bool] = None, reduce_dtype=None,
+             bidirectional: Optional[bool] = None, reduce_dtype=None, comm_dtype=None,
              details: bool = False) -> dict:
     """Estimated seconds of one call of `op` per backend: `{"reference": s, "ring": s, ...}`.
 
@@ -412,6 +415,9 @@ def estimate(op: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
     - `ring_size`: the size of the mesh axis the op runs over.
     - `dtype`: the inputs' dtype. `reduce_dtype`: the reduce-scatter accumulator's dtype
       (default float32 for 16-bit inputs, as the op's default).
+    - `comm_dtype`: the narrow dtype the travelling block is sent in, as for the op
+      (`jnp.int8` or `jnp.float8_e4m3fn`: its values plus float32 scales); None sends
+      `dtype`.
     - `hardware`: a preset name (`PRESETS`: "h100_sxm", "h200", "tpu_v4", "tpu_v5e",
       "tpu_v5p", "tpu_v6e", "cpu") or a `Hardware` (e.g. from `calibrate`).
     - `bidirectional`: the ring shape (default: what the op would use).
@@ -421,17 +427,21 @@ def estimate(op: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
     whether a backend can run the call at all is not the model's business.
     """
     hw = get_hardware(hardware)
-    call = _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, "")
+    call = _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, "",
+                 comm_dtype)
     result = breakdown(call.prim, call.x_shape, call.w_shape, call.axis_size, call.dtype,
-                       hw, bidirectional=call.runs_bidirectional, reduce_dtype=reduce_dtype)
+                       hw, bidirectional=call.runs_bidirectional, reduce_dtype=reduce_dtype,
+                       comm_dtype=call.comm_dtype)
     return result if details else {name: b.seconds for name, b in result.items()}
 
 
 def bytes_sent(op: str, x_shape, w_shape, ring_size: int, dtype="float32", *, gather="lhs",
-               dim=0, reduce_dtype=None) -> int:
-    """Bytes one device sends in one call of `op` (any backend, either ring direction)."""
+               dim=0, reduce_dtype=None, comm_dtype=None) -> int:
+    """Bytes one device sends in one call of `op` (any backend, either ring direction);
+    `comm_dtype` as for `estimate`."""
     return estimate(op, x_shape, w_shape, ring_size, dtype, "cpu", gather=gather, dim=dim,
-                    reduce_dtype=reduce_dtype, details=True)["ring"].bytes_sent
+                    reduce_dtype=reduce_dtype, comm_dtype=comm_dtype,
+                    details=True)["ring"].bytes_sent
 
 
 def describe(result: Mapping[str, Breakdown]) -> str:

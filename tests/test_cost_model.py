@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -92,6 +93,24 @@ def test_reduce_scatter_accumulator_bytes_follow_reduce_dtype():
     assert f32.bytes_sent == 3 * (512 // 4) * 128 * 4
     assert bf16.bytes_sent * 2 == f32.bytes_sent
     assert cost_model.bytes_sent(MRS, (512, 256), (256, 128), 4, "bfloat16") == f32.bytes_sent
+
+
+def test_comm_dtype_counts_narrow_values_and_their_scales():
+    # x's (512, 256) row block travels 3 times: 1-byte values and a float32 scale per row;
+    # a reduce-scatter's (128, 128) accumulator segment: values and a scale per row.
+    for narrow in (jnp.int8, jnp.float8_e4m3fn):
+        sent = cost_model.bytes_sent(AGM, (512, 256), (256, 128), 4, "bfloat16",
+                                     comm_dtype=narrow)
+        assert sent == 3 * (512 * 256 * 1 + 512 * 4)
+        sent = cost_model.bytes_sent(MRS, (512, 256), (256, 128), 4, "bfloat16",
+                                     comm_dtype=narrow)
+        assert sent == 3 * (128 * 128 * 1 + 128 * 4)
+    wide = cost_model.estimate(AGM, (4096, 4096), (4096, 4096), 8, "bfloat16", "h100_sxm")
+    narrow = cost_model.estimate(AGM, (4096, 4096), (4096, 4096), 8, "bfloat16", "h100_sxm",
+                                 comm_dtype=jnp.int8)
+    assert narrow["ring"] < wide["ring"] and narrow["reference"] < wide["reference"]
+    with pytest.raises(ValueError, match="comm_dtype must be None.*int8.*got float16"):
+        cost_model.estimate(AGM, (8, 8), (8, 8), 2, comm_dtype=jnp.float16)
 
 
 def test_estimate_validates_like_the_ops():
