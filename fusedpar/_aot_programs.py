@@ -209,7 +209,7 @@ class _FusedQKVBlock(eqx.Module):
         from ._context import local_size
 
         heads = local_size(self.heads, "tp")
-        b, s, _ = x.shape
+        b = x.shape[0]
         y = self.qkv(x).reshape(b, -1, heads, 3, self.qkv.out_features // 3 // self.heads)
         return self.mlp(x + self.out(_attention(x, y[..., 0, :], y[..., 1, :], y[..., 2, :])))
 

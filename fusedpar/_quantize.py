@@ -95,6 +95,11 @@ def quantized(a, dtype, axis: int) -> Quantized:
     return a if isinstance(a, Quantized) else quantize(a, dtype, axis)
 
 
+def values_of(a):
+    """`a`'s array: `a` itself, or a `Quantized`'s narrow values (its shape and layout)."""
+    return a.values if isinstance(a, Quantized) else a
+
+
 def dequantize(q: Quantized, dtype):
     """`values * scales`, in `dtype`.
 

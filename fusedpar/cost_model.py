@@ -388,17 +388,15 @@ def matmul_seconds(m: int, k: int, n: int, dtype="bfloat16",
     return _matmul_time(get_hardware(hardware), m, k, n, dtype, _itemsize(dtype))
 
 
-def _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, platform,
-          comm_dtype=None):
-    """Validate an op's local shapes and canonicalise them, as the ops do."""
+def _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, comm_dtype):
+    """Validate an op's local shapes and canonicalise them, as the ops do (no target)."""
     import jax
 
     x = jax.ShapeDtypeStruct(tuple(x_shape), np.dtype(dtype))
     w = jax.ShapeDtypeStruct(tuple(w_shape), np.dtype(dtype))
     comm_dtype = _quantize.comm_dtype(f"cost_model: {op}", "comm_dtype", comm_dtype)
-    _, call = _validate.op_call(op, x, w, int(ring_size), gather, dim, bidirectional,
-                                comm_dtype)
-    return dataclasses.replace(call, target=platform)
+    return _validate.op_call(op, x, w, int(ring_size), gather, dim, bidirectional,
+                             comm_dtype)[1]
 
 
 def estimate(op: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
@@ -427,11 +425,9 @@ def estimate(op: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
     whether a backend can run the call at all is not the model's business.
     """
     hw = get_hardware(hardware)
-    call = _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, "",
+    call = _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional,
                  comm_dtype)
-    result = breakdown(call.prim, call.x_shape, call.w_shape, call.axis_size, call.dtype,
-                       hw, bidirectional=call.runs_bidirectional, reduce_dtype=reduce_dtype,
-                       comm_dtype=call.comm_dtype)
+    result = estimate_call(call, hw, reduce_dtype)
     return result if details else {name: b.seconds for name, b in result.items()}
 
 

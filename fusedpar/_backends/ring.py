@@ -135,7 +135,7 @@ def _split(ring, a, axis, what):
     cut with its values where they run along `axis`; where one scale row covers the
     whole block along it (`ag_contract`: the gather axis is the scale axis) every half
     carries that row."""
-    values = a.values if isinstance(a, _quantize.Quantized) else a
+    values = _quantize.values_of(a)
     half = ring.split_size(values.shape[axis], what)
 
     def piece(h):
@@ -246,7 +246,7 @@ def gathered_buffer(cfg, own, axis, dtype):
     all-gathers (FSDP) it kept the TPU compiler from fusing that all-gather into the
     matmuls beside it.
     """
-    values = own.values if isinstance(own, _quantize.Quantized) else own
+    values = _quantize.values_of(own)
     shape = list(values.shape)
     shape[axis] *= cfg.axis_size
     if values.size == 0:
