@@ -64,6 +64,7 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     _validate.flag("explain", "unroll", unroll)
     comm_dtype = _quantize.comm_dtype("explain", "comm_dtype", comm_dtype)
     _, call = _validate.op_call(op, x, w, axis_size, gather, dim, bidirectional, comm_dtype)
+    call = dataclasses.replace(call, automatic_axes=_target.automatic_axes())
     choice = _choose(call, backend, unroll, precision, options, where)
     missing = _missing_flags(where.platform, choice)
     if missing:  # XLA reads them once: say so, rather than set them behind your back
@@ -158,6 +159,8 @@ def _run(op, x, w, axis_name, gather, dim, s: _Settings):
     out_dtype = _validate.float_dtype(op, "preferred_element_type", s.preferred_element_type)
     reduce_dtype = _validate.float_dtype(op, "reduce_dtype", s.reduce_dtype)
     target = _target.current(x, *jax.tree.leaves(w))
+    automatic = _target.automatic_axes()
+    call = dataclasses.replace(call, automatic_axes=automatic)
     choice = _choose(call, s.backend, s.unroll, s.precision, s.options, target)
     _interpret.check_threads(op, choice.backend, s.options, target)  # before a hang
     cfg = Config(
@@ -168,7 +171,7 @@ def _run(op, x, w, axis_name, gather, dim, s: _Settings):
                               if reduce_dtype is None else reduce_dtype),
         precision=s.precision, keep_gathered=s.keep_gathered, options=_pairs(s.options),
         target=target, comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype,
-        auto=s.backend == AUTO)
+        auto=s.backend == AUTO, automatic_axes=automatic)
     c = prims.canonicalize(op, gather, dim, x, w, n)
     return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
 

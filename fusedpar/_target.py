@@ -164,6 +164,22 @@ def local() -> Target:
     return of_device(jax.devices()[0])
 
 
+def automatic_axes() -> tuple:
+    """`((name, size), ...)`: the mesh axes the enclosing `jax.shard_map` leaves to XLA
+    (those not in its `axis_names`); () outside `shard_map` or where every axis is manual.
+
+    A Pallas TPU kernel cannot run there: Mosaic kernels cannot be partitioned
+    automatically (even over an axis of size 1), interpret mode's host callbacks run only
+    where every axis is manual, and a kernel addresses its neighbours by their
+    coordinates on every mesh axis.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(getattr(mesh, "manual_axes", ()) or ())
+    if mesh.empty or not manual:
+        return ()
+    return tuple((a, n) for a, n in zip(mesh.axis_names, mesh.axis_sizes) if a not in manual)
+
+
 def current(*arrays) -> Target:
     """The target of the code being traced: the mesh in context, else the mesh of the
     first of `arrays` that has one, else the local default device."""
