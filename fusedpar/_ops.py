@@ -8,8 +8,8 @@ from typing import Optional
 import jax
 import numpy as np
 
-from . import (_autodiff, _definition, _dispatch, _interpret, _quantize, _target, _validate,
-               _xla_flags)
+from . import (_autodiff, _definition, _dispatch, _interpret, _quantize, _schedule, _target,
+               _validate, _xla_flags)
 from . import _primitives as prims
 from ._dispatch import AUTO, Choice
 from ._primitives import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Config
@@ -55,6 +55,11 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     default device; `platform` ("cpu", "gpu", "tpu") instead names only a platform, with
     its default cost preset. The other arguments are the op's (`comm_dtype`: a backend
     that cannot send quantized payloads is not chosen, or is refused if requested).
+
+    Called inside a `jax.shard_map` that leaves mesh axes to XLA, it decides as the op
+    would there (the fused TPU kernels cannot run: every mesh axis must be manual). On a
+    TPU whose devices it does not know (an abstract mesh, a device, a platform), the
+    reason says how to get a ring whose hops are single ICI links.
     """
     if op not in prims.OPS:
         raise ValueError(f"explain: op must be {ALL_GATHER_MATMUL!r} or "
@@ -69,7 +74,20 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     missing = _missing_flags(where.platform, choice)
     if missing:  # XLA reads them once: say so, rather than set them behind your back
         choice = dataclasses.replace(choice, reason=f"{choice.reason}; {missing}")
+    if (where.platform == "tpu" and axis_size > 2 and choice.backend != "reference"
+            and not _devices_known(target)):
+        choice = dataclasses.replace(choice,
+                                     reason=f"{choice.reason}; {_schedule.INDEX_ORDER_HINT}")
     return choice
+
+
+def _devices_known(target) -> bool:
+    """Whether the ring `explain` describes is ordered by its devices' coordinates: the
+    target is a concrete mesh, or none is given and the context has one
+    (`_target.concrete_mesh`)."""
+    if target is None:
+        return _target.concrete_mesh() is not None
+    return isinstance(target, jax.sharding.Mesh)
 
 
 def _missing_flags(platform: str, choice: Choice) -> str:
