@@ -202,8 +202,8 @@ class _Stack(eqx.Module):
 
 def _every_layer(mesh, dim, hidden):
     """Column and Row, with and without sequence parallelism, over "tp"; with an "fsdp"
-    axis, the same composed with FSDP."""
-    keys = iter(jax.random.split(jax.random.key(0), 8))
+    axis, the same composed with FSDP, and an FSDPLinear."""
+    keys = iter(jax.random.split(jax.random.key(0), 9))
     fsdp = ({},) + (({"fsdp_axis": "fsdp"},) if "fsdp" in mesh.axis_names else ())
     layers = []
     for extra in fsdp:
@@ -211,6 +211,9 @@ def _every_layer(mesh, dim, hidden):
             kw = dict(dtype=jnp.bfloat16, backend="pallas", sequence_parallel=sp, **extra)
             layers += [fusedpar.ColumnLinear(dim, hidden, key=next(keys), **kw),
                        fusedpar.RowLinear(hidden, dim, key=next(keys), **kw)]
+    if "fsdp" in mesh.axis_names:
+        layers.append(fusedpar.FSDPLinear(dim, dim, key=next(keys), dtype=jnp.bfloat16,
+                                          backend="pallas"))
     return _Stack(tuple(layers))
 
 
@@ -230,8 +233,10 @@ def test_tpu_kernels_compile_beside_other_mesh_axes(target, shape, axes):
     mesh has axes the layers do not use. Before, the kernels raised "unbound axis name:
     data" (their neighbours' device ids need every mesh coordinate, and the layers'
     shard_map bound only their own axes). Each fused op is one kernel: the sequence-
-    parallel layers run one forward and one backward each (4), the FSDP-composed
-    non-sequence-parallel ones their weight gather and its two gradients (+8)."""
+    parallel layers run one forward and one backward op each (the first layer's input
+    gradient is not asked for: 3); with FSDP, 10 more: the sequence-parallel composed
+    layers' ops over "tp" (4), the others' weight gathers over "fsdp" and the
+    reduce-scatters of their gradients (6)."""
     mesh = _mesh(target, shape, axes)
     model = eqx.filter_eval_shape(_every_layer, mesh, 512, 1024)
     batch = tuple(a for a in axes if a != "tp")
@@ -239,7 +244,7 @@ def test_tpu_kernels_compile_beside_other_mesh_axes(target, shape, axes):
         mesh, model, None, "pallas", (math.prod(shape[:-1]), 128 * shape[-1], 512),
         P(batch, "tp", None), jnp.bfloat16)
     text = _compile(target, program, args).as_text()
-    assert text.count('custom_call_target="tpu_custom_call"') == (11 if "fsdp" in axes else 3)
+    assert text.count('custom_call_target="tpu_custom_call"') == (13 if "fsdp" in axes else 3)
     assert "xla_python_cpu_callback" not in text
 
 
