@@ -60,7 +60,7 @@ def test_tensor_parallel_pallas_layers_beside_an_fsdp_axis(backend):
         jaxpr = jax.make_jaxpr(lambda mx: _loss(*mx))((model, x))
         got = step(model, x)
     maps = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
-    assert len(maps) == 2 and all(set(e.params["newly_manual_axes"]) == {"fsdp", "tp"} for e in maps)
+    assert [set(e.params["newly_manual_axes"]) for e in maps] == [{"fsdp", "tp"}] * 2
     assert maps[0].params["in_specs"][-1] == P("fsdp", "tp", None)
     want = eqx.filter_value_and_grad(_dense_loss)(dense, x)
     assert_close(got[0], want[0], F32, "loss")
