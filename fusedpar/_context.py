@@ -2,7 +2,7 @@
 
 - `LOCAL`: an enclosing `shard_map` binds the layer's axes; arrays are per-device shards.
 - `GLOBAL`: `jax.set_mesh(mesh)` is active and the axes are not manual; the layer wraps
-  itself in `shard_map` over its own axes (the others stay as they were).
+  itself in `shard_map` (`layouts`: a linear layer's is manual over every mesh axis).
 - `DENSE`: no mesh; plain single-device math.
 
 A layer whose weight already lives on a mesh (placed by `fusedpar.shard`, or traced
@@ -148,19 +148,33 @@ def gather_invariant(x, axis_name, axis):
     return all_gather_invariant(x, axis_name, axis=axis, tiled=True)
 
 
-def layouts(mesh, axes, x, x_spec, y_spec) -> tuple:
-    """`(x_spec, y_spec, manual axes)` of a `shard_map` over `axes` on the global `x`.
+def layouts(mesh, axes, x, x_spec, y_spec, every_axis: bool = True) -> tuple:
+    """`(x_spec, y_spec, manual axes)` of a layer's `shard_map` over `axes` on the global
+    `x`.
 
-    With Explicit axes the input's layout is known; if it uses other mesh axes on the
-    dimensions the layer keeps (e.g. "data" on the batch), the shard_map is manual over
-    every axis and keeps them there (`_specs.with_other_axes`). With Auto axes it is
-    manual over `axes` only and XLA lays out the others.
+    With `every_axis` (a layer whose ops may run Pallas kernels) it is manual over every
+    axis of `mesh`, not only the layer's: a fused TPU kernel addresses its neighbours by
+    their coordinates on every mesh axis, and interpret-mode kernels (host callbacks) run
+    only where every axis is manual. It also makes the ops inside see the per-device
+    shapes `fusedpar.explain` is asked about. The other axes go on the dimensions the
+    layer keeps from input to output: with Explicit axes where the input carries them
+    (`_specs.with_other_axes`, e.g. "data" on the batch); with Auto axes, whose layout
+    the input's type does not say, on dim 0 where it divides (`_specs.with_unknown_axes`:
+    a data-parallel batch), else replicated.
+
+    Without it (lax collectives only) it is manual over `axes` and XLA lays out the other
+    Auto axes; Explicit ones the input carries are kept as above.
     """
+    every = set(mesh.axis_names)
     if is_explicit(mesh, axes):
         x2, y2 = _specs.with_other_axes(current_spec(x), x_spec, y_spec, axes)
-        if (x2, y2) != (x_spec, y_spec):
-            return x2, y2, set(mesh.axis_names)
-    return x_spec, y_spec, set(axes)
+        return x2, y2, every if every_axis or (x2, y2) != (x_spec, y_spec) else set(axes)
+    if not every_axis:
+        return x_spec, y_spec, set(axes)
+    others = tuple(a for a in mesh.axis_names if a not in axes)
+    x_spec, y_spec = _specs.with_unknown_axes(x.shape, x_spec, y_spec, others,
+                                              _specs.mesh_sizes(mesh))
+    return x_spec, y_spec, every
 
 
 def shard_mapped(fn, mesh, axes, manual, params, param_specs, args, arg_specs, out_spec,

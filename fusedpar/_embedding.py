@@ -197,8 +197,10 @@ class Embedding(eqx.Module):
             _specs.check_spec(f"Embedding: ids of shape {ids.shape}", ids.shape + (1,),
                               out_spec, sizes, what="input")
         # The output has one more dimension than the ids: lay both out as the output.
+        # Lax collectives only: the mesh's other Auto axes stay XLA's.
         padded, out_spec, manual = _context.layouts(mesh, rule.axes, ids,
-                                                    P(*ids_spec, None), out_spec)
+                                                    P(*ids_spec, None), out_spec,
+                                                    every_axis=False)
         ids_spec = P(*tuple(padded)[:ids.ndim])
         return _context.shard_mapped(
             functools.partial(Embedding._local, rule=rule), mesh, rule.axes, manual, self,

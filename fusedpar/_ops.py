@@ -8,8 +8,8 @@ from typing import Optional
 import jax
 import numpy as np
 
-from . import (_autodiff, _definition, _dispatch, _interpret, _quantize, _target, _validate,
-               _xla_flags)
+from . import (_autodiff, _definition, _dispatch, _interpret, _quantize, _schedule, _target,
+               _validate, _xla_flags)
 from . import _primitives as prims
 from ._dispatch import AUTO, Choice
 from ._primitives import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Config
@@ -55,6 +55,11 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     default device; `platform` ("cpu", "gpu", "tpu") instead names only a platform, with
     its default cost preset. The other arguments are the op's (`comm_dtype`: a backend
     that cannot send quantized payloads is not chosen, or is refused if requested).
+
+    Called inside a `jax.shard_map` that leaves mesh axes to XLA, it decides as the op
+    would there (the fused TPU kernels cannot run: every mesh axis must be manual). On a
+    TPU whose devices it does not know (an abstract mesh, a device, a platform), the
+    reason says how to get a ring whose hops are single ICI links.
     """
     if op not in prims.OPS:
         raise ValueError(f"explain: op must be {ALL_GATHER_MATMUL!r} or "
@@ -64,11 +69,25 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     _validate.flag("explain", "unroll", unroll)
     comm_dtype = _quantize.comm_dtype("explain", "comm_dtype", comm_dtype)
     _, call = _validate.op_call(op, x, w, axis_size, gather, dim, bidirectional, comm_dtype)
+    call = dataclasses.replace(call, automatic_axes=_target.automatic_axes())
     choice = _choose(call, backend, unroll, precision, options, where)
     missing = _missing_flags(where.platform, choice)
     if missing:  # XLA reads them once: say so, rather than set them behind your back
         choice = dataclasses.replace(choice, reason=f"{choice.reason}; {missing}")
+    if (where.platform == "tpu" and axis_size > 2 and choice.backend != "reference"
+            and not _devices_known(target)):
+        choice = dataclasses.replace(choice,
+                                     reason=f"{choice.reason}; {_schedule.INDEX_ORDER_HINT}")
     return choice
+
+
+def _devices_known(target) -> bool:
+    """Whether the ring `explain` describes is ordered by its devices' coordinates: the
+    target is a concrete mesh, or none is given and the context has one
+    (`_target.concrete_mesh`)."""
+    if target is None:
+        return _target.concrete_mesh() is not None
+    return isinstance(target, jax.sharding.Mesh)
 
 
 def _missing_flags(platform: str, choice: Choice) -> str:
@@ -158,6 +177,8 @@ def _run(op, x, w, axis_name, gather, dim, s: _Settings):
     out_dtype = _validate.float_dtype(op, "preferred_element_type", s.preferred_element_type)
     reduce_dtype = _validate.float_dtype(op, "reduce_dtype", s.reduce_dtype)
     target = _target.current(x, *jax.tree.leaves(w))
+    automatic = _target.automatic_axes()
+    call = dataclasses.replace(call, automatic_axes=automatic)
     choice = _choose(call, s.backend, s.unroll, s.precision, s.options, target)
     _interpret.check_threads(op, choice.backend, s.options, target)  # before a hang
     cfg = Config(
@@ -168,7 +189,7 @@ def _run(op, x, w, axis_name, gather, dim, s: _Settings):
                               if reduce_dtype is None else reduce_dtype),
         precision=s.precision, keep_gathered=s.keep_gathered, options=_pairs(s.options),
         target=target, comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype,
-        auto=s.backend == AUTO)
+        auto=s.backend == AUTO, automatic_axes=automatic)
     c = prims.canonicalize(op, gather, dim, x, w, n)
     return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
 

@@ -65,7 +65,10 @@ class Call:
     the inputs' own (not every backend can send a quantized payload); `beside` the
     seconds of other work the program can run while the reference's collective is in
     flight (a backward pass's other gradient matmul, which needs nothing this call
-    computes: XLA hides the reference's collective behind it).
+    computes: XLA hides the reference's collective behind it); `automatic_axes` the
+    `(name, size)` pairs of the mesh axes the enclosing `shard_map` leaves to XLA
+    (`_target.automatic_axes`: a kernel that addresses devices by their coordinates on
+    every mesh axis cannot run there).
     """
 
     op: str
@@ -80,6 +83,7 @@ class Call:
     options: tuple = ()
     comm_dtype: Optional[str] = None
     beside: float = 0.0
+    automatic_axes: tuple = ()
 
     def __post_init__(self):
         if isinstance(self.target, str):
@@ -125,6 +129,7 @@ class Config:
     - `auto`: the backend was picked by `backend="auto"`; the backward pass then picks
       the backend of each dual primitive it runs the same way, for that primitive's own
       shapes (`_autodiff._run_dual`).
+    - `automatic_axes`: the mesh axes the enclosing `shard_map` leaves to XLA (`Call`).
     """
 
     backend: str
@@ -141,6 +146,7 @@ class Config:
     comm_dtype: Any = None
     grad_comm_dtype: Any = None
     auto: bool = False
+    automatic_axes: tuple = ()
 
     def option(self, name, default=None):
         return dict(self.options).get(name, default)
@@ -155,7 +161,7 @@ class Config:
         comm = None if self.comm_dtype is None else jnp.dtype(self.comm_dtype).name
         return Call(op, prim, tuple(x.shape), tuple(w.shape), jnp.dtype(x.dtype).name,
                     self.axis_size, self.target, self.bidirectional, self.precision,
-                    self.options, comm)
+                    self.options, comm, automatic_axes=self.automatic_axes)
 
 
 def out_shape(prim: str, x_shape, w_shape, n: int) -> tuple[int, int]:

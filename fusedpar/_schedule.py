@@ -387,38 +387,38 @@ def mesh_ring_order(mesh, axis_name) -> Optional[tuple]:
     return None if order == tuple(range(size)) else order
 
 
+# What a ring traced where its devices are unknown runs like, and how to get the one-hop
+# ring: `ring_for` warns with it (once per process), `fusedpar.explain` appends it.
+INDEX_ORDER_HINT = (
+    "the ring follows the slice's wires (one ICI hop per transfer) only where its devices "
+    "are known: under `with jax.set_mesh(mesh):`, or inside jax.shard_map(mesh=<a "
+    "jax.sharding.Mesh>); traced with only an abstract mesh it runs in index order, whose "
+    "hops may cross several ICI links: trace it under `with jax.set_mesh(mesh):`")
+_warned = set()
+
+
 def ring_for(axis_name, size: int, bidirectional: bool = False) -> Ring:
     """The `Ring` a collective over `axis_name` runs, in the order of the wires when the
-    mesh it is traced under is known.
+    devices of the mesh it is traced over are known (`_target.concrete_mesh`: the mesh
+    `jax.set_mesh` set, or the one the enclosing `jax.shard_map` was given).
 
-    Inside `shard_map` only the abstract mesh is visible (names and sizes); the devices,
-    with their coordinates, only when the program runs under `jax.set_mesh(mesh)`. There
-    the ring follows `mesh_ring_order`; elsewhere it runs in index order, which is the
-    same schedule with hops that may cross more than one link.
+    There the ring follows `mesh_ring_order`; elsewhere it runs in index order, which is
+    the same schedule with hops that may cross more than one link: on a TPU that warns
+    once (`INDEX_ORDER_HINT`).
     """
     order = None
     if size > 2:
-        mesh = _concrete_mesh(axis_name)
-        if mesh is not None:
+        from . import _target
+
+        names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+        mesh = _target.concrete_mesh()
+        if mesh is not None and all(n in mesh.shape for n in names):
             order = mesh_ring_order(mesh, axis_name)
+        elif _target.current().platform == "tpu" and names not in _warned:
+            import warnings
+
+            _warned.add(names)
+            warnings.warn(f"fusedpar: a ring over mesh axis {axis_name!r} ({size} TPU "
+                          f"devices) is traced where its devices are unknown: "
+                          f"{INDEX_ORDER_HINT}.", stacklevel=2)
     return Ring(size, bidirectional, order)
-
-
-def _concrete_mesh(axis_name):
-    """The mesh set by `jax.set_mesh`, if it is the one the program is traced over."""
-    try:
-        import jax
-        from jax._src import mesh as mesh_lib
-    except ImportError:  # pragma: no cover
-        return None
-    get = getattr(mesh_lib, "get_concrete_mesh", None)
-    mesh = get() if get is not None else None
-    if mesh is None or not getattr(mesh, "shape", None):
-        return None
-    abstract = jax.sharding.get_abstract_mesh()
-    if dict(mesh.shape) != dict(abstract.shape):  # a shard_map over another mesh
-        return None
-    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-    if not all(n in mesh.shape for n in names):
-        return None
-    return mesh

@@ -668,6 +668,25 @@ def with_other_axes(current: P, x_spec: P, y_spec: P, used: tuple) -> tuple[P, P
     return P(*xs), P(*ys)
 
 
+def with_unknown_axes(shape, x_spec: P, y_spec: P, others: tuple, sizes: dict) -> tuple[P, P]:
+    """`(x_spec, y_spec)` plus the mesh axes `others` (names, in mesh order) for an input
+    whose layout over them is unknown (Auto axes keep it out of the array's type).
+
+    They go where a data-parallel batch is laid out: on dim 0, when the layer keeps that
+    dimension from input to output (`with_other_axes`) and its length divides by every
+    axis on it; as many of them as divide, in mesh order, the rest replicated.
+    """
+    axes = [a for a in others if sizes[a] > 1]
+    while axes:
+        xs, ys = with_other_axes(P(tuple(axes)), x_spec, y_spec, ())
+        if xs == x_spec:  # dim 0 is not kept: nowhere to carry them
+            break
+        if shape[0] % _product(_axes_of(xs[0]), sizes) == 0:
+            return xs, ys
+        axes.pop()
+    return x_spec, y_spec
+
+
 def layout_axes(rule: Rule, x_spec: P) -> list:
     """The mesh axes whose varying-axes type inside shard_map says whether an input fits
     `x_spec`: the tensor-parallel axis (the input varies over it exactly when `x_spec`

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from typing import Optional
 
 import jax
@@ -162,6 +163,65 @@ def of_platform(platform: str) -> Target:
 def local() -> Target:
     """The target of this process's default device (used only where no mesh says)."""
     return of_device(jax.devices()[0])
+
+
+def automatic_axes() -> tuple:
+    """`((name, size), ...)`: the mesh axes the enclosing `jax.shard_map` leaves to XLA
+    (those not in its `axis_names`); () outside `shard_map` or where every axis is manual.
+
+    A Pallas TPU kernel cannot run there: Mosaic kernels cannot be partitioned
+    automatically (even over an axis of size 1), interpret mode's host callbacks run only
+    where every axis is manual, and a kernel addresses its neighbours by their
+    coordinates on every mesh axis.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(getattr(mesh, "manual_axes", ()) or ())
+    if mesh.empty or not manual:
+        return ()
+    return tuple((a, n) for a, n in zip(mesh.axis_names, mesh.axis_sizes) if a not in manual)
+
+
+def concrete_mesh():
+    """The `jax.sharding.Mesh` (its devices, with their coordinates) the code being traced
+    runs on, or None where no such mesh can be found.
+
+    1. The mesh `jax.set_mesh` set, if it has the axes of the abstract mesh in context.
+    2. Inside a `jax.shard_map(mesh=m)` traced without `jax.set_mesh`, the context holds
+       only the abstract mesh (names, sizes, device kind) and JAX offers no way to reach
+       `m`. It is a local variable, `mesh`, of JAX's own shard_map frames on the call
+       stack: the innermost concrete `Mesh` there with the abstract mesh's axis names,
+       sizes and device kind is the one the shard_map was given (a nested shard_map
+       with no mesh of its own holds an abstract one and is skipped). If a JAX version
+       keeps it elsewhere this finds nothing, and callers say so (`_schedule.ring_for`).
+    """
+    abstract = jax.sharding.get_abstract_mesh()
+    if abstract.empty:
+        return None
+    try:
+        from jax._src import mesh as mesh_lib
+
+        found = mesh_lib.get_concrete_mesh()
+    except (ImportError, AttributeError):  # pragma: no cover - a JAX without it
+        found = None
+    if found is not None and not found.empty and _same_axes(found, abstract):
+        return found
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.replace("\\", "/").endswith("jax/_src/shard_map.py"):
+            mesh = frame.f_locals.get("mesh")
+            if isinstance(mesh, jax.sharding.Mesh) and _same_axes(mesh, abstract):
+                return mesh
+        frame = frame.f_back
+    return None
+
+
+def _same_axes(mesh, abstract) -> bool:
+    """Whether the concrete `mesh` has the axis names, sizes and device kind of the
+    abstract mesh in context."""
+    if dict(mesh.shape) != dict(zip(abstract.axis_names, abstract.axis_sizes)):
+        return False
+    kind = getattr(getattr(abstract, "abstract_device", None), "device_kind", None)
+    return kind is None or mesh.devices.flat[0].device_kind == kind
 
 
 def current(*arrays) -> Target:

@@ -8,9 +8,17 @@ Pallas TPU kernels, Mosaic GPU for the Hopper step kernels. With no options, "pa
 becomes the target's own kernels and "auto" decides with the target's cost preset.
 """
 
+import functools
+import math
+import re
+
+import equinox as eqx
+import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
+import fusedpar
 from fusedpar import _aot_programs as progs, _primitives as prims, _target
 
 from helpers import needs_aot
@@ -176,3 +184,151 @@ def test_fused_qkv_block_gathers_its_input_once():
     block = size["seq"] * size["dim"] * 2  # one device's (seq, dim) bf16 block
     assert sent[True] == 2 * 3 * block, sent
     assert sent[False] > sent[True], sent
+
+
+# -- Layers on meshes with axes they do not use (a data or FSDP axis beside "tp") --------
+
+class _Stack(eqx.Module):
+    """Layers one after the other, tanh after each Column."""
+
+    layers: tuple
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+            x = jnp.tanh(x) if isinstance(layer, fusedpar.ColumnLinear) else x
+        return x
+
+
+def _every_layer(mesh, dim, hidden):
+    """Column and Row, with and without sequence parallelism, over "tp"; with an "fsdp"
+    axis, the same composed with FSDP, and an FSDPLinear."""
+    keys = iter(jax.random.split(jax.random.key(0), 9))
+    fsdp = ({},) + (({"fsdp_axis": "fsdp"},) if "fsdp" in mesh.axis_names else ())
+    layers = []
+    for extra in fsdp:
+        for sp in (True, False):
+            kw = dict(dtype=jnp.bfloat16, backend="pallas", sequence_parallel=sp, **extra)
+            layers += [fusedpar.ColumnLinear(dim, hidden, key=next(keys), **kw),
+                       fusedpar.RowLinear(hidden, dim, key=next(keys), **kw)]
+    if "fsdp" in mesh.axis_names:
+        layers.append(fusedpar.FSDPLinear(dim, dim, key=next(keys), dtype=jnp.bfloat16,
+                                          backend="pallas"))
+    return _Stack(tuple(layers))
+
+
+# target, mesh shape and axes: one compile per generation. On (2, 2, 2) a data and an FSDP
+# axis sit beside every layer's "tp"; on (2, 4) the FSDP axis beside the tensor-parallel
+# layers and "tp" beside the FSDPLinear. (Issue 29's (2, 4) ("data", "tp") layout is
+# lowered by test_auto_runs_what_explain_says_on_a_data_x_tp_mesh.)
+OTHER_AXES = [("v5e:2x4", (2, 2, 2), ("data", "fsdp", "tp")),
+              ("v5p:2x2x2", (2, 2, 2), ("data", "fsdp", "tp")),
+              ("v6e:2x4", (2, 4), ("fsdp", "tp"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target,shape,axes", OTHER_AXES)
+def test_tpu_kernels_compile_beside_other_mesh_axes(target, shape, axes):
+    """Every layer kind with backend="pallas", forward and backward (a training step on
+    global arrays under jax.set_mesh), compiled by Mosaic and XLA for a TPU slice whose
+    mesh has axes the layers do not use. Before, the kernels raised "unbound axis name:
+    data" (their neighbours' device ids need every mesh coordinate, and the layers'
+    shard_map bound only their own axes). Each fused op is one kernel: the sequence-
+    parallel layers run one forward and one backward op each (the first layer's input
+    gradient is not asked for: 3); with FSDP, 10 more: the sequence-parallel composed
+    layers' ops over "tp" (4), the others' weight gathers over "fsdp" and the
+    reduce-scatters of their gradients (6)."""
+    mesh = _mesh(target, shape, axes)
+    model = eqx.filter_eval_shape(_every_layer, mesh, 512, 1024)
+    batch = tuple(a for a in axes if a != "tp")
+    program, args = progs._layer_program(
+        mesh, model, None, "pallas", (math.prod(shape[:-1]), 128 * shape[-1], 512),
+        P(batch, "tp", None), jnp.bfloat16)
+    text = _compile(target, program, args).as_text()
+    assert text.count('custom_call_target="tpu_custom_call"') == (13 if "fsdp" in axes else 3)
+    assert "xla_python_cpu_callback" not in text
+
+
+def test_auto_runs_what_explain_says_on_a_data_x_tp_mesh():
+    """Issue 29: a sequence-parallel ColumnLinear(1024, 4096) on a v5e (2, 4) ("data",
+    "tp") mesh, x (8, 2048, 1024) bf16. explain, asked about the per-device shapes x (4,
+    512, 1024) and w.T (1024, 1024), says pallas; "auto" ran a ring, because the layer's
+    shard_map was manual over "tp" only and its op saw the whole batch. Only lowered: the
+    choice is made at trace time (lowering builds the kernel, which raised "unbound axis
+    name: data" before). Inside a user's shard_map that leaves "data" to XLA, neither
+    picks the kernels."""
+    mesh = _mesh("v5e:2x4", (2, 4), ("data", "tp"))
+    layer = eqx.filter_eval_shape(
+        fusedpar.ColumnLinear, 1024, 4096, key=jax.random.key(0), dtype=jnp.bfloat16,
+        sequence_parallel=True)
+    params, static = eqx.partition(layer, progs._is_array)
+    params = jax.tree.map(lambda a, s: progs._struct(mesh, a.shape, a.dtype, s), params,
+                          fusedpar.param_specs(params))
+    x = progs._struct(mesh, (8, 2048, 1024), jnp.bfloat16, P("data", "tp", None))
+    forward = jax.jit(lambda p, x: eqx.combine(p, static)(x))
+    with jax.set_mesh(mesh):
+        ran = set(re.findall(r"fusedpar\.ag_rows\.(\w+)", forward.trace(params, x).lower()
+                             .as_text(debug_info=True)))
+    x = jax.ShapeDtypeStruct((4, 512, 1024), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
+    said = fusedpar.explain("all_gather_matmul", x, w, 4, dim=1, target=mesh).backend
+    assert ran == {said} == {"pallas"}, (ran, said)
+
+    said = []
+
+    def body(x, w):
+        said.append(fusedpar.explain("all_gather_matmul", x, w, 4, dim=1).backend)
+        return fusedpar.all_gather_matmul(x, w, "tp", dim=1)
+
+    structs = [progs._struct(mesh, (8, 2048, 1024), jnp.bfloat16, P("data", "tp", None)),
+               progs._struct(mesh, (1024, 1024), jnp.bfloat16, P())]
+    partial = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P()),
+                                    out_specs=P(), axis_names={"tp"}, check_vma=False))
+    with jax.set_mesh(mesh):
+        ran = set(re.findall(r"fusedpar\.ag_rows\.(\w+)",
+                             partial.trace(*structs).lower().as_text(debug_info=True)))
+    assert ran == set(said) and "pallas" not in ran, (ran, said)
+
+
+def _hops(text, mesh) -> list:
+    """ICI links each collective-permute pair of the compiled `text` crosses (partition
+    ids index the mesh's devices in order)."""
+    from fusedpar._schedule import ring_hops, tpu_wraps
+
+    coords = [tuple(d.coords) for d in mesh.devices.flat]
+    extent = tuple(max(c[i] for c in coords) + 1 for i in range(len(coords[0])))
+    wraps = tpu_wraps(mesh.devices.flat[0].device_kind, extent)
+    hops = []
+    for line in text.splitlines():
+        if "collective-permute" in line and "source_target_pairs=" in line:
+            pairs = line.split("source_target_pairs=")[1].split("}}")[0]
+            hops += [ring_hops([coords[int(a)], coords[int(b)]], None, wraps, extent)[0]
+                     for a, b in re.findall(r"(\d+),(\d+)", pairs)]
+    return hops
+
+
+def test_ring_follows_the_torus_inside_shard_map_with_a_mesh(monkeypatch):
+    """Issue 29: a ring inside jax.shard_map(mesh=m), traced without jax.set_mesh, sent
+    over two or more ICI links on a v5e 2x4 slice (index order). Its devices are the
+    mesh shard_map was given: every hop, forward and backward, is one link. With only an
+    abstract mesh the devices are unknown: fusedpar warns once, and explain says how to
+    get the one-hop ring."""
+    from fusedpar import _schedule
+
+    mesh = _mesh("v5e:2x4")
+    program, args = progs.op_program(mesh, prims.AG_ROWS, "ring", rows=256, k=512, cols=1024)
+    hops = _hops(_compile("v5e:2x4", program.jitted, args).as_text(), mesh)  # no set_mesh
+    assert len(hops) == 28 * 8 and set(hops) == {1}, hops  # 28 permutes of 8 pairs
+
+    monkeypatch.setattr(_schedule, "_warned", set())
+    fn = functools.partial(fusedpar.all_gather_matmul, axis_name="x", backend="ring")
+    abstract = jax.jit(jax.shard_map(fn, mesh=mesh.abstract_mesh, in_specs=(P("x"), P()),
+                                     out_specs=P(), check_vma=False))
+    with pytest.warns(UserWarning, match=r"index order.*jax\.set_mesh\(mesh\)"):
+        abstract.lower(*args[:2])
+    x, w = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[:2])
+    reason = fusedpar.explain("all_gather_matmul", x, w, 8, backend="ring",
+                              target=mesh.abstract_mesh).reason
+    assert "jax.set_mesh(mesh)" in reason and "index order" in reason, reason
+    reason = fusedpar.explain("all_gather_matmul", x, w, 8, backend="ring", target=mesh).reason
+    assert "index order" not in reason, reason

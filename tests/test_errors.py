@@ -67,6 +67,16 @@ def in_shard_map(f, x_shape=(4, 8), w_shape=(8, 12), *, x_dtype=jnp.float32,
     return call
 
 
+def partially_manual(f):
+    """Trace `f(x, w)` inside a shard_map over a (2, 4) ("data", "tp") mesh that is manual
+    over "tp" only (x (4, 8) per device, w (8, 12))."""
+    def call():
+        fn = jax.shard_map(f, mesh=mesh((2, 4), ("data", "tp")), in_specs=(P("tp"), P()),
+                           out_specs=P("tp"), axis_names={"tp"}, check_vma=False)
+        return jax.eval_shape(fn, S((16, 8), jnp.float32), S((8, 12), jnp.float32))
+    return call
+
+
 def global_call(layer, x_shape, mesh_shape=(2, 4), names=("fsdp", "tp"), dtype=jnp.float32):
     """Trace `layer(x)` on a global array under `jax.set_mesh`."""
     def call():
@@ -229,6 +239,11 @@ OPS = [
         in_shard_map(lambda x, w: AGM(x, w, "x", backend="pallas_gpu")), NotImplementedError,
         ("backend 'pallas_gpu' cannot run this call", "a ring step multiplies (2, 8) by (8, 12)",
          "m=2 is not a multiple of 16", "use the 'ring' backend")),
+    Row("ops", "fused TPU kernel in a shard_map that leaves a mesh axis to XLA",
+        partially_manual(lambda x, w: AGM(x, w, "tp", backend="pallas_tpu")),
+        NotImplementedError, ("all_gather_matmul: backend 'pallas_tpu' cannot run this call",
+                              "leaves mesh axes {'data': 2} to XLA",
+                              "leave axis_names out", "backend='ring'")),
     Row("ops", "comm_dtype not a supported narrow dtype",
         in_shard_map(lambda x, w: AGM(x, w, "x", comm_dtype=jnp.float16)), ValueError,
         ("comm_dtype must be None (send the input dtype) or one of jnp.int8, "

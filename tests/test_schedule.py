@@ -185,7 +185,7 @@ def test_mesh_ring_order_one_order_for_every_group():
     assert mesh_ring_order(gpu, "x") is None  # no coordinates: index order
 
 
-def test_ring_for_reads_the_mesh_only_under_set_mesh():
+def test_ring_for_cpu_devices_in_index_order():
     """CPU devices have no coordinates: index order, under set_mesh or not."""
     from helpers import mesh
 

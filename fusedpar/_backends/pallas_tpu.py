@@ -174,6 +174,13 @@ def unavailable(call):
     if call.platform not in ("tpu", "cpu"):
         return (f"the fused TPU kernels run on TPU (or interpreted on CPU), not on "
                 f"platform {call.platform!r}")
+    if call.automatic_axes:
+        return (f"the enclosing jax.shard_map leaves mesh axes {dict(call.automatic_axes)} "
+                f"to XLA (they are not in its axis_names), and a fused TPU kernel runs only "
+                f"where every mesh axis is manual (it addresses its neighbours by their "
+                f"coordinates on every axis; XLA cannot partition a Mosaic kernel, nor run "
+                f"interpret mode's callbacks, over an automatic axis): make the shard_map "
+                f"manual over every mesh axis (leave axis_names out), or use backend='ring'")
     if call.dtype not in _DTYPES:
         return f"dtype {call.dtype} is not supported (supported: {', '.join(_DTYPES)})"
     x = jax.ShapeDtypeStruct(call.x_shape, call.dtype)

@@ -96,7 +96,10 @@ class Link:
 
     def _device(self, index):
         """Mesh coordinates of ring position `index`; a tuple of axis names is one ring
-        over those axes (the first one major, as `lax.axis_index` counts)."""
+        over those axes (the first one major, as `lax.axis_index` counts). On the mesh's
+        other axes the neighbour shares this device's coordinates, which Pallas fills in
+        with `lax.axis_index`: the enclosing `shard_map` must be manual over every mesh
+        axis (Mosaic cannot partition a kernel over an automatic one either)."""
         names = _axis_names(self.axis_name)
         return mesh_coordinates(index, {name: lax.axis_size(name) for name in names})
 

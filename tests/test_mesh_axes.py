@@ -1,0 +1,119 @@
+"""Layers on meshes with axes they do not use (a data x tensor-parallel mesh), and ops
+inside a shard_map that leaves mesh axes to XLA.
+
+The layers' own shard_map is manual over every mesh axis, so the fused TPU kernels
+(interpreted here: host callbacks, which JAX runs only where every axis is manual) run
+beside a data or FSDP axis; a user's shard_map that leaves an axis automatic gets a
+clear refusal from the kernels, and "auto" never picks them there. The same layers
+compiled for TPU slices: tests/test_aot.py.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import fusedpar
+from fusedpar import _specs, _target
+from helpers import assert_close, mesh, normal
+
+pytestmark = pytest.mark.timeout(300)
+
+F32 = jnp.float32
+# Features and tokens where every ring step of both Pallas backends is a whole tile (the
+# Triton step kernels take multiples of 16: HID / 4 columns, 64 / 4 rows halved).
+IN, HID, BATCH, SEQ = 16, 64, 4, 64
+
+
+def _layers(backend):
+    k1, k2 = jax.random.split(jax.random.key(0))
+    layers = (fusedpar.ColumnLinear(IN, HID, key=k1, sequence_parallel=True, backend=backend),
+              fusedpar.RowLinear(HID, IN, key=k2, sequence_parallel=True, backend=backend))
+    dense = (eqx.nn.Linear(IN, HID, key=k1), eqx.nn.Linear(HID, IN, key=k2))
+    return layers, dense
+
+
+def _loss(model, x):
+    up, down = model
+    return jnp.sum(jnp.sin(down(jnp.tanh(up(x)))))
+
+
+def _dense_loss(model, x):
+    up, down = (jax.vmap(jax.vmap(layer)) for layer in model)
+    return jnp.sum(jnp.sin(down(jnp.tanh(up(x)))))
+
+
+@pytest.mark.parametrize("backend", [pytest.param("pallas_tpu", marks=pytest.mark.slow),
+                                     "pallas_gpu"])
+def test_tensor_parallel_pallas_layers_beside_an_fsdp_axis(backend):
+    """Sequence-parallel Column -> Row over "tp" on a (2, 4) ("fsdp", "tp") mesh, the
+    kernels interpreted: loss and every gradient equal dense math (before, pallas_tpu
+    raised JAX's "callbacks are only supported ... all mesh axes are partitioned
+    manually"). The layers' shard_map is manual over both axes, the batch on "fsdp"."""
+    layers, dense = _layers(backend)
+    x = normal(0, (BATCH, SEQ, IN), F32)
+    m = mesh((2, 4), ("fsdp", "tp"))
+    with jax.set_mesh(m):
+        model = fusedpar.shard(layers, m)
+        step = eqx.filter_jit(eqx.filter_value_and_grad(_loss))
+        jaxpr = jax.make_jaxpr(lambda mx: _loss(*mx))((model, x))
+        got = step(model, x)
+    maps = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
+    assert [set(e.params["newly_manual_axes"]) for e in maps] == [{"fsdp", "tp"}] * 2
+    assert maps[0].params["in_specs"][-1] == P("fsdp", "tp", None)
+    want = eqx.filter_value_and_grad(_dense_loss)(dense, x)
+    assert_close(got[0], want[0], F32, "loss")
+    for g, w, name in zip(got[1], want[1], ("up", "down")):
+        assert_close((g.weight, g.bias), (w.weight, w.bias), F32, f"d{name}")
+
+
+def test_other_auto_axes_go_on_the_batch_where_it_divides():
+    """With Auto axes the input's layout is not in its type: the layer's shard_map carries
+    the mesh's other axes on dim 0 when the layer keeps it and it divides, as many as
+    divide (in mesh order), else replicates the input over them."""
+    sizes = {"data": 2, "pod": 4, "tp": 4, "one": 1}
+    x_spec, y_spec = P(None, "tp", None), P(None, None, "tp")  # a sequence-parallel Column
+    got = _specs.with_unknown_axes((8, 64, 16), x_spec, y_spec, ("data", "pod", "one"), sizes)
+    assert got == (P(("data", "pod"), "tp", None), P(("data", "pod"), None, "tp"))
+    got = _specs.with_unknown_axes((6, 64, 16), x_spec, y_spec, ("data", "pod"), sizes)
+    assert got == (P("data", "tp", None), P("data", None, "tp"))  # 6: "pod" does not divide
+    assert _specs.with_unknown_axes((3, 64, 16), x_spec, y_spec, ("data",), sizes) == (
+        x_spec, y_spec)
+    # An FSDP batch: the other axes go before the FSDP axis (and must divide with it).
+    fsdp = P("fsdp", "tp", None), P("fsdp", None, "tp")
+    assert _specs.with_unknown_axes((8, 64, 16), *fsdp, ("data",), {**sizes, "fsdp": 2}) == (
+        P(("data", "fsdp"), "tp", None), P(("data", "fsdp"), None, "tp"))
+    # A (seq, features) input of a sequence-parallel Column: dim 0 changes layout.
+    assert _specs.with_unknown_axes((64, 16), P("tp", None), P(None, "tp"), ("data",),
+                                    sizes) == (P("tp", None), P(None, "tp"))
+
+
+def test_fused_tpu_kernels_refused_where_an_axis_is_left_to_xla():
+    """Inside a shard_map manual over "tp" only, on a ("data", "tp") mesh, the TPU
+    kernels cannot run (they address devices by every mesh coordinate; interpret mode's
+    callbacks need every axis manual): asked for by name they raise, naming the op, the
+    automatic axis and the fix; "auto" and explain choose among the others."""
+    m = mesh((2, 4), ("data", "tp"))
+    x, w = normal(1, (4 * 32, IN), F32), normal(2, (IN, HID), F32)
+
+    def run(backend):
+        def body(x, w):
+            if backend == "auto":
+                choice = fusedpar.explain("all_gather_matmul", x, w, 4)
+                seen.append((choice.backend, _target.automatic_axes()))
+            return fusedpar.all_gather_matmul(x, w, "tp", backend=backend)
+
+        return jax.jit(jax.shard_map(body, mesh=m, in_specs=(P("tp"), P()), out_specs=P(),
+                                     axis_names={"tp"}, check_vma=False))(x, w)
+
+    seen = []
+    for backend in ("pallas_tpu", "pallas"):
+        with pytest.raises(NotImplementedError) as e:
+            run(backend)
+        message = str(e.value)
+        assert message.startswith(f"all_gather_matmul: backend {backend!r} cannot run"), message
+        for part in ("{'data': 2}", "axis_names", "backend='ring'"):
+            assert part in message, message
+    assert_close(run("auto"), x @ w, F32, "auto in a partially manual shard_map")
+    assert seen == [("reference", (("data", 2),))]
