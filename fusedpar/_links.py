@@ -132,19 +132,18 @@ class Network:
         self.done: dict = {}  # key -> the time it finished
 
     def start(self, key, nbytes: float, cap: float, latency: float, usage: dict,
-              now: float) -> None:
-        """A transfer of `nbytes` (per message) starts at `now`."""
+              now: float) -> int:
+        """A transfer of `nbytes` (per message) starts at `now`, its messages crossing
+        `usage`'s resources. Returns the most messages one of them carries now, its own
+        and those of the flows in flight (1 when it uses none)."""
         self.advance(now)
+        load = max((n + sum(f.usage.get(r, 0) for f in self.flows.values())
+                    for r, n in usage.items()), default=1)
         if nbytes <= 0 or cap <= 0:
             self.done[key] = now + latency
-            return
-        self.flows[key] = _Flow(float(nbytes), dict(usage), cap, latency)
-
-    def load(self, usage: dict) -> int:
-        """Messages of the flows in flight crossing the most used of `usage`'s resources,
-        counting `usage`'s own."""
-        return max((usage[r] + sum(f.usage.get(r, 0) for f in self.flows.values())
-                    for r in usage), default=1)
+        else:
+            self.flows[key] = _Flow(float(nbytes), dict(usage), cap, latency)
+        return load
 
     def finish(self, key) -> float:
         """When transfer `key` is done (moving time on until it is, if need be)."""

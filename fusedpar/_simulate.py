@@ -131,6 +131,7 @@ class _Replay:
         self.unread: dict = {}  # what -> assumed (insertion-ordered, each once)
         self.costs: dict = {}  # collective name -> [kind, bytes, runs, seconds, links, shared]
         self.started: dict = {}  # flow key -> (start time, instruction name or None: a DMA)
+        self.sends: dict = {}  # channel -> the flow of the send on it (its recv-done waits)
         self.serial = 0
 
     def note(self, what: str, assumed: str) -> None:
@@ -238,8 +239,7 @@ class _Replay:
         size, rate, latency, usage, why = self.flow(i, kind, nbytes)
         key = (i.name, self.serial)
         self.serial += 1
-        shared = self.network.load(usage) if usage else 1
-        self.network.start(key, size, rate, latency, usage, now)
+        shared = self.network.start(key, size, rate, latency, usage, now)
         self.started[key] = (now, i.name)
         cost = self.costs.setdefault(i.name, [kind, int(nbytes), 0, 0.0, why, 0])
         cost[5] = max(cost[5], shared)
@@ -255,6 +255,8 @@ class _Replay:
 
     def _finish(self, key, now) -> float:
         """Wait for flow `key` from `now`; the time the compute stream goes on."""
+        if key not in self.started:  # already waited for (a send, by its recv-done)
+            return now
         end = self.network.finish(key)
         began, name = self.started.pop(key)
         if name is not None:
@@ -277,7 +279,6 @@ class _Replay:
         carried = dict(carried or {})
         in_flight: dict = {}  # value name -> flow key
         after_loop: dict = {}  # (while name, element) -> flow key
-        channels: dict = {}  # send channel -> flow key (a recv-done waits for it)
         for i in instructions:
             if i.opcode == "get-tuple-element":
                 key = self._element(i, by_name, carried, after_loop)
@@ -293,12 +294,9 @@ class _Replay:
             channel = channel.group(1) if channel else ""
             if i.opcode == "send":
                 key = self._start(i, "collective-permute", _operand_bytes(i, by_name), now)
-                in_flight[i.name] = key
-                channels[channel] = i.name
-            elif i.opcode == "recv-done":
-                sender = channels.pop(channel, None)
-                if sender in in_flight:
-                    now = self._finish(in_flight.pop(sender), now)
+                in_flight[i.name] = self.sends[channel] = key
+            elif i.opcode == "recv-done":  # the data arrives when the send on its channel does
+                now = self._finish(self.sends.pop(channel, None), now)
             elif kind is not None and _hlo.is_async_start(i) and not _SYNC.search(i.line):
                 in_flight[i.name] = self._start(i, kind, _operand_bytes(i, by_name), now)
             elif kind is not None:  # synchronous: the compute stream waits for it
@@ -326,8 +324,7 @@ class _Replay:
                     out[j] = in_flight.pop(name)
         # Flows finished nowhere in sight (done in another computation, or dropped).
         for key in list(in_flight.values()) + list(carried.values()) + list(after_loop.values()):
-            if key in self.started:
-                now = self._finish(key, now)
+            now = self._finish(key, now)
         return now, out
 
     def _element(self, i, by_name, carried, after_loop):

@@ -156,6 +156,38 @@ def test_a_transfer_straddling_iterations_overlaps_the_next_one(dialect):
     assert p.unread == ()
 
 
+PAIRS = 'frontend_attributes={_xla_send_recv_source_target_pairs="{{0,1},{1,2},{2,3},{3,0}}"}'
+
+# A collective-permute XLA split into a send and a receive (GPU dialect): the received
+# block arrives when the send on the same channel does.
+GPU_SEND_RECV = f"""\
+HloModule p2p, is_scheduled=true, num_partitions=4
+
+ENTRY %main (x: f16[2048,2048], w: f16[2048,1024]) -> f16[2048,1024] {{
+  %x = f16[2048,2048]{{1,0}} parameter(0)
+  %w = f16[2048,1024]{{1,0}} parameter(1)
+  %token = token[] after-all()
+  %recv = (f16[2048,2048]{{1,0}}, u32[], token[]) recv(%token), channel_id=5, {PAIRS}
+  %send = (f16[2048,2048]{{1,0}}, u32[], token[]) send(%x, %token), channel_id=5, {PAIRS}
+  %gemm = (f16[2048,1024]{{1,0}}, s8[0]{{0}}) custom-call(%x, %w), {GEMM}
+  %recv-done = (f16[2048,2048]{{1,0}}, token[]) recv-done(%recv), channel_id=5
+  %block = f16[2048,2048]{{1,0}} get-tuple-element(%recv-done), index=0
+  %gemm.1 = (f16[2048,1024]{{1,0}}, s8[0]{{0}}) custom-call(%block, %w), {GEMM}
+  %send-done = token[] send-done(%send), channel_id=5
+  ROOT %y = f16[2048,1024]{{1,0}} get-tuple-element(%gemm.1), index=0
+}}
+"""
+
+
+def test_a_send_and_its_receive_are_one_transfer():
+    t = H100.hop_latency + 2048 * 2048 * 2 / H100.link_bandwidth
+    g = 2 * 2048 * 2048 * 1024 / H100.matmul_flops("float16") + H100.launch_overhead
+    p = _simulate.predict(GPU_SEND_RECV, H100)
+    assert p.seconds == pytest.approx(t + g, rel=1e-6)  # gemm.1 waits for the block
+    assert p.communication == pytest.approx(t, rel=1e-6)
+    assert [(c.name, c.runs) for c in p.transfers] == [("send", 1)] and p.unread == ()
+
+
 def _loop(start, limit, step, direction, mirrored=False, known=None):
     """A loop over a counter (tuple element 0) from `start` by `step`, while
     `counter <direction> limit` (`limit <direction> counter` when mirrored)."""
@@ -413,6 +445,7 @@ def test_what_it_cannot_read_is_listed():
 
 @pytest.mark.parametrize("text,hw,coords", [
     (GPU_PIPELINED, H100, None), (TPU_PIPELINED, V5E, SQUARE), (TPU_WIDE, V5E, None),
+    (GPU_SEND_RECV, H100, None),
     (TPU_ASYNC_SLICE, V5E, None), (_all_gather("mesh['x'=2,'y'=4] {'y'}"), H100, None),
     (_permutes("{{0,2}}", "{{1,2}}"), V5E, LINE)])
 def test_the_bounds_hold(text, hw, coords):
