@@ -535,14 +535,19 @@ def _constant_value(by_name: dict, name: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
+def element_index(i: Instruction) -> Optional[int]:
+    """The tuple element a `get-tuple-element` reads."""
+    m = _INDEX.search(i.line) if i.opcode == "get-tuple-element" else None
+    return int(m.group(1)) if m else None
+
+
 def _tuple_index(by_name: dict, name: str) -> Optional[int]:
     """`k` when `name` is element `k` of the computation's parameter tuple."""
     i = _through(by_name, name)
     if i is None or i.opcode != "get-tuple-element" or not i.operands:
         return None
     source = by_name.get(i.operands[0])
-    m = _INDEX.search(i.line)
-    return int(m.group(1)) if m and source is not None and source.opcode == "parameter" else None
+    return element_index(i) if source is not None and source.opcode == "parameter" else None
 
 
 def _step(module: Module, body: Optional[str], index: int) -> Optional[int]:
@@ -565,7 +570,8 @@ def _step(module: Module, body: Optional[str], index: int) -> Optional[int]:
 
 # -- who talks to whom --------------------------------------------------------------------
 
-_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+# A collective-permute's pairs, or those of a send / recv (a frontend attribute).
+_PAIRS = re.compile(r"(?:_xla_send_recv_)?source_target_pairs=\"?\{((?:\{\d+,\d+\},?)*)\}")
 _GROUPS_LISTED = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
@@ -573,7 +579,8 @@ _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
 
 
 def source_target_pairs(i: Instruction) -> Optional[list]:
-    """A collective-permute's `(source, target)` device pairs, None if it has none."""
+    """The `(source, target)` device pairs of a collective-permute (or of a send or recv
+    XLA split one into), None if it names none."""
     m = _PAIRS.search(i.line)
     if not m:
         return None

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import re
 from typing import Optional
 
@@ -60,10 +59,8 @@ _DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "
                 "s8": "int8", "u8": "uint8", "s32": "int32",
                 "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2"}
 _SYNC = re.compile(r'"is_sync":\s*true')
-_SEND_PAIRS = re.compile(r"_xla_send_recv_source_target_pairs=\"?\{((?:\{\d+,\d+\},?)*)\}")
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 _SLICE = re.compile(r"\bslice=\{([^{}]*)\}")
-_INDEX = re.compile(r"\bindex=(\d+)")
 _DMAS = ("copy-start", "slice-start")
 
 
@@ -170,10 +167,6 @@ class _Replay:
 
     def _pairs(self, i) -> list:
         pairs = _hlo.source_target_pairs(i)
-        if pairs is None:
-            m = _SEND_PAIRS.search(i.line)
-            pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", m.group(1))] \
-                if m else None
         if pairs is None:
             self.note(f"{i.opcode} {i.name}: no source_target_pairs",
                       "one message to a neighbour")
@@ -331,10 +324,9 @@ class _Replay:
         """The flow in flight in the tuple element `i` reads, if any: an element of the
         body's parameter a previous iteration left in flight, or of a loop's result."""
         source = by_name.get(i.operands[0]) if i.operands else None
-        m = _INDEX.search(i.line)
-        if source is None or m is None:
+        index = _hlo.element_index(i)
+        if source is None or index is None:
             return None
-        index = int(m.group(1))
         if source.opcode == "parameter" and index in carried:
             return carried.pop(index)
         return after_loop.pop((source.name, index), None)
