@@ -12,7 +12,10 @@ compiled for:
   lists carry `/*index=5*/` comments.
 
 Asynchronous collectives are `<kind>-start` ... `<kind>-done` pairs (or `async-start` /
-`async-done` around a computation holding the collective).
+`async-done` around a computation holding the collective). It also reads what XLA's own
+programs (GSPMD, Shardy, its collective matmul) are made of: `while` loops whose trip
+count is in their condition (`trip_count`), and replica groups in each syntax XLA prints
+(`replica_groups`: listed, iota, mesh axes).
 """
 
 from __future__ import annotations
