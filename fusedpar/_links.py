@@ -42,13 +42,13 @@ class Hop:
 
 def wraps_of(coords: list, period: int) -> tuple:
     """Each torus axis' length where the slice has wrap-around links on it, else 0: a
-    slice whose every extent is a whole multiple of `period` chips is a torus (`period`
-    0: never)."""
+    slice whose every extent (but those of one chip: a 2-D slice's third axis) is a whole
+    multiple of `period` chips is a torus (`period` 0: never)."""
     if not coords:
         return ()
     extents = [max(c[a] for c in coords) - min(c[a] for c in coords) + 1
                for a in range(len(coords[0]))]
-    torus = period > 0 and all(e % period == 0 for e in extents)
+    torus = period > 0 and all(e % period == 0 for e in extents if e > 1)
     return tuple(e if torus and e > 2 else 0 for e in extents)
 
 
