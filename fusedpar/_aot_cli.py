@@ -124,9 +124,11 @@ def main(argv=None):
                               f"(compiled in {seconds:.1f} s)"))
         print(f"Predicted per device: {predicted.seconds * 1e6:,.0f} us (lower bound "
               f"{predicted.lower_bound * 1e6:,.0f} us: compute "
-              f"{predicted.compute * 1e6:,.0f} us, communication "
-              f"{predicted.communication * 1e6:,.0f} us; waiting on transfers "
+              f"{predicted.compute * 1e6:,.0f} us, communication over all links "
+              f"{predicted.min_comm_s * 1e6:,.0f} us; waiting on transfers "
               f"{predicted.exposed * 1e6:,.0f} us).")
+        for what in predicted.unread:
+            print(f"Not read by the replay: {what}")
         print()
         rows.append(dict(target=args.target, program=label, backend=args.backend,
                          compile_s=round(seconds, 2), hidden=report.hidden,

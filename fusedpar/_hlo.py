@@ -12,7 +12,10 @@ compiled for:
   lists carry `/*index=5*/` comments.
 
 Asynchronous collectives are `<kind>-start` ... `<kind>-done` pairs (or `async-start` /
-`async-done` around a computation holding the collective).
+`async-done` around a computation holding the collective). It also reads what XLA's own
+programs (GSPMD, Shardy, its collective matmul) are made of: `while` loops whose trip
+count is in their condition (`trip_count`), and replica groups in each syntax XLA prints
+(`replica_groups`: listed, iota, mesh axes).
 """
 
 from __future__ import annotations
@@ -35,8 +38,12 @@ _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1
                 "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 _HEADER = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-$]+)\s*\((.*)\)\s*->\s*.*\{\s*$")
-_CALLS = re.compile(r"\b(?:calls|body|condition|to_apply|branch_computations)="
-                    r"\{?%?([\w.\-$]+(?:,\s*%?[\w.\-$]+)*)\}?")
+# `calls=%f`, `body=%b`, `condition=%c`, `to_apply=%r`, and the braced lists of
+# `calls={%a, %b}` / `branch_computations={%t, %f}`: one name, or a list in braces (a
+# plain comma after a name starts the next attribute: `condition=%c, body=%b`).
+_CALLS = re.compile(r"\b(calls|body|condition|to_apply|branch_computations)="
+                    r"(\{[^{}]*\}|%?[\w.\-$]+)")
+_DEVICE_COUNTS = re.compile(r"\b(?:num_partitions|replica_count)=(\d+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 
@@ -68,6 +75,9 @@ class Module:
     computations: dict
     entry: Optional[str]
     roots: dict = dataclasses.field(default_factory=dict)
+    # Devices the program runs on (`num_partitions` x `replica_count` of its header): the
+    # members of a collective whose replica groups are `{}` (all of them).
+    devices: int = 1
 
     def instruction(self, name: str) -> Optional[Instruction]:
         for instructions in self.computations.values():
@@ -177,8 +187,8 @@ def parse_instruction(line: str) -> Optional[Instruction]:
         return None
     opcode = m.group(1)
     operands, attributes = _operands(m.group(2))
-    calls = tuple(c.strip().lstrip("%") for group in _CALLS.findall(attributes)
-                  for c in group.split(","))
+    calls = tuple(c.strip().lstrip("%") for _, group in _CALLS.findall(attributes)
+                  for c in group.strip("{}").split(",") if c.strip())
     op_name = _OP_NAME.search(attributes)
     target = _TARGET.search(attributes)
     return Instruction(name.lstrip("%"), opcode, shape, operands, calls,
@@ -188,8 +198,12 @@ def parse_instruction(line: str) -> Optional[Instruction]:
 
 def parse(text: str) -> Module:
     """Parse a scheduled HLO module's text."""
-    computations, roots, entry, current = {}, {}, None, None
+    computations, roots, entry, current, devices = {}, {}, None, None, 1
     for line in text.splitlines():
+        if line.startswith("HloModule "):
+            for count in _DEVICE_COUNTS.findall(line):
+                devices *= int(count)
+            continue
         if current is None:
             m = _HEADER.match(line)
             if m:
@@ -206,7 +220,7 @@ def parse(text: str) -> Module:
             computations[current].append(instruction)
             if line.lstrip().startswith("ROOT "):
                 roots[current] = instruction
-    return Module(computations, entry, roots)
+    return Module(computations, entry, roots, devices)
 
 
 def in_place_bytes(module: Module, i: Instruction, by_name: dict) -> Optional[int]:
@@ -448,3 +462,194 @@ def dataflow(instructions) -> tuple[list, list]:
         for o in operands[k]:
             descendants[o] |= descendants[k] | (1 << k)
     return ancestors, descendants
+
+
+# -- loops --------------------------------------------------------------------------------
+
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_INDEX = re.compile(r"\bindex=(\d+)")
+_CONSTANT = re.compile(r"\bconstant\((-?\d+)\)")
+_DIRECTION = re.compile(r"\bdirection=(\w+)")
+# Instructions that pass a scalar counter on unchanged.
+_SAME_VALUE = ("copy", "convert", "bitcast", "bitcast-convert", "reshape")
+
+
+def loop_parts(loop: Instruction) -> tuple[Optional[str], Optional[str]]:
+    """`(condition, body)`: the computations a `while` instruction names."""
+    found = dict(re.findall(r"\b(condition|body)=%?([\w.\-$]+)", loop.line))
+    return found.get("condition"), found.get("body")
+
+
+def trip_count(module: Module, loop: Instruction, by_name: dict) -> Optional[int]:
+    """How many times `loop` (a `while` of the computation whose instructions are
+    `by_name`) runs its body: XLA's `known_trip_count` when it says, else read from the
+    loop itself — the condition's compare of a counter in the loop's tuple with a
+    constant (`counter < 4`), the counter's initial value in the tuple the loop starts
+    from, and its step in the body (`counter + 2` in a loop XLA widened to run two
+    iterations at once). None when the loop is not of that form."""
+    known = _TRIP.search(loop.line)
+    if known:
+        return int(known.group(1))
+    condition, body = loop_parts(loop)
+    compare = module.roots.get(condition)
+    if compare is None or compare.opcode != "compare" or len(compare.operands) != 2:
+        return None
+    inner = {i.name: i for i in module.computations.get(condition, ())}
+    direction = _DIRECTION.search(compare.line)
+    direction = direction.group(1) if direction else ""
+    a, b = compare.operands
+    index, limit = _tuple_index(inner, a), _constant_value(inner, b)
+    if index is None or limit is None:  # `limit > counter`: the same compare mirrored
+        index, limit = _tuple_index(inner, b), _constant_value(inner, a)
+        direction = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE"}.get(direction, direction)
+    start = by_name.get(loop.operands[0]) if loop.operands else None
+    if index is None or limit is None or start is None or start.opcode != "tuple" \
+            or index >= len(start.operands):
+        return None
+    first = _constant_value(by_name, start.operands[index])
+    step = _step(module, body, index)
+    if first is None or not step:
+        return None
+    span = limit - first
+    if direction == "LT" and step > 0:
+        return max(0, -(-span // step))
+    if direction == "LE" and step > 0:
+        return max(0, span // step + 1)
+    if direction == "GT" and step < 0:
+        return max(0, -(-span // step))
+    if direction == "GE" and step < 0:
+        return max(0, span // step + 1)
+    if direction == "NE" and span % step == 0 and span // step >= 0:
+        return span // step
+    return None
+
+
+def _through(by_name: dict, name: str) -> Optional[Instruction]:
+    """The instruction `name` is, looking through copies and conversions of a scalar."""
+    i = by_name.get(name)
+    while i is not None and i.opcode in _SAME_VALUE and i.operands:
+        i = by_name.get(i.operands[0])
+    return i
+
+
+def _constant_value(by_name: dict, name: str) -> Optional[int]:
+    i = _through(by_name, name)
+    m = _CONSTANT.search(i.line) if i is not None and i.opcode == "constant" else None
+    return int(m.group(1)) if m else None
+
+
+def element_index(i: Instruction) -> Optional[int]:
+    """The tuple element a `get-tuple-element` reads."""
+    m = _INDEX.search(i.line) if i.opcode == "get-tuple-element" else None
+    return int(m.group(1)) if m else None
+
+
+def _tuple_index(by_name: dict, name: str) -> Optional[int]:
+    """`k` when `name` is element `k` of the computation's parameter tuple."""
+    i = _through(by_name, name)
+    if i is None or i.opcode != "get-tuple-element" or not i.operands:
+        return None
+    source = by_name.get(i.operands[0])
+    return element_index(i) if source is not None and source.opcode == "parameter" else None
+
+
+def _step(module: Module, body: Optional[str], index: int) -> Optional[int]:
+    """What the loop body adds to element `index` of its tuple each iteration."""
+    root = module.roots.get(body)
+    inner = {i.name: i for i in module.computations.get(body, ())}
+    if root is None or root.opcode != "tuple" or index >= len(root.operands):
+        return None
+    update = _through(inner, root.operands[index])
+    if update is None or update.opcode not in ("add", "subtract") or len(update.operands) != 2:
+        return None
+    x, y = update.operands
+    sign = 1 if update.opcode == "add" else -1
+    if _tuple_index(inner, x) == index and _constant_value(inner, y) is not None:
+        return sign * _constant_value(inner, y)
+    if update.opcode == "add" and _tuple_index(inner, y) == index:
+        return _constant_value(inner, x)
+    return None
+
+
+# -- who talks to whom --------------------------------------------------------------------
+
+# A collective-permute's pairs, or those of a send / recv (a frontend attribute).
+_PAIRS = re.compile(r"(?:_xla_send_recv_)?source_target_pairs=\"?\{((?:\{\d+,\d+\},?)*)\}")
+_GROUPS_LISTED = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
+                          r"(?:,\s*device_ids=\(([^)]*)\))?\s*\{([^{}]*)\}")
+
+
+def source_target_pairs(i: Instruction) -> Optional[list]:
+    """The `(source, target)` device pairs of a collective-permute (or of a send or recv
+    XLA split one into), None if it names none."""
+    m = _PAIRS.search(i.line)
+    if not m:
+        return None
+    return [(int(s), int(t)) for s, t in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
+
+
+def replica_groups(i: Instruction, devices: int) -> Optional[list]:
+    """The groups of devices a collective runs over, each a list of device ids, from
+    any of the forms XLA prints: listed (`{{0,1},{2,3}}`; `{}` is all `devices`),
+    iota (`[2,4]<=[8]`, `[4,2]<=[2,4]T(1,0)`: the iota reshaped, transposed, cut into
+    groups) or mesh axes (`mesh['x'=2,'y'=4] {'y'}`, as GSPMD and Shardy print them: the
+    devices that differ only along the named axes; `'y':(1)2` names a sub-axis).
+    None when the instruction has no groups XLA prints in these forms."""
+    m = _GROUPS_LISTED.search(i.line)
+    if m:
+        groups = [[int(d) for d in g.split(",") if d]
+                  for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+        return groups or [list(range(devices))]
+    m = _GROUPS_IOTA.search(i.line)
+    if m:
+        count, size = int(m.group(1)), int(m.group(2))
+        dims = [int(d) for d in m.group(3).split(",")]
+        perm = [int(d) for d in m.group(4).split(",")] if m.group(4) else range(len(dims))
+        ids = np.arange(int(np.prod(dims))).reshape(dims).transpose(list(perm))
+        return ids.reshape(count, size).tolist()
+    m = _GROUPS_MESH.search(i.line)
+    if m:
+        return _mesh_groups(m.group(1), m.group(2), m.group(3))
+    return None
+
+
+def _mesh_groups(axes_text: str, ids_text: Optional[str], grouped_text: str) -> list:
+    """The groups of a mesh-form device list (`xla/hlo/ir/replica_group.cc`): the mesh's
+    device array reshaped so that each named (sub-)axis is a dimension of its own, those
+    dimensions moved last in the order named, then cut into groups."""
+    axes = [(name, int(size)) for name, size in re.findall(r"'?([^',=\s]+)'?=(\d+)", axes_text)]
+    names = [name for name, _ in axes]
+    total = int(np.prod([size for _, size in axes]))
+    ids = ([int(d) for d in re.findall(r"\d+", ids_text)] if ids_text else list(range(total)))
+    grouped = [(name, int(pre) if pre else None, int(size) if size else None)
+               for name, pre, size in re.findall(r"'?([^',:\s]+)'?(?::\((\d+)\)(\d+))?",
+                                                 grouped_text)]
+    dims, keep = [], []  # the reshaped array's dims; dims (by position) grouped, in order
+    order = {}
+    for axis, (name, size) in enumerate(axes):
+        refs = sorted((g for g in grouped if g[0] == name), key=lambda g: g[1] or 0)
+        if not refs:
+            dims.append(size)
+            continue
+        if refs[0][1] is None:  # the whole axis
+            order[(name, None)] = len(dims)
+            dims.append(size)
+            continue
+        covered = 1
+        for _, pre, sub in refs:
+            if pre != covered:  # a part of the axis no reference names
+                dims.append(pre // covered)
+                covered = pre
+            order[(name, pre)] = len(dims)
+            dims.append(sub)
+            covered *= sub
+        if covered != size:
+            dims.append(size // covered)
+    for name, pre, _ in grouped:
+        keep.append(order[(name, pre)])
+    rest = [d for d in range(len(dims)) if d not in keep]
+    array = np.array(ids).reshape(dims).transpose(rest + keep)
+    size = int(np.prod([dims[d] for d in keep]))
+    return array.reshape(-1, size).tolist()

@@ -11,48 +11,77 @@ device, per-hop latency, launch overhead — each preset cites its spec sheet):
   kernel costs its bytes over HBM bandwidth (an in-place update only its update's; a
   fusion not the buffers it passes through untouched, as the TPU compiler's
   asynchronous collective fusions do); bookkeeping (parameters, tuples, bitcasts, the
-  TPU compiler's `ConcatBitcast` of slices it placed side by side) is free;
-- an asynchronous collective starts when the compute stream reaches its `-start` and
-  runs beside it; its `-done` makes the compute stream wait for it. A transfer costs
-  its latency plus its bytes over the bandwidth one device sends with (`hops` times for a
-  transfer that crosses several links); transfers in flight at once share the device's
-  egress where the links are shared (NVSwitch), and each has its own link where the
-  device has one per neighbour (a TPU torus);
+  TPU compiler's `ConcatBitcast` of slices it placed side by side and its
+  `AllocateBuffer`) is free; an asynchronous computation that is not a collective (an
+  `async-start` around a fusion) runs on the compute stream where it starts;
+- an asynchronous collective starts when the compute stream reaches its `-start` (or a
+  `send`) and runs beside it; its `-done` makes the compute stream wait for it. Transfers
+  are replayed as flows over the device's links (`fusedpar._links`): a transfer between
+  chips several ICI links apart pays a hop's latency per link and its bytes once, at the
+  rate of the most loaded link it crosses (cut-through); transfers in flight at once
+  share a link where they cross it in the same direction (a TPU torus), or the device's
+  egress (NVSwitch);
 - a synchronous collective (and the whole-array collectives of the reference, as a ring
-  of `N - 1` hops; the TPU compiler's reduce-scatter wrapped in a fusion too) blocks the
-  compute stream for its duration;
-- a `while` loop runs its body as many times as XLA knows it iterates.
+  of `N - 1` hops over the device's links, both directions; the TPU compiler's
+  reduce-scatter wrapped in a fusion too; a GPU collective XLA marks `is_sync`) blocks
+  the compute stream for its duration;
+- asynchronous copies and slices (`copy-start` / `slice-start`: the TPU's DMAs between
+  HBM and its on-chip memories) run beside the compute stream at HBM bandwidth;
+- a `while` loop runs its body as many times as XLA knows it iterates, or as its
+  condition says (`_hlo.trip_count`). A transfer a loop body starts and a later
+  iteration (or the code after the loop) finishes, carried in the loop's tuple, stays in
+  flight across the iteration boundary and overlaps the next iteration's compute.
 
-The lower bound of the same program is `max(compute, communication)`: every matmul and
-kernel back to back, or every byte sent over all of the device's links at once.
+What it cannot read it lists (`Prediction.unread`) with what it assumed instead. Two
+bounds come from the program alone, loops counted with their trip counts: the compute
+its matmuls need at the preset's matmul rate (`min_compute_s`, from `dot_flops`), and
+the time every collective's bytes need with all of the device's links sending
+(`min_comm_s`). The replay's `compute` and `communication` are never below them.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import math
 import re
 from typing import Optional
 
-from . import _hlo
+from . import _flops, _hlo, _links
 
-_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "copy-start",
-         "copy-done", "after-all", "partition-id", "replica-id", "opt-barrier",
-         "optimization-barrier", "add-dependency", "get-dimension-size"}
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant",
+         "after-all", "partition-id", "replica-id", "opt-barrier",
+         "optimization-barrier", "add-dependency", "get-dimension-size", "recv"}
 # Custom calls that move nothing: the TPU compiler's concatenation of slices it already
-# placed side by side in memory (a bitcast of their buffers).
-_FREE_TARGETS = {"ConcatBitcast"}
+# placed side by side in memory (a bitcast of their buffers), and its allocation of an
+# uninitialised buffer.
+_FREE_TARGETS = {"ConcatBitcast", "AllocateBuffer"}
 _DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64",
                 "s8": "int8", "u8": "uint8", "s32": "int32",
                 "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2"}
-_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
-_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
-_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
-_FLOPS = re.compile(r'"flops":\s*"?(\d+)')
-_GEMM_CONTRACT = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+_SYNC = re.compile(r'"is_sync":\s*true')
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+_SLICE = re.compile(r"\bslice=\{([^{}]*)\}")
+_DMAS = ("copy-start", "slice-start")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferCost:
+    """One collective of the program as the replay moved it.
+
+    `bytes`: what one message carries (per device); `runs`: how many times it ran (loop
+    trips); `seconds`: its time in flight, start to done, over all runs; `links`: which
+    links it takes and why (for a collective-permute on a TPU slice: the devices of its
+    most loaded route, the torus axes, wrap-around or not); `shared`: the most messages
+    one of its links carried at once when it started (its own and those in flight).
+    """
+
+    name: str
+    kind: str
+    bytes: int
+    runs: int
+    seconds: float
+    links: str
+    shared: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,93 +89,62 @@ class Prediction:
     """Predicted seconds of one program on one device, and where the time goes.
 
     `seconds`: when the compute stream finishes; `compute`: every compute instruction
-    back to back; `communication`: every transfer's time with all of the device's links
-    in use; `lower_bound`: `max(compute, communication)`; `exposed`: seconds the compute
-    stream waited for transfers.
+    back to back; `communication`: every transfer's time in flight as replayed (loops
+    counted); `exposed`: seconds the compute stream waited for transfers; `copies`:
+    seconds it waited for asynchronous copies and slices.
+
+    Bounds from the program alone: `dot_flops`, the FLOPs of its matmuls (loops counted
+    with their trip counts), and `min_compute_s`, those FLOPs at the preset's matmul rate
+    (`Hardware.matmul_flops`); `min_comm_s`, every collective's bytes with all of the
+    device's links sending at once. `lower_bound`: `max(compute, min_comm_s)`.
+
+    `unread`: what the replay did not understand, each with what it assumed instead;
+    `transfers`: each collective's `TransferCost`.
     """
 
     seconds: float
     compute: float
     communication: float
     exposed: float
+    copies: float = 0.0
+    dot_flops: float = 0.0
+    min_compute_s: float = 0.0
+    min_comm_s: float = 0.0
+    unread: tuple = ()
+    transfers: tuple = ()
 
     @property
     def lower_bound(self) -> float:
-        return max(self.compute, self.communication)
+        return max(self.compute, self.min_comm_s)
 
 
 class _Replay:
     def __init__(self, module, hw, coords=None, wraps=None):
         self.module, self.hw = module, hw
         self.multiplying = _hlo.matmul_computations(module)
-        self.coords, self.wraps = coords, wraps
-        self.compute = self.communication = self.exposed = 0.0
+        self.torus = _links.Torus(coords, wraps) if coords else None
+        self.network = _links.Network(self._capacity)
+        self.compute = self.communication = self.exposed = self.copies = 0.0
+        self.unread: dict = {}  # what -> assumed (insertion-ordered, each once)
+        self.costs: dict = {}  # collective name -> [kind, bytes, runs, seconds, links, shared]
+        self.started: dict = {}  # flow key -> (start time, instruction name or None: a DMA)
+        self.sends: dict = {}  # channel -> the flow of the send on it (its recv-done waits)
+        self.serial = 0
+
+    def note(self, what: str, assumed: str) -> None:
+        self.unread.setdefault(what, assumed)
 
     # -- costs ---------------------------------------------------------------------------
 
-    def _peak(self, dtype: str) -> float:
+    def _capacity(self, resource) -> float:
+        if resource == _links.EGRESS:
+            return self.hw.egress_bandwidth
+        if resource == ("hbm",):
+            return self.hw.hbm_bandwidth
+        return self.hw.link_bandwidth
+
+    def peak(self, dtype: str) -> float:
         return self.hw.matmul_flops(_DTYPE_NAMES.get(dtype, "float32"))
-
-    def _matmul_flops(self, i: _hlo.Instruction, by_name) -> tuple[float, str]:
-        """`(flops, operand dtype)` of a matmul instruction (or of the one inside it)."""
-        found = _FLOPS.search(i.line)
-        if i.opcode in ("dot", "convolution"):
-            return self._dot_flops(i, by_name)
-        if i.opcode in ("fusion", "call"):
-            total, dtype = 0.0, "f32"
-            for c in i.calls:
-                inner = {j.name: j for j in self.module.computations.get(c, ())}
-                for j in self.module.computations.get(c, ()):
-                    if j.opcode in ("dot", "convolution"):
-                        f, dtype = self._dot_flops(j, inner)
-                        total += f
-            return total, dtype
-        contracting = _GEMM_CONTRACT.search(i.line)
-        if contracting and i.operands and i.operands[0] in by_name:  # a cuBLAS GEMM
-            (dtype, lhs), = _hlo.array_shapes(by_name[i.operands[0]].shape)[:1]
-            out = _hlo.array_shapes(i.shape)[0][1]
-            k = math.prod(lhs[int(d)] for d in re.findall(r"\d+", contracting.group(1)))
-            return 2.0 * math.prod(out) * k, dtype
-        if found:  # a Pallas kernel's cost estimate
-            arrays = [_hlo.array_shapes(by_name[o].shape) for o in i.operands if o in by_name]
-            dtype = arrays[0][0][0] if arrays and arrays[0] else "bf16"
-            return float(found.group(1)), dtype
-        # A Pallas kernel whose estimate the lowering dropped (jax 0.10's Mosaic GPU and
-        # Triton lowerings do): guess from shapes. The step multiplies the smallest
-        # product its operands chain into (a window of the left one's columns allowed),
-        # once per operand of that shape (a bidirectional step's two pieces), and no more
-        # than its result's rows x columns x a matching contraction (a kernel writing
-        # into a slice of an aliased buffer has the whole buffer as its result).
-        shapes = [s for o in i.operands if o in by_name
-                  for s in _hlo.array_shapes(by_name[o].shape) if len(s[1]) == 2]
-        dtype = shapes[0][0] if shapes else "bf16"
-        pairs = [(2.0 * a[1][0] * b[1][0] * b[1][1], a) for a in shapes for b in shapes
-                 if a is not b and b[1][0] and a[1][1] % b[1][0] == 0]
-        if not pairs:
-            return 0.0, dtype
-        flops, piece = min(pairs, key=lambda p: p[0])
-        flops *= sum(s[1] == piece[1] for s in shapes)
-        out = [s for s in _hlo.array_shapes(i.shape) if len(s[1]) == 2]
-        if out:
-            m, n = out[0][1]
-            bounds = [2.0 * m * n * b[1][0] for b in shapes if b[1][1] == n]
-            flops = min([flops] + bounds)
-        return flops, dtype
-
-    def _dot_flops(self, i, by_name) -> tuple[float, str]:
-        out = _hlo.array_shapes(i.shape)
-        lhs = by_name.get(i.operands[0]) if i.operands else None
-        if not out or lhs is None:
-            return 0.0, "f32"
-        (ldtype, ldims), = _hlo.array_shapes(lhs.shape)[:1]
-        if i.opcode == "dot":
-            m = _CONTRACT.search(i.line)
-            dims = [int(d) for d in m.group(1).split(",") if d] if m else [len(ldims) - 1]
-            k = math.prod(ldims[d] for d in dims)
-        else:  # convolution: the lhs feature dimension ('f') is contracted
-            m = _LABELS.search(i.line)
-            k = ldims[m.group(1).index("f")] if m and "f" in m.group(1) else ldims[-1]
-        return 2.0 * math.prod(out[0][1]) * k, ldtype
 
     def _kernel_time(self, i, by_name) -> float:
         if (i.opcode in _FREE or i.opcode.endswith("-done") or _hlo.is_async_start(i)
@@ -160,105 +158,241 @@ class _Replay:
             written = _hlo.written_bytes(self.module, i)
             memory = (operand_bytes + written) / self.hw.hbm_bandwidth
         if _hlo.is_matmul(i, self.multiplying):
-            flops, dtype = self._matmul_flops(i, by_name)
-            return max(flops / self._peak(dtype), memory) + self.hw.launch_overhead
+            flops, dtype = _flops.matmul_flops(self.module, i, by_name)
+            return max(flops / self.peak(dtype), memory) + self.hw.launch_overhead
+        if i.opcode == "custom-call":
+            self.note(f"custom-call {i.name} ({i.target})",
+                      "a kernel costing its bytes over HBM bandwidth")
         return memory
 
-    def _hops(self, source: int, target: int) -> int:
-        if self.coords is None or source >= len(self.coords) or target >= len(self.coords):
-            return 1
-        a, b = self.coords[source], self.coords[target]
-        hops = 0
-        for axis, (x, y) in enumerate(zip(a, b)):
-            d = abs(x - y)
-            size = self.wraps[axis] if self.wraps else 0
-            hops += min(d, size - d) if size else d
-        return max(hops, 1)
+    def _pairs(self, i) -> list:
+        pairs = _hlo.source_target_pairs(i)
+        if pairs is None:
+            self.note(f"{i.opcode} {i.name}: no source_target_pairs",
+                      "one message to a neighbour")
+            pairs = [(0, 1)]
+        return [(s, t) for s, t in pairs if s != t]
 
-    def transfer_time(self, i, kind, nbytes, in_flight: int) -> float:
-        """Seconds one collective takes with `in_flight` transfers sharing the links."""
+    def group_size(self, i) -> int:
+        """Devices in the largest replica group of collective `i`."""
+        groups = _hlo.replica_groups(i, self.module.devices)
+        if groups is None:
+            self.note(f"{i.opcode} {i.name}: replica groups not read",
+                      f"all {self.module.devices} devices in one group")
+            return self.module.devices
+        return max((len(g) for g in groups), default=1)
+
+    def flow(self, i, kind: str, nbytes: float) -> tuple:
+        """`(bytes per message, rate alone, latency, {resource: messages}, links)` of
+        collective `i` moving `nbytes` per device."""
         hw = self.hw
         i = _hlo.collective_inside(self.module, i) or i  # an async wrapper's collective
         if kind == "collective-permute":
-            m = _PAIRS.search(i.line)
-            pairs = re.findall(r"\{(\d+),(\d+)\}", m.group(1)) if m else []
-            hops = max((self._hops(int(s), int(t)) for s, t in pairs), default=1)
-            return hw.hop_latency * hops + hops * nbytes / hw.send_bandwidth(max(in_flight, 1))
-        n = self._group_size(i)
+            pairs = self._pairs(i)
+            if not pairs:
+                return 0, hw.link_bandwidth, 0.0, {}, "to itself: no link"
+            if self.torus is not None and all(self.torus.knows(d) for p in pairs for d in p):
+                routes = {p: self.torus.route(*p) for p in pairs}
+                usage = collections.Counter(h.link for r in routes.values() for h in r)
+                worst = max(pairs, key=lambda p: (max((usage[h.link] for h in routes[p]),
+                                                      default=0), len(routes[p])))
+                hops = max(len(r) for r in routes.values())
+                return (nbytes, hw.link_bandwidth, hw.hop_latency * max(hops, 1), dict(usage),
+                        self.torus.describe(*worst))
+            sends = max(collections.Counter(s for s, _ in pairs).values())
+            return (nbytes, hw.link_bandwidth, hw.hop_latency, {_links.EGRESS: sends},
+                    "one hop to each peer, sharing the device's egress")
+        n = self.group_size(i)
         if n <= 1:
-            return 0.0
+            return 0, hw.link_bandwidth, 0.0, {}, "a group of one: no link"
         # A ring of n devices over the device's links (both directions where separate).
-        bw = max(hw.send_bandwidth(1), 2 * hw.send_bandwidth(2))
-        if kind == "all-gather":
-            step = nbytes
-        elif kind == "reduce-scatter":
-            step = nbytes / n
-        elif kind == "all-reduce":
-            return 2 * ((n - 1) * hw.hop_latency + (n - 1) * (nbytes / n) / bw)
-        else:  # all-to-all and the rest: every block once
-            step = nbytes / n
-        return hw.launch_overhead + (n - 1) * hw.hop_latency + (n - 1) * step / bw
+        rate = max(hw.send_bandwidth(1), 2 * hw.send_bandwidth(2))
+        usage = {} if self.torus is not None else {_links.EGRESS: 1}
+        why = f"a ring over {n} devices, both directions"
+        if kind == "all-reduce":
+            return 2 * (n - 1) * nbytes / n, rate, 2 * (n - 1) * hw.hop_latency, usage, why
+        sent = (n - 1) * nbytes if kind == "all-gather" else (n - 1) * nbytes / n
+        return sent, rate, hw.launch_overhead + (n - 1) * hw.hop_latency, usage, why
 
-    def _group_size(self, i) -> int:
-        m = _GROUPS.search(i.line)
-        if m:
-            return len([g for g in m.group(1).split(",") if g])
-        m = _GROUPS_IOTA.search(i.line)
-        return int(m.group(2)) if m else 1
+    def alone(self, i, kind: str, nbytes: float) -> float:
+        """A collective's time with every one of the device's links sending (the bound)."""
+        egress = self.hw.egress_bandwidth
+        i = _hlo.collective_inside(self.module, i) or i
+        if kind == "collective-permute":
+            return nbytes / egress if self._pairs(i) else 0.0
+        n = self.group_size(i)
+        factor = {"all-gather": n - 1, "reduce-scatter": (n - 1) / n,
+                  "all-reduce": 2 * (n - 1) / n}.get(kind, (n - 1) / n)
+        return nbytes * factor / egress
 
     # -- the replay ----------------------------------------------------------------------
 
-    def run(self, computation: str, now: float) -> float:
+    def _start(self, i, kind, nbytes, now) -> tuple:
+        """Start collective `i` at `now`; its flow's key."""
+        size, rate, latency, usage, why = self.flow(i, kind, nbytes)
+        key = (i.name, self.serial)
+        self.serial += 1
+        shared = self.network.start(key, size, rate, latency, usage, now)
+        self.started[key] = (now, i.name)
+        cost = self.costs.setdefault(i.name, [kind, int(nbytes), 0, 0.0, why, 0])
+        cost[5] = max(cost[5], shared)
+        return key
+
+    def _dma(self, i, by_name, now) -> tuple:
+        key = (i.name, self.serial)
+        self.serial += 1
+        self.network.start(key, _dma_bytes(i, by_name), self.hw.hbm_bandwidth, 0.0,
+                           {("hbm",): 1}, now)
+        self.started[key] = (now, None)
+        return key
+
+    def _finish(self, key, now) -> float:
+        """Wait for flow `key` from `now`; the time the compute stream goes on."""
+        if key not in self.started:  # already waited for (a send, by its recv-done)
+            return now
+        end = self.network.finish(key)
+        began, name = self.started.pop(key)
+        if name is not None:
+            cost = self.costs[name]
+            cost[2] += 1
+            cost[3] += end - began
+            self.communication += end - began
+            if end > now:
+                self.exposed += end - now
+        elif end > now:
+            self.copies += end - now
+        return max(now, end)
+
+    def run(self, computation: str, now: float, carried: Optional[dict] = None) -> tuple:
+        """Replay `computation` from time `now`. `carried`: flows in flight in elements of
+        its parameter tuple (a loop body's), by element index. Returns the time it ends
+        and the flows still in flight in elements of its root tuple."""
         instructions = self.module.computations.get(computation, ())
         by_name = {i.name: i for i in instructions}
-        in_flight: dict = {}  # start name -> finish time
+        carried = dict(carried or {})
+        in_flight: dict = {}  # value name -> flow key
+        after_loop: dict = {}  # (while name, element) -> flow key
         for i in instructions:
+            if i.opcode == "get-tuple-element":
+                key = self._element(i, by_name, carried, after_loop)
+                if key is not None:
+                    in_flight[i.name] = key
+                continue
+            waited = self._waited(i, by_name, in_flight)
+            if waited is not None:
+                now = self._finish(in_flight.pop(waited), now)
+                continue
             kind = _hlo.collective_kind(self.module, i)
-            done = _hlo.started_by(i, by_name)
-            if kind is not None and _hlo.is_async_start(i):
-                nbytes = _operand_bytes(i, by_name)
-                live = 1 + sum(end > now for end in in_flight.values())
-                t = self.transfer_time(i, kind, nbytes, live)
-                self.communication += self._alone(i, kind, nbytes)
-                in_flight[i.name] = now + t
-            elif done in in_flight:
-                end = in_flight.pop(done)
-                if end > now:
-                    self.exposed += end - now
-                    now = end
+            channel = _CHANNEL.search(i.line)
+            channel = channel.group(1) if channel else ""
+            if i.opcode == "send":
+                key = self._start(i, "collective-permute", _operand_bytes(i, by_name), now)
+                in_flight[i.name] = self.sends[channel] = key
+            elif i.opcode == "recv-done":  # the data arrives when the send on its channel does
+                now = self._finish(self.sends.pop(channel, None), now)
+            elif kind is not None and _hlo.is_async_start(i) and not _SYNC.search(i.line):
+                in_flight[i.name] = self._start(i, kind, _operand_bytes(i, by_name), now)
             elif kind is not None:  # synchronous: the compute stream waits for it
-                nbytes = _operand_bytes(i, by_name)
-                t = self.transfer_time(i, kind, nbytes, 1)
-                self.communication += self._alone(i, kind, nbytes)
-                self.exposed += t
-                now += t
+                now = self._finish(self._start(i, kind, _operand_bytes(i, by_name), now), now)
+            elif i.opcode in _DMAS:
+                in_flight[i.name] = self._dma(i, by_name, now)
             elif i.opcode == "while":
-                trips = _TRIP.search(i.line)
-                body = [c for c in i.calls if "cond" not in c] or list(i.calls)
-                for _ in range(int(trips.group(1)) if trips else 1):
-                    now = self.run(body[-1], now)
-            elif i.opcode in ("call", "conditional"):
-                for c in i.calls[:1]:
-                    now = self.run(c, now)
+                now = self._loop(i, by_name, now, in_flight, after_loop)
+            elif i.opcode in ("call", "conditional") or (i.opcode == "async-start" and i.calls):
+                if i.opcode == "conditional" and len(i.calls) > 1:
+                    self.note(f"conditional {i.name}: which branch runs",
+                              f"its first branch, {i.calls[0]}")
+                now, _ = self.run(i.calls[0], now)
+            elif i.opcode.endswith("-start") and i.opcode != "async-start":
+                self.note(f"{i.opcode} {i.name}", "nothing: it costs no time")
             else:
                 t = self._kernel_time(i, by_name)
                 self.compute += t
                 now += t
-        for end in in_flight.values():  # done in another computation
-            now = max(now, end)
+        root = self.module.roots.get(computation)
+        out = {}
+        if root is not None and root.opcode == "tuple":
+            for j, name in enumerate(root.operands):
+                if name in in_flight:
+                    out[j] = in_flight.pop(name)
+        # Flows finished nowhere in sight (done in another computation, or dropped).
+        for key in list(in_flight.values()) + list(carried.values()) + list(after_loop.values()):
+            now = self._finish(key, now)
+        return now, out
+
+    def _element(self, i, by_name, carried, after_loop):
+        """The flow in flight in the tuple element `i` reads, if any: an element of the
+        body's parameter a previous iteration left in flight, or of a loop's result."""
+        source = by_name.get(i.operands[0]) if i.operands else None
+        index = _hlo.element_index(i)
+        if source is None or index is None:
+            return None
+        if source.opcode == "parameter" and index in carried:
+            return carried.pop(index)
+        return after_loop.pop((source.name, index), None)
+
+    def _waited(self, i, by_name, in_flight) -> Optional[str]:
+        """The value in flight that `i` (a `-done`, or a TPU `async-collective-done`
+        fusion) finishes, if any."""
+        if not (i.opcode.endswith("-done") or
+                (i.opcode == "fusion" and i.name.startswith("async-collective-done"))):
+            return None
+        for name in i.operands:
+            while name is not None:
+                if name in in_flight:
+                    return name
+                source = by_name.get(name)
+                name = source.operands[0] if source is not None and \
+                    source.opcode == "get-tuple-element" and source.operands else None
+        return None
+
+    def _loop(self, i, by_name, now, in_flight, after_loop) -> float:
+        _, body = _hlo.loop_parts(i)
+        trips = _hlo.trip_count(self.module, i, by_name)
+        if trips is None:
+            self.note(f"while {i.name}: trip count not read", "one iteration")
+            trips = 1
+        start = by_name.get(i.operands[0]) if i.operands else None
+        carried = {}
+        if start is not None and start.opcode == "tuple":
+            carried = {j: in_flight.pop(name) for j, name in enumerate(start.operands)
+                       if name in in_flight}
+        for _ in range(trips):
+            now, carried = self.run(body, now, carried)
+        for j, key in carried.items():
+            after_loop[(i.name, j)] = key
         return now
 
-    def _alone(self, i, kind, nbytes) -> float:
-        """A transfer's time with every one of the device's links sending (the bound)."""
-        hw = self.hw
-        i = _hlo.collective_inside(self.module, i) or i
-        egress = hw.egress_bandwidth
-        if kind == "collective-permute":
-            return nbytes / egress
-        n = self._group_size(i)
-        factor = {"all-gather": n - 1, "reduce-scatter": (n - 1) / n,
-                  "all-reduce": 2 * (n - 1) / n}.get(kind, (n - 1) / n)
-        return nbytes * factor / egress
+    # -- what the program needs, whatever the schedule -----------------------------------
+
+    def census(self, computation: str, times: int = 1, seen: tuple = ()) -> tuple:
+        """`(dot flops, seconds at the matmul rate, seconds of collectives at full
+        egress)` of `computation`, run `times` times, with what it calls."""
+        flops = compute = comm = 0.0
+        instructions = self.module.computations.get(computation, ())
+        by_name = {i.name: i for i in instructions}
+        for i in instructions:
+            kind = _hlo.collective_kind(self.module, i)
+            inner: list = []
+            if i.opcode == "while":
+                trips = _hlo.trip_count(self.module, i, by_name)
+                inner = [(_hlo.loop_parts(i)[1], trips if trips is not None else 1)]
+            elif i.opcode in ("call", "conditional") or (i.opcode == "async-start" and
+                                                         kind is None and i.calls):
+                inner = [(i.calls[0], 1)]
+            elif i.opcode == "send":
+                comm += times * self.alone(i, "collective-permute", _operand_bytes(i, by_name))
+            elif kind is not None:
+                comm += times * self.alone(i, kind, _operand_bytes(i, by_name))
+            elif _hlo.is_matmul(i, self.multiplying):
+                f, dtype = _flops.matmul_flops(self.module, i, by_name)
+                flops += times * f
+                compute += times * f / self.peak(dtype)
+            for c, trips in inner:
+                if c and c not in seen:
+                    f, t, m = self.census(c, times * trips, seen + (c,))
+                    flops, compute, comm = flops + f, compute + t, comm + m
+        return flops, compute, comm
 
 
 def _operand_bytes(i, by_name) -> int:
@@ -272,19 +406,41 @@ def _operand_bytes(i, by_name) -> int:
     return _hlo.shape_bytes(f"{dtype}[{','.join(map(str, dims))}]")
 
 
+def _dma_bytes(i, by_name) -> int:
+    """Bytes an asynchronous copy or slice moves: its operand, or the slice's window."""
+    operand = by_name.get(i.operands[0]) if i.operands else None
+    arrays = _hlo.array_shapes(operand.shape if operand is not None else i.shape)
+    if not arrays:
+        return 0
+    dtype, dims = arrays[0]
+    window = _SLICE.search(i.line) if i.opcode == "slice-start" else None
+    if window:
+        ranges = re.findall(r"\[(\d+):(\d+)(?::(\d+))?\]", window.group(1))
+        dims = [-(-(int(hi) - int(lo)) // int(step or 1)) for lo, hi, step in ranges]
+    return _hlo.shape_bytes(f"{dtype}[{','.join(map(str, dims))}]")
+
+
 def predict(text: str, hardware, coords: Optional[list] = None,
             wraps: Optional[tuple] = None) -> Prediction:
     """Replay the scheduled HLO `text` on `hardware` (a `cost_model.Hardware`).
 
     `coords`: each device's physical coordinates, in the program's device order (a TPU
-    slice's `device.coords`), and `wraps`: the torus size of each coordinate axis (0
-    where it does not wrap): a transfer between devices `h` links apart costs `h` times
-    one link's. Without them every transfer is one hop.
+    slice's `device.coords`), and `wraps`: the torus length of each coordinate axis (0
+    where it has no wrap-around link; by default from the slice's extents and
+    `hardware.torus_period`): transfers are routed over the torus's links
+    (`fusedpar._links`). Without coordinates every peer is one hop away and the transfers
+    in flight share the device's egress (a GPU's NVSwitch).
     """
+    if coords and wraps is None:
+        wraps = _links.wraps_of(coords, hardware.torus_period)
     module = _hlo.parse(text)
     replay = _Replay(module, hardware, coords, wraps)
-    seconds = replay.run(module.entry, 0.0)
-    return Prediction(seconds, replay.compute, replay.communication, replay.exposed)
+    seconds, _ = replay.run(module.entry, 0.0)
+    flops, min_compute, min_comm = replay.census(module.entry)
+    transfers = tuple(TransferCost(name, *cost) for name, cost in replay.costs.items())
+    unread = tuple(f"{what}: assumed {assumed}" for what, assumed in replay.unread.items())
+    return Prediction(seconds, replay.compute, replay.communication, replay.exposed,
+                      replay.copies, flops, min_compute, min_comm, unread, transfers)
 
 
-__all__ = ["Prediction", "predict"]
+__all__ = ["Prediction", "TransferCost", "predict"]

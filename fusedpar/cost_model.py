@@ -60,6 +60,10 @@ class Hardware:
     - `overlap`: fraction of the shorter of (compute, transfer) that hides behind the
       longer one: 1 on accelerators with DMA engines, 0 where "transfers" are copies made
       by the same cores that compute (the simulated CPU devices).
+    - `torus_period`: on a TPU, the chips along each axis of a slice that is a whole
+      torus (wrap-around links joining each axis' ends) when every extent of the slice is
+      a multiple of it; 0 where the links form no torus (a GPU's NVSwitch). The replay
+      routes transfers over these links (`fusedpar._links`).
     """
 
     name: str
@@ -73,6 +77,7 @@ class Hardware:
     hop_latency: float
     launch_overhead: float
     overlap: float = 1.0
+    torus_period: int = 0
 
     def matmul_flops(self, dtype) -> float:
         name = np.dtype(dtype).name
@@ -104,7 +109,7 @@ def _hopper(name, hbm_bandwidth):
                     overlap=0.9)
 
 
-def _tpu(name, peak_tflops, hbm_gbs, link_gbs, links, efficiency=0.8):
+def _tpu(name, peak_tflops, hbm_gbs, link_gbs, links, torus_period, efficiency=0.8):
     """A TPU generation (per chip: one JAX device; a v4/v5p chip's two TensorCores
     together in megacore mode), from Google's spec sheets.
 
@@ -115,28 +120,30 @@ def _tpu(name, peak_tflops, hbm_gbs, link_gbs, links, efficiency=0.8):
     generation, with the most headroom on v5e/v5p (tile intensity 341 flop/byte against
     240/166 needed) and the least on v6e (683 against 560, 256-wide MXUs), hence 0.8 and
     0.75. Calibrate with a measured step (bench/test_tpu_speed.py) when a TPU is available.
+    `torus_period`: v4 and v5p slices of whole 4x4x4 cubes are 3-D tori (smaller ones have
+    no wrap-around links); v5e and v6e are 2-D tori only as a whole 16x16 pod.
     """
     return Hardware(name, {"bfloat16": peak_tflops * _T, "float32": peak_tflops * _T},
                     efficiency=efficiency, hbm_bandwidth=hbm_gbs * _G,
                     link_bandwidth=link_gbs * _G, egress_bandwidth=links * link_gbs * _G,
                     step_latency=5e-6, kernel_step_latency=1.5e-6, hop_latency=1e-6,
-                    launch_overhead=2e-6, overlap=1.0)
+                    launch_overhead=2e-6, overlap=1.0, torus_period=torus_period)
 
 
 PRESETS: dict[str, Hardware] = {
     "h100_sxm": _hopper("H100 SXM", 3.35 * _T),  # 3.35 TB/s HBM3
     "h200": _hopper("H200 SXM", 4.8 * _T),  # H100 compute, 4.8 TB/s HBM3e
     # TPU v4: 275 TFLOP/s bf16, 1.2 TB/s HBM2, 6 ICI links of 50 GB/s one way (3-D torus).
-    "tpu_v4": _tpu("TPU v4", 275, 1200, 50, 6),
+    "tpu_v4": _tpu("TPU v4", 275, 1200, 50, 6, 4),
     # TPU v5e: 197 TFLOP/s bf16, 819 GB/s HBM2, ICI 400 GB/s both ways per chip over 4
     # links (2-D torus) = 50 GB/s one way per link.
-    "tpu_v5e": _tpu("TPU v5e", 197, 819, 50, 4),
+    "tpu_v5e": _tpu("TPU v5e", 197, 819, 50, 4, 16),
     # TPU v5p: 459 TFLOP/s bf16, 2765 GB/s HBM2e, ICI 1200 GB/s both ways per chip over 6
     # links (3-D torus) = 100 GB/s one way per link.
-    "tpu_v5p": _tpu("TPU v5p", 459, 2765, 100, 6),
+    "tpu_v5p": _tpu("TPU v5p", 459, 2765, 100, 6, 4),
     # TPU v6e (Trillium): 918 TFLOP/s bf16, 1640 GB/s HBM, ICI 3584 Gbit/s one way per
     # chip over 4 links (2-D torus) = 112 GB/s one way per link.
-    "tpu_v6e": _tpu("TPU v6e", 918, 1640, 112, 4, efficiency=0.75),
+    "tpu_v6e": _tpu("TPU v6e", 918, 1640, 112, 4, 16, efficiency=0.75),
     # One of 8 simulated devices on a 2-core CPU (rough, fitted by eye to bench/RESULTS.md:
     # ~200 GFLOP/s f32 for the two cores together, shared by the 8 devices). The devices
     # share the cores and a "transfer" is a copy made by those cores, so nothing overlaps.

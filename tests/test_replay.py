@@ -1,0 +1,521 @@
+"""The replay (`fusedpar.aot.predict`, `fusedpar._simulate`) on XLA's own programs: loops
+whose trip count is in their condition, transfers a loop iteration starts and the next
+finishes, every replica-group syntax, asynchronous slices and copies, transfers that cross
+several ICI links — in hand-written schedules of both dialects (GPU: cuBLAS custom calls,
+plain layouts; TPU: convolutions in fusions, tiled layouts, `/*index=N*/` comments) and in
+GSPMD programs compiled here. On every program its compute is at least the program's dot
+FLOPs at the preset's matmul rate, and its communication at least the bytes its
+collectives must move over the device's links."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from fusedpar import _hlo, _links, _simulate, cost_model
+
+from helpers import needs_aot
+
+H100 = cost_model.get_hardware("h100_sxm")
+V5E = cost_model.get_hardware("v5e")
+SQUARE = [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]  # a 2x2 slice, no wrap-around
+
+GEMM = ('custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":'
+        '{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],'
+        '"rhs_contracting_dimensions":["0"]}}}')
+GPU_LOOP = "(s32[], f16[2048,2048]{1,0}, f16[2048,1024]{1,0}, (f16[2048,2048]{1,0}, f16[2048,2048]{1,0}), f16[2048,1024]{1,0})"
+
+# A ring XLA pipelined (GPU dialect): each iteration multiplies the block it holds, then
+# waits for the block the previous iteration started sending (carried in the loop's
+# tuple), starts sending it on and multiplies it. The first transfer starts before the
+# loop, the last finishes after it. No known_trip_count: the condition says 3.
+GPU_PIPELINED = f"""\
+HloModule pipelined, is_scheduled=true, num_partitions=4
+
+%ring_cond (cp: {GPU_LOOP}) -> pred[] {{
+  %cp = {GPU_LOOP} parameter(0)
+  %i = s32[] get-tuple-element(%cp), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}}
+
+%ring_body (bp: {GPU_LOOP}) -> {GPU_LOOP} {{
+  %bp = {GPU_LOOP} parameter(0)
+  %i = s32[] get-tuple-element(%bp), index=0
+  %x = f16[2048,2048]{{1,0}} get-tuple-element(%bp), index=1
+  %w = f16[2048,1024]{{1,0}} get-tuple-element(%bp), index=2
+  %inflight = (f16[2048,2048]{{1,0}}, f16[2048,2048]{{1,0}}) get-tuple-element(%bp), index=3
+  %gemm-a = (f16[2048,1024]{{1,0}}, s8[0]{{0}}) custom-call(%x, %w), {GEMM}
+  %block = f16[2048,2048]{{1,0}} collective-permute-done(%inflight)
+  %next = (f16[2048,2048]{{1,0}}, f16[2048,2048]{{1,0}}) collective-permute-start(%block), channel_id=1, source_target_pairs={{{{0,1}},{{1,2}},{{2,3}},{{3,0}}}}
+  %gemm-b = (f16[2048,1024]{{1,0}}, s8[0]{{0}}) custom-call(%block, %w), {GEMM}
+  %y = f16[2048,1024]{{1,0}} get-tuple-element(%gemm-b), index=0
+  %one = s32[] constant(1)
+  %i1 = s32[] add(%i, %one)
+  ROOT %t = {GPU_LOOP} tuple(%i1, %x, %w, %next, %y)
+}}
+
+ENTRY %main (x: f16[2048,2048], w: f16[2048,1024]) -> f16[2048,2048] {{
+  %x = f16[2048,2048]{{1,0}} parameter(0)
+  %w = f16[2048,1024]{{1,0}} parameter(1)
+  %zero = s32[] constant(0)
+  %acc = f16[2048,1024]{{1,0}} constant({{...}})
+  %first = (f16[2048,2048]{{1,0}}, f16[2048,2048]{{1,0}}) collective-permute-start(%x), channel_id=2, source_target_pairs={{{{0,1}},{{1,2}},{{2,3}},{{3,0}}}}
+  %init = {GPU_LOOP} tuple(%zero, %x, %w, %first, %acc)
+  %loop = {GPU_LOOP} while(%init), condition=%ring_cond, body=%ring_body
+  %last = (f16[2048,2048]{{1,0}}, f16[2048,2048]{{1,0}}) get-tuple-element(%loop), index=3
+  ROOT %done = f16[2048,2048]{{1,0}} collective-permute-done(%last)
+}}
+"""
+
+B = "{1,0:T(8,128)(2,1)}"
+BS = "{1,0:T(8,128)(2,1)S(1)}"
+U = "{:T(128)}"
+
+
+def _fused_conv(cols):
+    """The TPU compiler's matmul, a convolution in a fusion: (2048, 2048) @ (2048, cols)."""
+    return f"""\
+%fused_conv (p0: bf16[2048,2048], p1: bf16[2048,{cols}]) -> bf16[2048,{cols}] {{
+  %p0 = bf16[2048,2048]{B} parameter(0)
+  %p1 = bf16[2048,{cols}]{B} parameter(1)
+  ROOT %c = bf16[2048,{cols}]{B} convolution(%p0, %p1), dim_labels=bf_io->bf
+}}"""
+
+
+TPU_START = f"(bf16[2048,2048]{B}, bf16[2048,2048]{BS}, u32[]{{:S(2)}}, u32[]{{:S(2)}})"
+TPU_LOOP = (f"(u32[]{U}, bf16[2048,2048]{B}, bf16[2048,2048]{B}, {TPU_START}, "
+            f"bf16[2048,2048]{B}, /*index=5*/u32[]{U})")
+
+# The same ring in the TPU dialect: matmuls as convolutions in fusions, tiled layouts,
+# the start's tuple with its sync flags, a counter copied from a constant, index comments.
+TPU_PIPELINED = f"""\
+HloModule pipelined_tpu, is_scheduled=true, num_partitions=4
+
+{_fused_conv(2048)}
+
+%windowed_cond (cp: {TPU_LOOP}) -> pred[] {{
+  %limit = u32[]{U} constant(3)
+  %cp = {TPU_LOOP} parameter(0)
+  %i = u32[]{U} get-tuple-element(%cp), index=5
+  ROOT %lt = pred[]{{:T(512)}} compare(%i, %limit), direction=LT
+}}
+
+%windowed_body (bp: {TPU_LOOP}) -> {TPU_LOOP} {{
+  %one = u32[]{U} constant(1)
+  %bp = {TPU_LOOP} parameter(0)
+  %x = bf16[2048,2048]{B} get-tuple-element(%bp), index=1
+  %w = bf16[2048,2048]{B} get-tuple-element(%bp), index=2
+  %fusion.a = bf16[2048,2048]{B} fusion(%x, %w), kind=kOutput, calls=%fused_conv
+  %inflight = {TPU_START} get-tuple-element(%bp), index=3
+  %block = bf16[2048,2048]{BS} collective-permute-done(%inflight)
+  %next = {TPU_START} collective-permute-start(%block), channel_id=1, source_target_pairs={{{{0,1}},{{1,3}},{{3,2}},{{2,0}}}}
+  %fusion.b = bf16[2048,2048]{B} fusion(%block, %w), kind=kOutput, calls=%fused_conv
+  %i = u32[]{U} get-tuple-element(%bp), index=5
+  %copy.1 = u32[]{{:T(128)S(6)}} copy(%i)
+  %i1 = u32[]{U} add(%copy.1, %one)
+  %c0 = u32[]{U} get-tuple-element(%bp), index=0
+  ROOT %t = {TPU_LOOP} tuple(%c0, %x, %w, %next, %fusion.b, /*index=5*/%i1)
+}}
+
+ENTRY %main (x: bf16[2048,2048], w: bf16[2048,2048]) -> bf16[2048,2048] {{
+  %zero = u32[]{U} constant(0)
+  %x = bf16[2048,2048]{B} parameter(0)
+  %w = bf16[2048,2048]{B} parameter(1)
+  %counter = u32[]{U} copy(%zero)
+  %first = {TPU_START} collective-permute-start(%x), channel_id=2, source_target_pairs={{{{0,1}},{{1,3}},{{3,2}},{{2,0}}}}
+  %init = {TPU_LOOP} tuple(%zero, %x, %w, %first, %x, /*index=5*/%counter)
+  %loop = {TPU_LOOP} while(%init), condition=%windowed_cond, body=%windowed_body
+  %last = {TPU_START} get-tuple-element(%loop), index=3
+  ROOT %done = bf16[2048,2048]{BS} collective-permute-done(%last)
+}}
+"""
+
+
+@pytest.mark.parametrize("dialect", ("gpu", "tpu"))
+def test_a_transfer_straddling_iterations_overlaps_the_next_one(dialect):
+    # Each transfer (T) is longer than one matmul (G) but shorter than the two it has in
+    # flight (the rest of its iteration and the next's first): only the first (behind
+    # one matmul) and the last (after the loop, behind one) wait T - G. Finishing each
+    # transfer at the end of the body that started it would wait T - G every iteration.
+    if dialect == "gpu":
+        text, hw, coords = GPU_PIPELINED, H100, None
+        t = H100.hop_latency + 2048 * 2048 * 2 / H100.link_bandwidth
+        g = 2 * 2048 * 2048 * 1024 / H100.matmul_flops("float16") + H100.launch_overhead
+    else:
+        text, hw, coords = TPU_PIPELINED, V5E, SQUARE
+        t = V5E.hop_latency + 2048 * 2048 * 2 / V5E.link_bandwidth
+        g = 2 * 2048 ** 3 / V5E.matmul_flops("bfloat16") + V5E.launch_overhead
+    assert g < t < 2 * g
+    p = _simulate.predict(text, hw, coords)
+    assert p.seconds == pytest.approx(2 * t + 4 * g, rel=1e-6)
+    assert p.exposed == pytest.approx(2 * (t - g), rel=1e-6)
+    assert p.communication == pytest.approx(4 * t, rel=1e-6)
+    assert p.compute == pytest.approx(6 * g, rel=1e-6)
+    runs = {c.name: c.runs for c in p.transfers}
+    assert runs == {"first": 1, "next": 3}
+    assert p.unread == ()
+
+
+PAIRS = 'frontend_attributes={_xla_send_recv_source_target_pairs="{{0,1},{1,2},{2,3},{3,0}}"}'
+
+# A collective-permute XLA split into a send and a receive (GPU dialect): the received
+# block arrives when the send on the same channel does.
+GPU_SEND_RECV = f"""\
+HloModule p2p, is_scheduled=true, num_partitions=4
+
+ENTRY %main (x: f16[2048,2048], w: f16[2048,1024]) -> f16[2048,1024] {{
+  %x = f16[2048,2048]{{1,0}} parameter(0)
+  %w = f16[2048,1024]{{1,0}} parameter(1)
+  %token = token[] after-all()
+  %recv = (f16[2048,2048]{{1,0}}, u32[], token[]) recv(%token), channel_id=5, {PAIRS}
+  %send = (f16[2048,2048]{{1,0}}, u32[], token[]) send(%x, %token), channel_id=5, {PAIRS}
+  %gemm = (f16[2048,1024]{{1,0}}, s8[0]{{0}}) custom-call(%x, %w), {GEMM}
+  %recv-done = (f16[2048,2048]{{1,0}}, token[]) recv-done(%recv), channel_id=5
+  %block = f16[2048,2048]{{1,0}} get-tuple-element(%recv-done), index=0
+  %gemm.1 = (f16[2048,1024]{{1,0}}, s8[0]{{0}}) custom-call(%block, %w), {GEMM}
+  %send-done = token[] send-done(%send), channel_id=5
+  ROOT %y = f16[2048,1024]{{1,0}} get-tuple-element(%gemm.1), index=0
+}}
+"""
+
+
+def test_a_send_and_its_receive_are_one_transfer():
+    t = H100.hop_latency + 2048 * 2048 * 2 / H100.link_bandwidth
+    g = 2 * 2048 * 2048 * 1024 / H100.matmul_flops("float16") + H100.launch_overhead
+    p = _simulate.predict(GPU_SEND_RECV, H100)
+    assert p.seconds == pytest.approx(t + g, rel=1e-6)  # gemm.1 waits for the block
+    assert p.communication == pytest.approx(t, rel=1e-6)
+    assert [(c.name, c.runs) for c in p.transfers] == [("send", 1)] and p.unread == ()
+
+
+def _loop(start, limit, step, direction, mirrored=False, known=None):
+    """A loop over a counter (tuple element 0) from `start` by `step`, while
+    `counter <direction> limit` (`limit <direction> counter` when mirrored)."""
+    compare = "%limit, %i" if mirrored else "%i, %limit"
+    update = "subtract(%i, %step)" if step < 0 else "add(%i, %step)"
+    config = f', backend_config={{"known_trip_count":{{"n":"{known}"}}}}' if known else ""
+    return f"""\
+HloModule loop, is_scheduled=true
+
+%cond (cp: (s32[], f32[8])) -> pred[] {{
+  %cp = (s32[], f32[8]{{0}}) parameter(0)
+  %i = s32[] get-tuple-element(%cp), index=0
+  %limit = s32[] constant({limit})
+  ROOT %c = pred[] compare({compare}), direction={direction}
+}}
+
+%body (bp: (s32[], f32[8])) -> (s32[], f32[8]) {{
+  %bp = (s32[], f32[8]{{0}}) parameter(0)
+  %i = s32[] get-tuple-element(%bp), index=0
+  %x = f32[8]{{0}} get-tuple-element(%bp), index=1
+  %step = s32[] constant({abs(step)})
+  %next = s32[] {update}
+  ROOT %t = (s32[], f32[8]{{0}}) tuple(%next, %x)
+}}
+
+ENTRY %main (x: f32[8]) -> (s32[], f32[8]) {{
+  %x = f32[8]{{0}} parameter(0)
+  %start = s32[] constant({start})
+  %init = (s32[], f32[8]{{0}}) tuple(%start, %x)
+  ROOT %loop = (s32[], f32[8]{{0}}) while(%init), body=%body, condition=%cond{config}
+}}
+"""
+
+
+@pytest.mark.parametrize("start,limit,step,direction,mirrored,trips", [
+    (0, 4, 1, "LT", False, 4),
+    (0, 4, 2, "LT", False, 2),  # a loop XLA widened: two iterations per trip
+    (2, 4, 2, "LT", False, 1),  # its first trip peeled off before the loop
+    (0, 5, 2, "LT", False, 3),
+    (0, 4, 2, "LE", False, 3),
+    (7, 0, -1, "GT", False, 7),
+    (0, 6, 3, "NE", False, 2),
+    (0, 4, 1, "GT", True, 4),  # 4 > counter
+])
+def test_trip_count_from_the_condition(start, limit, step, direction, mirrored, trips):
+    text = _loop(start, limit, step, direction, mirrored)
+    module = _hlo.parse(text)
+    entry = {i.name: i for i in module.computations[module.entry]}
+    # body and condition named in either order (XLA prints condition first)
+    assert _hlo.loop_parts(entry["loop"]) == ("cond", "body")
+    assert _hlo.trip_count(module, entry["loop"], entry) == trips
+    known = _hlo.parse(_loop(start, limit, step, direction, mirrored, known=9))
+    loop = {i.name: i for i in known.computations[known.entry]}["loop"]
+    assert _hlo.trip_count(known, loop, {}) == 9  # XLA's own count wins
+
+
+WIDE_LOOP = (f"(bf16[2048,2048]{B}, bf16[2048,1024]{B}, bf16[2048,1024]{B}, u32[]{U}, "
+             f"u32[]{U}, /*index=5*/u32[]{U})")
+
+# XLA's "wide" windowed loop (TPU dialect, as in a GSPMD MLP for v5e): two steps per
+# iteration, the counter (element 4) starting from a copy of 0 and stepping by 2 while
+# below 4; a convolution per step.
+TPU_WIDE = f"""\
+HloModule wide, is_scheduled=true, num_partitions=8
+
+{_fused_conv(1024)}
+
+%wide.windowed_dot_general_body_rs (wide.param.0: {WIDE_LOOP}) -> {WIDE_LOOP} {{
+  %two = u32[]{U} constant(2)
+  %wide.param.0 = {WIDE_LOOP} parameter(0)
+  %x = bf16[2048,2048]{B} get-tuple-element(%wide.param.0), index=0
+  %w = bf16[2048,1024]{B} get-tuple-element(%wide.param.0), index=1
+  %step.0 = bf16[2048,1024]{B} fusion(%x, %w), kind=kOutput, calls=%fused_conv
+  %step.1 = bf16[2048,1024]{B} fusion(%x, %step.0), kind=kOutput, calls=%fused_conv
+  %i = u32[]{U} get-tuple-element(%wide.param.0), index=4
+  %i2 = u32[]{U} add(%i, %two)
+  %s = u32[]{U} get-tuple-element(%wide.param.0), index=3
+  %f = u32[]{U} get-tuple-element(%wide.param.0), index=5
+  ROOT %t = {WIDE_LOOP} tuple(%x, %w, %step.1, %s, %i2, /*index=5*/%f)
+}}
+
+%wide.windowed_dot_general_cond_rs (wide.param.8: {WIDE_LOOP}) -> pred[] {{
+  %four = u32[]{U} constant(4)
+  %wide.param.8 = {WIDE_LOOP} parameter(0)
+  %i = u32[]{U} get-tuple-element(%wide.param.8), index=4
+  ROOT %lt = pred[]{{:T(512)}} compare(%i, %four), direction=LT
+}}
+
+ENTRY %main (x: bf16[2048,2048], w: bf16[2048,1024]) -> bf16[2048,1024] {{
+  %zero = u32[]{U} constant(0)
+  %x = bf16[2048,2048]{B} parameter(0)
+  %w = bf16[2048,1024]{B} parameter(1)
+  %counter = u32[]{U} copy(%zero)
+  %init = {WIDE_LOOP} tuple(%x, %w, %w, %zero, %counter, /*index=5*/%zero)
+  %while.2 = {WIDE_LOOP} while(%init), condition=%wide.windowed_dot_general_cond_rs, body=%wide.windowed_dot_general_body_rs
+  ROOT %out = bf16[2048,1024]{B} get-tuple-element(%while.2), index=2
+}}
+"""
+
+
+def test_a_widened_loop_runs_half_as_many_iterations():
+    p = _simulate.predict(TPU_WIDE, V5E)
+    flops = 2 * 2048 * 2048 * 1024
+    assert p.dot_flops == 2 * 2 * flops  # 2 iterations of 2 steps
+    g = flops / V5E.matmul_flops("bfloat16") + V5E.launch_overhead
+    assert p.compute == pytest.approx(4 * g, rel=1e-6)
+    assert p.unread == ()
+
+
+def _all_gather(groups: str) -> str:
+    return f"""\
+HloModule groups, is_scheduled=true, num_partitions=8
+
+ENTRY %main (x: f16[1024,1024]) -> f16[8192,1024] {{
+  %x = f16[1024,1024]{{1,0}} parameter(0)
+  %ags = (f16[1024,1024]{{1,0}}, f16[8192,1024]{{1,0}}) all-gather-start(%x), channel_id=1, replica_groups={groups}, dimensions={{0}}, use_global_device_ids=true
+  ROOT %agd = f16[8192,1024]{{1,0}} all-gather-done(%ags)
+}}
+"""
+
+
+@pytest.mark.parametrize("groups,expected", [
+    ("{{0,1,2,3},{4,5,6,7}}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("{}", [list(range(8))]),
+    ("[2,4]<=[8]", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("[4,2]<=[2,4]T(1,0)", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    # GSPMD / Shardy: the devices that differ only along the named mesh axes
+    ("mesh['axis_0'=8,'axis_1'=1] {'axis_0'}", [list(range(8))]),
+    ("mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("mesh['x'=2,'y'=4] {'y'}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("mesh['x'=2,'y'=2,'z'=2] {'x','z'}", [[0, 1, 4, 5], [2, 3, 6, 7]]),
+    ("mesh['a'=8] {'a':(1)2}", [[0, 4], [1, 5], [2, 6], [3, 7]]),  # a sub-axis
+    ("mesh['x'=2,'y'=4], device_ids=([[0,2,4,6],[1,3,5,7]]) {'y'}",
+     [[0, 2, 4, 6], [1, 3, 5, 7]]),
+])
+def test_every_replica_group_syntax(groups, expected):
+    module = _hlo.parse(_all_gather(groups))
+    start = {i.name: i for i in module.computations[module.entry]}["ags"]
+    assert _hlo.replica_groups(start, module.devices) == expected
+    # The transfer costs a ring over the group's devices (mesh-form groups cost nothing
+    # before: a group of one).
+    n = len(expected[0])
+    p = _simulate.predict(_all_gather(groups), H100)
+    ring = (n - 1) * 1024 * 1024 * 2 / H100.egress_bandwidth
+    assert p.communication == pytest.approx(
+        H100.launch_overhead + (n - 1) * H100.hop_latency + ring, rel=1e-6)
+    assert p.min_comm_s == pytest.approx(ring, rel=1e-6)
+
+
+# The TPU's asynchronous slice and copy (DMAs between HBM and on-chip memory): a window of
+# w sliced while a convolution runs, and a copy its consumer waits for at once.
+TPU_ASYNC_SLICE = f"""\
+HloModule slices, is_scheduled=true
+
+{_fused_conv(2048)}
+
+ENTRY %main (x: bf16[2048,2048], w: bf16[8192,2048]) -> bf16[2048,2048] {{
+  %x = bf16[2048,2048]{B} parameter(0)
+  %w = bf16[8192,2048]{B} parameter(1)
+  %slice-start = ((bf16[8192,2048]{B}), bf16[2048,2048]{BS}, s32[]{{:S(2)}}) slice-start(%w), slice={{[2048:4096], [0:2048]}}
+  %fusion.1 = bf16[2048,2048]{B} fusion(%x, %x), kind=kOutput, calls=%fused_conv
+  %slice-done = bf16[2048,2048]{BS} slice-done(%slice-start)
+  %copy-start = (bf16[2048,2048]{BS}, bf16[2048,2048]{B}, u32[]{{:S(2)}}) copy-start(%fusion.1)
+  %copy-done = bf16[2048,2048]{BS} copy-done(%copy-start)
+  ROOT %fusion.2 = bf16[2048,2048]{B} fusion(%copy-done, %slice-done), kind=kOutput, calls=%fused_conv
+}}
+"""
+
+
+def test_async_slices_and_copies_run_beside_the_compute_stream():
+    p = _simulate.predict(TPU_ASYNC_SLICE, V5E)
+    window = 2048 * 2048 * 2 / V5E.hbm_bandwidth  # the slice's and the copy's bytes
+    g = 2 * 2048 ** 3 / V5E.matmul_flops("bfloat16") + V5E.launch_overhead
+    assert g > window
+    assert p.copies == pytest.approx(window, rel=1e-6)  # the slice hid behind fusion.1
+    assert p.seconds == pytest.approx(2 * g + window, rel=1e-6)
+    assert p.compute == pytest.approx(2 * g, rel=1e-6) and p.unread == ()
+
+
+LINE = [(0, 0, 0), (1, 0, 0), (2, 0, 0)]  # three chips in a row, no wrap-around
+
+
+def _permutes(pairs_a, pairs_b):
+    return f"""\
+HloModule hops, is_scheduled=true, num_partitions=3
+
+ENTRY %main (x: bf16[1024,1024]) -> (bf16[1024,1024], bf16[1024,1024]) {{
+  %x = bf16[1024,1024]{B} parameter(0)
+  %a = (bf16[1024,1024]{B}, bf16[1024,1024]{B}, u32[]{{:S(2)}}, u32[]{{:S(2)}}) collective-permute-start(%x), channel_id=1, source_target_pairs={pairs_a}
+  %b = (bf16[1024,1024]{B}, bf16[1024,1024]{B}, u32[]{{:S(2)}}, u32[]{{:S(2)}}) collective-permute-start(%x), channel_id=2, source_target_pairs={pairs_b}
+  %a.done = bf16[1024,1024]{B} collective-permute-done(%a)
+  %b.done = bf16[1024,1024]{B} collective-permute-done(%b)
+  ROOT %t = (bf16[1024,1024]{B}, bf16[1024,1024]{B}) tuple(%a.done, %b.done)
+}}
+"""
+
+
+def test_a_transfer_over_several_links_is_cut_through_and_shares_links():
+    message = 1024 * 1024 * 2 / V5E.link_bandwidth
+    # 0 -> 2 crosses two links: a hop's latency each, its bytes once (not twice); 2 -> 1
+    # runs the other way, on links of its own.
+    p = _simulate.predict(_permutes("{{0,2}}", "{{2,1}}"), V5E, LINE)
+    assert p.seconds == pytest.approx(2 * V5E.hop_latency + message, rel=1e-6)
+    a, b = p.transfers
+    assert (a.shared, b.shared) == (1, 1)
+    assert a.links == ("device 0 (0, 0, 0) -> device 2 (2, 0, 0): 2 links (axis 0 0 -> 1 -> 2)"
+                       "; the slice has no wrap-around links")
+    # 1 -> 2 crosses the link 1 -> 2 that 0 -> 2 takes too: they share it.
+    p = _simulate.predict(_permutes("{{0,2}}", "{{1,2}}"), V5E, LINE)
+    assert p.seconds == pytest.approx(2 * V5E.hop_latency + 2 * message, rel=1e-6)
+    assert [t.shared for t in p.transfers] == [1, 2]
+    # Which slices are tori: v5e's 16x16 pod, not its 2x4 slice; v5p's 4x4x4 cube, not 2x2x2.
+    grid = lambda *e: [(x, y, z) for x in range(e[0]) for y in range(e[1])  # noqa: E731
+                       for z in range(e[2])]
+    assert _links.wraps_of(grid(16, 16, 1), V5E.torus_period) == (16, 16, 0)
+    assert _links.wraps_of(grid(2, 4, 1), V5E.torus_period) == (0, 0, 0)
+    v5p = cost_model.get_hardware("v5p").torus_period
+    assert _links.wraps_of(grid(4, 4, 4), v5p) == (4, 4, 4)
+    assert _links.wraps_of(grid(2, 2, 2), v5p) == (0, 0, 0)
+    # On a ring of 4 that wraps, 0 -> 3 is one link: the wrap-around one.
+    ring = _links.Torus([(0, 0, 0), (1, 0, 0), (2, 0, 0), (3, 0, 0)], (4, 0, 0))
+    (hop,) = ring.route(0, 3)
+    assert hop.wrap and "through the wrap-around link" in ring.describe(0, 3)
+    assert len(ring.route(0, 2)) == 2
+
+
+UNREAD = """\
+HloModule unread, is_scheduled=true
+
+%c (cp: (s32[], s32[])) -> pred[] {
+  %cp = (s32[], s32[]) parameter(0)
+  %i = s32[] get-tuple-element(%cp), index=0
+  %n = s32[] get-tuple-element(%cp), index=1
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%b (bp: (s32[], s32[])) -> (s32[], s32[]) {
+  %bp = (s32[], s32[]) parameter(0)
+  %i = s32[] get-tuple-element(%bp), index=0
+  %n = s32[] get-tuple-element(%bp), index=1
+  %k = f32[1024]{0} custom-call(), custom_call_target="SomeVendorKernel"
+  %one = s32[] constant(1)
+  %i1 = s32[] add(%i, %one)
+  ROOT %t = (s32[], s32[]) tuple(%i1, %n)
+}
+
+ENTRY %main (n: s32[]) -> (s32[], s32[]) {
+  %n = s32[] parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], s32[]) tuple(%zero, %n)
+  ROOT %loop = (s32[], s32[]) while(%init), condition=%c, body=%b
+}
+"""
+
+
+def test_what_it_cannot_read_is_listed():
+    p = _simulate.predict(UNREAD, H100)
+    assert p.unread == (
+        "while loop: trip count not read: assumed one iteration",
+        "custom-call k (SomeVendorKernel): assumed a kernel costing its bytes over HBM "
+        "bandwidth")
+
+
+@pytest.mark.parametrize("text,hw,coords", [
+    (GPU_PIPELINED, H100, None), (TPU_PIPELINED, V5E, SQUARE), (TPU_WIDE, V5E, None),
+    (GPU_SEND_RECV, H100, None),
+    (TPU_ASYNC_SLICE, V5E, None), (_all_gather("mesh['x'=2,'y'=4] {'y'}"), H100, None),
+    (_permutes("{{0,2}}", "{{1,2}}"), V5E, LINE)])
+def test_the_bounds_hold(text, hw, coords):
+    p = _simulate.predict(text, hw, coords)
+    assert p.compute >= p.min_compute_s * (1 - 1e-9)
+    assert p.communication >= p.min_comm_s * (1 - 1e-9)
+    assert p.lower_bound <= p.seconds * (1 + 1e-9)
+
+
+# -- GSPMD programs compiled here ----------------------------------------------------------
+
+TOKENS, DIM, HIDDEN = 256, 1024, 4096  # per device; sequence-parallel MLP, 8 devices
+
+
+def _gspmd_mlp(mesh):
+    """What a user without fusedpar writes: a Megatron-style sequence-parallel MLP under
+    `jax.jit` with sharding constraints (x sharded on the sequence, w1 by columns, w2 by
+    rows), its training step's gradients."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    n = mesh.shape["tp"]
+
+    def spec(*axes):
+        return NamedSharding(mesh, P(*axes))
+
+    def loss(w1, w2, x, y):
+        h = jax.lax.with_sharding_constraint(jax.nn.gelu(x @ w1.T), spec(None, "tp"))
+        out = jax.lax.with_sharding_constraint(h @ w2.T, spec("tp", None))
+        return jnp.mean(jnp.square((x + out - y).astype(jnp.float32)))
+
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=spec(*p)) for s, p in (
+        ((HIDDEN, DIM), ("tp", None)), ((DIM, HIDDEN), (None, "tp")),
+        ((n * TOKENS, DIM), ("tp", None)), ((n * TOKENS, DIM), ("tp", None)))]
+    return jax.jit(jax.grad(loss, argnums=(0, 1))), args
+
+
+@pytest.mark.aot
+@needs_aot
+@pytest.mark.parametrize("target", (
+    "h100x8", pytest.param("v5e:2x4", marks=pytest.mark.slow)))
+def test_a_gspmd_program_compiled_here(target):
+    # On v5e, XLA's collective matmul (post_spmd) turns the gathers and reduce-scatters
+    # into windowed loops: their bodies, trip counts, mesh-form groups are all read.
+    from jax.sharding import AxisType
+
+    from fusedpar import aot
+
+    devices = aot.devices(target)
+    mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Auto,), devices=devices)
+    program, args = _gspmd_mlp(mesh)
+    options = {} if target == "h100x8" else dict(
+        xla_tpu_all_gather_collective_matmul_mode="post_spmd",
+        xla_tpu_reduce_scatter_collective_matmul_mode="post_spmd")
+    compiled = program.lower(*args).compile(compiler_options=options or None)
+    text = compiled.as_text()
+    p = aot.predict(compiled, mesh)
+    assert p.unread == ()
+    # Forward x @ w1, h @ w2; backward both weights' gradients and h's (x needs none).
+    assert p.dot_flops == 5 * 2 * 8 * TOKENS * DIM * HIDDEN / 8
+    assert p.compute >= p.min_compute_s and p.communication >= p.min_comm_s > 0
+    if target == "h100x8":
+        assert "mesh[" in text  # GSPMD's replica groups: all-gathers, a reduce-scatter
+    else:  # every collective became a collective-permute in a loop
+        assert " while(" in text and "known_trip_count" not in text
+        assert any(t.runs > 1 for t in p.transfers)  # collectives inside the loops
