@@ -4,7 +4,7 @@
   tests/conftest.py), set before JAX starts. On a GPU/TPU host the real devices are used
   and the flag only affects the (unused) CPU platform.
 - `FUSEDPAR_BENCH_SIZES=cpu` (default) or `accelerator` picks the problem sizes: CPU
-  sizes finish the whole suite in about 5 minutes on 2 cores; accelerator sizes are
+  sizes finish the whole suite in about 4 minutes on 2 cores; accelerator sizes are
   the shapes where overlap matters (they are far too slow for a CPU).
 
 What a run prints (set here, so `pytest bench/ --benchmark-only` reads well as it is):

@@ -142,8 +142,8 @@ def op_table(rows):
     lines += ["", "All ops and sizes, vs reference: " + ", ".join(overall) + "."]
     quantized = [_short(b) for b in backends if _short(b) != b]
     if quantized:
-        lines += _para(f"{', '.join(quantized)}: ring-bidi sending int8 / float8_e4m3fn "
-                       "values and float32 scales (comm_dtype).")
+        lines += _para(f"{', '.join(quantized)}: ring-bidi sending its payload as those "
+                       "values (int8, float8_e4m3fn) and float32 scales (comm_dtype).")
     if partial:
         lines += _para("*: measured at fewer shapes than the row's reference (the largest "
                        "only).")

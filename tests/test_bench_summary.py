@@ -57,7 +57,7 @@ def test_summary_ratios_per_op_mode_and_ring():
     # best against xla: int8, 0.8 / 1.25 = 0.64x.
     assert row[3:] == ["1-4", "1.25x", "1.00x", "0.80x*", "0.64x", "int8"], row
     assert _row(text, "mrs", "fwd+bwd", "2")[3:] == ["2", "-", "1.50x", "-", "-"]
-    assert "*: measured at fewer shapes" in text and "int8: ring-bidi sending int8" in text
+    assert "*: measured at fewer shapes" in text and "int8: ring-bidi sending its payload as those values" in text
     # Over everything: ring geomean(2, 0.5, 1.5).
     assert f"ring {(2 * 0.5 * 1.5) ** (1 / 3):.2f}x" in text
 
