@@ -98,3 +98,12 @@ def test_the_documented_pallas_demo_commands_finish(backend):
     assert rows[backend]["max_diff"] <= 4 * tolerance(np.float32), rows
     assert rows[backend]["final_loss"] == pytest.approx(rows["dense (1 device)"]["final_loss"],
                                                         rel=1e-5)
+
+
+def test_a_stopped_step_ends_the_demo_with_a_message():
+    code = ("import time; from fusedpar import demo; demo._watchdog('pallas_tpu', 3, 0.2); "
+            "time.sleep(30)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert "step 3 of pallas_tpu has not finished after 0.2 s" in out.stderr, out.stderr[-2000:]
