@@ -4,8 +4,13 @@
   tests/conftest.py), set before JAX starts. On a GPU/TPU host the real devices are used
   and the flag only affects the (unused) CPU platform.
 - `FUSEDPAR_BENCH_SIZES=cpu` (default) or `accelerator` picks the problem sizes: CPU
-  sizes finish the whole suite in about 5 minutes on 2 cores; accelerator sizes are
+  sizes finish the whole suite in about 4 minutes on 2 cores; accelerator sizes are
   the shapes where overlap matters (they are far too slow for a CPU).
+
+What a run prints (set here, so `pytest bench/ --benchmark-only` reads well as it is):
+pytest-benchmark's per-group tables narrowed to min, median and rounds with short names
+(unless `--benchmark-columns` / `--benchmark-name` are given), the reason of every skip
+(`-rs`), and at the end one summary of the whole run (bench/summary.py).
 
 Fixtures: `bench_sizes` ("cpu" or "accelerator"), `make_mesh(n, name="x")` (a 1-D mesh of
 the first `n` devices, skipping when there are fewer), `timed(benchmark, fn, *args,
@@ -30,6 +35,39 @@ from jax.sharding import AxisType  # noqa: E402
 SIZES = os.environ.get("FUSEDPAR_BENCH_SIZES", "cpu")
 if SIZES not in ("cpu", "accelerator"):
     raise ValueError(f"FUSEDPAR_BENCH_SIZES must be 'cpu' or 'accelerator', got {SIZES!r}.")
+
+
+COLUMNS = ["min", "median", "rounds"]
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-benchmark and the terminal read them
+def pytest_configure(config):
+    opt = config.option
+    if getattr(opt, "benchmark_columns", "") is None:  # None: not given
+        opt.benchmark_columns = COLUMNS
+    if hasattr(opt, "benchmark_name") and not any(
+            a.startswith("--benchmark-name") for a in config.invocation_params.args):
+        opt.benchmark_name = "short"
+    chars = opt.reportchars or ""
+    if not any(c in chars for c in "saAN"):  # a, A: all outcomes; N: none
+        opt.reportchars = chars + "s"
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-benchmark's own tables
+def pytest_terminal_summary(terminalreporter, config):
+    session = getattr(config, "_benchmarksession", None)
+    if session is None or not session.benchmarks:
+        return
+    import summary  # bench/ is on sys.path (pytest puts a conftest's directory there)
+
+    records = [b.as_dict(include_data=False) for b in session.benchmarks
+               if not b.has_error and b.stats]
+    text = summary.render(records, cores=len(os.sched_getaffinity(0))
+                          if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    if text:
+        terminalreporter.write_sep("=", "fusedpar benchmark summary")
+        for line in text.splitlines():
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-BACKEND_ORDER = ["reference", "ring", "ring-bidi", "pallas", "pallas_gpu", "pallas_tpu"]
+BACKEND_ORDER = ["reference", "xla", "ring", "ring-bidi", "pallas", "pallas_gpu", "pallas_tpu"]
 OP_TITLES = {
     "agm_lhs": "all_gather_matmul, gather='lhs' (sequence-parallel activations; ag_rows)",
     "agm_rhs": "all_gather_matmul, gather='rhs', dim=1 (FSDP weight gather; ag_cols)",
@@ -43,8 +43,15 @@ def load(path):
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{path}: not a pytest-benchmark JSON file (make one with `pytest "
                          f"bench/ --benchmark-only --benchmark-json={path}`): {e!r}") from None
+    return (data, *split(data["benchmarks"]))
+
+
+def split(benchmarks):
+    """pytest-benchmark records (its JSON's `benchmarks` entries) -> op, compile-cost and
+    other rows: each the record's extra_info with `seconds` (the minimum over rounds),
+    `rounds`, `group` and `name` added."""
     ops, compile_rows, other = [], [], []
-    for b in data["benchmarks"]:
+    for b in benchmarks:
         info = dict(b.get("extra_info") or {})
         row = dict(info, seconds=b["stats"]["min"], rounds=b["stats"]["rounds"],
                    group=b["group"] or "", name=b["name"])
@@ -54,7 +61,7 @@ def load(path):
             ops.append(row)
         else:  # other benchmark files (e.g. bench/test_gpu_steps.py): listed as they are
             other.append(row)
-    return data, ops, compile_rows, other
+    return ops, compile_rows, other
 
 
 def other_tables(rows):
@@ -170,7 +177,7 @@ def model_ratio(r, hardware):
     return est["ring"] / est["reference"]
 
 
-def _geomean(xs):
+def geomean(xs):
     import math
 
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
@@ -197,8 +204,8 @@ def headline(ops, hardware):
              "|---|---|---|---:|---:|---:|---:|---:|"]
     for key, rs in sorted(acc.items()):
         op, mode, b = key
-        m = f"{_geomean(model[key]):.2f}x" if model.get(key) else "—"
-        lines.append(f"| {op} | {mode} | {b} | **{_geomean(rs):.2f}x** | {min(rs):.2f}x | "
+        m = f"{geomean(model[key]):.2f}x" if model.get(key) else "—"
+        lines.append(f"| {op} | {mode} | {b} | **{geomean(rs):.2f}x** | {min(rs):.2f}x | "
                      f"{max(rs):.2f}x | {len(rs)} | {m} |")
     return lines + [""]
 

@@ -2,6 +2,10 @@
 
 One pytest-benchmark group per (op, mode, shape, ring size), so each table row reads as a
 ratio to `reference` (`python bench/report.py` writes those ratios to bench/RESULTS.md).
+Each group also has `xla`: the same product as a user without fusedpar writes it, `x @ w`
+under plain `jax.jit` over the same sharded inputs with the result's sharding constrained,
+partitioned by XLA (its own collectives; on TPU its collective matmul where it fires) —
+the baseline fusedpar has to beat.
 Shapes are GLOBAL (M, K, N_out); each device holds its shard:
 
 - `agm_lhs`: sequence-parallel gather of activations, x (M/N, K) @ w (K, N_out)
@@ -45,17 +49,20 @@ else:
     RINGS = [1, 2, 4, 8]
 SIM_SHAPE, SIM_RINGS = (256, 128, 128), [2, 4]
 
-# (backend, bidirectional): the label in the tables.
-BACKENDS = {"reference": ("reference", None), "ring": ("ring", False),
+# (backend, bidirectional): the label in the tables. "xla" is not a fusedpar backend
+# (see _xla_program).
+BACKENDS = {"reference": ("reference", None), "xla": ("xla", None), "ring": ("ring", False),
             "ring-bidi": ("ring", True)}
 
+# `out`: the layout of the product x @ w that the op leaves (agm_lhs: every device holds
+# all of it; the shard_map programs stack those copies along rows).
 OPS = {
     "agm_lhs": dict(fn=fusedpar.all_gather_matmul, kw=dict(gather="lhs", dim=0),
-                    specs=(P("x", None), P())),
+                    specs=(P("x", None), P()), out=P()),
     "agm_rhs": dict(fn=fusedpar.all_gather_matmul, kw=dict(gather="rhs", dim=1),
-                    specs=(P("x", None), P(None, "x"))),
+                    specs=(P("x", None), P(None, "x")), out=P("x", None)),
     "mrs": dict(fn=fusedpar.matmul_reduce_scatter, kw=dict(dim=0),
-                specs=(P(None, "x"), P("x", None))),
+                specs=(P(None, "x"), P("x", None)), out=P("x", None)),
 }
 
 
@@ -63,7 +70,22 @@ OPS = {
 COMM = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
+def _xla_program(op, mesh, mode):
+    """`x @ w` under plain jax.jit: XLA partitions it from the inputs' shardings and the
+    constraint on the result (the op's output layout), with no shard_map."""
+    out = NamedSharding(mesh, OPS[op]["out"])
+
+    def f(x, w):
+        return jax.lax.with_sharding_constraint(jnp.matmul(x, w), out)
+
+    if mode == "fwd":
+        return jax.jit(f)
+    return jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32)), (0, 1)))
+
+
 def _program(op, mesh, backend, bidirectional, mode, check_vma=True, comm_dtype=None):
+    if backend == "xla":
+        return _xla_program(op, mesh, mode)
     spec = OPS[op]
 
     def local(x, w):
@@ -107,6 +129,11 @@ def test_op(benchmark, timed, make_mesh, op, mode, shape, n, label):
     backend, bi = BACKENDS[label]
     fn = _program(op, mesh, backend, bi, mode)
     x, w = _inputs(op, mesh, shape)
+    if backend == "xla" and mode == "fwd":  # a baseline computing something else is no baseline
+        got, want = fn(x, w), jnp.matmul(x, w, precision="highest")
+        rel = 1e-5 if jnp.dtype(DTYPE) == jnp.float32 else 1e-2  # per element of K summed
+        bound = rel * float(jnp.max(jnp.abs(want))) * shape[1] ** 0.5
+        assert float(jnp.max(jnp.abs(got - want))) <= bound, (op, shape, n)
     m, k, n_out = shape
     timed(benchmark, fn, x, w, group=f"{op} {mode} {m}x{k}x{n_out} N={n}", op=op, mode=mode,
           shape=list(shape), ring=n, backend=label, dtype=jnp.dtype(DTYPE).name,

@@ -13,6 +13,12 @@ with plain SGD on a fixed batch towards a fixed random target:
   math), which is the baseline every parallel run is compared with;
 - once on the mesh for each backend in `--backends` (default: reference and ring).
 
+On simulated CPU devices `pallas_tpu` (and `pallas`) run the TPU kernels in TPU interpret
+mode, a Python simulator of every DMA and semaphore. A run that includes them uses a
+tensor-parallel-only mesh (`1x4`), 1 block and 4 steps unless `--blocks`/`--steps` say
+otherwise, and refuses an FSDP axis (`--mesh 2x4`): there the interpreter can deadlock
+with XLA's FSDP collectives (see `_fit_the_interpreter`).
+
 The final table gives the median step time, the final loss, the largest difference of
 any trained parameter from the dense run, and the bytes each device sends per training
 step, counted by `fusedpar.cost_model.bytes_sent` for every collective matmul (forward and
@@ -28,21 +34,34 @@ import argparse
 import math
 import os
 import sys
+import threading
 import time
 
+# Options whose defaults a run with interpreted TPU kernels replaces (when not given).
+DEFAULTS = dict(mesh="2x4", blocks=2, steps=8)
+INTERPRETER = dict(blocks=1, steps=4)
+# Backends that run the TPU kernels in TPU interpret mode on simulated CPU devices.
+INTERPRETED = ("pallas", "pallas_tpu")
+# A step of interpreted kernels takes about a second here; one that has run this long has
+# stopped (see _fit_the_interpreter), and the demo ends with a message instead of hanging.
+STEP_LIMIT_S = 300
 
-def _parse(argv):
+
+def _parser():
     p = argparse.ArgumentParser(prog="python -m fusedpar.demo", description=__doc__.split(
         "\n\n")[0])
     p.add_argument("--devices", type=int, default=8,
                    help="simulated CPU devices when the host has no accelerator (default 8)")
-    p.add_argument("--mesh", default="2x4", help="FSDPxTP mesh shape (default 2x4)")
+    p.add_argument("--mesh", default=None, help="FSDPxTP mesh shape (default 2x4; 1x4 with "
+                   "TPU kernels interpreted on CPU)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--blocks", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--blocks", type=int, default=None,
+                   help="residual blocks (default 2; 1 with TPU kernels interpreted on CPU)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="SGD steps (default 8; 4 with TPU kernels interpreted on CPU)")
     p.add_argument("--lr", type=float, default=0.3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--backends", default="reference,ring",
@@ -50,7 +69,16 @@ def _parse(argv):
     p.add_argument("--profile-dir", default=None,
                    help="write a jax.profiler trace of the timed steps here")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    return p
+
+
+def _parse(argv):
+    p = _parser()
     args = p.parse_args(argv)
+    args.given = {name for name in DEFAULTS if getattr(args, name) is not None}
+    for name, value in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     try:
         fsdp, tp = (int(v) for v in args.mesh.lower().split("x"))
     except ValueError:
@@ -99,6 +127,66 @@ def _start_jax(devices: int):
             os.environ["XLA_FLAGS"] = f"{flags} {flag}=1200".strip()
         jax.config.update("jax_num_cpu_devices", devices)
     return jax
+
+
+def _fit_the_interpreter(args, platform: str):
+    """Shape a run whose TPU kernels would be interpreted so that it finishes; return the
+    note to print (None when no kernel is interpreted).
+
+    The TPU interpreter synchronises the simulated devices inside Python callbacks: semaphore
+    waits during a kernel and a barrier over every device of the mesh after it. XLA's CPU
+    runtime does not see them, and runs the independent parts of each device's program in
+    an order of its own. On an FSDP x TP mesh one device can then enter the reduce-scatter
+    of an FSDP gradient while its FSDP partner waits in the interpreter for it: a deadlock.
+    Measured on 2 cores at the default work (2x4, 2 blocks, 8 steps): 8 of 22 runs stopped,
+    with NPROC 9 or 33 and with synchronous dispatch alike, every device blocked and a
+    thread of the pool free (so more threads do not help). On a TP-only mesh, 27 of 27 runs
+    finished (17 at the default work on 1x4 and 1x8); its one cross-device XLA collective
+    (the loss and a bias gradient, all-reduced together) could in principle race the same
+    way, hence the step limit too (`STEP_LIMIT_S`). The interpreter's cost (about a second
+    a step) sets the smaller default work.
+    """
+    interpreted = [b for b in args.backends if b in INTERPRETED]
+    if platform != "cpu" or not interpreted:
+        return None
+    names = ", ".join(interpreted)
+    if args.fsdp > 1:
+        if "mesh" in args.given:
+            _parser().error(
+                f"--backends {names} runs the TPU kernels in TPU interpret mode on these CPU "
+                f"devices, where a training step on an FSDP x TP mesh (--mesh {args.mesh}) "
+                "can deadlock: the interpreter synchronises the simulated devices in Python "
+                "callbacks that XLA's CPU runtime may order differently from its FSDP "
+                f"collectives on different devices. Use --mesh 1x{args.tp} (tensor parallel "
+                f"only), or --backends ring (the same ring schedule in lax) on {args.mesh}; on "
+                "a TPU host the kernels are compiled and any mesh runs.")
+        args.fsdp, args.mesh = 1, f"1x{args.tp}"
+    for name, value in INTERPRETER.items():
+        if name not in args.given:
+            setattr(args, name, value)
+    return (f"{names}: the TPU kernels run in TPU interpret mode here (a Python simulator of "
+            f"every DMA and semaphore), so this run uses mesh fsdp=1 x tp={args.tp} (an FSDP "
+            f"axis can deadlock the interpreter with XLA's collectives), {args.blocks} "
+            f"block(s) and {args.steps} steps; --mesh 1xN, --blocks and --steps choose.")
+
+
+def _watchdog(label, step, seconds):
+    """A started timer that ends the process with a message if the step has not finished
+    within `seconds` (cancel it when it has)."""
+    def stop():
+        sys.stderr.write(
+            f"\nfusedpar demo: step {step} of {label} has not finished after {seconds} s. The "
+            "TPU kernels run in TPU interpret mode on these CPU devices, and the simulated "
+            "devices have stopped waiting for each other (the interpreter's synchronisation "
+            "against XLA's collectives). Run --backends ring instead, and report the command "
+            "that stopped.\n")
+        sys.stderr.flush()
+        os._exit(3)
+
+    timer = threading.Timer(seconds, stop)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def _accelerator_plugin() -> bool:
@@ -163,8 +251,9 @@ def _train_step(lr):
     return step
 
 
-def _train(label, args, model, x, y, quiet, profile_dir=None):
-    """Run `args.steps` SGD steps; return (model, losses, step times in seconds)."""
+def _train(label, args, model, x, y, quiet, profile_dir=None, limit_s=None):
+    """Run `args.steps` SGD steps; return (model, losses, step times in seconds). With
+    `limit_s`, a step that has not finished by then ends the process (`_watchdog`)."""
     import jax
 
     step = _train_step(args.lr)
@@ -173,8 +262,12 @@ def _train(label, args, model, x, y, quiet, profile_dir=None):
         if profile_dir and i == 1:  # after the compiling step
             jax.profiler.start_trace(profile_dir)
         start = time.perf_counter()
+        guard = _watchdog(label, i + 1, limit_s) if limit_s else None
         model, loss = step(model, x, y)
-        loss = float(jax.block_until_ready(loss))
+        model, loss = jax.block_until_ready((model, loss))
+        loss = float(loss)
+        if guard:
+            guard.cancel()
         times.append(time.perf_counter() - start)
         losses.append(loss)
         if not quiet:
@@ -244,6 +337,8 @@ def main(argv=None) -> list[dict]:
     import fusedpar
 
     platform = jax.default_backend()
+    note = _fit_the_interpreter(args, platform)
+    n = args.fsdp * args.tp
     if len(jax.devices()) < n:
         raise SystemExit(f"mesh {args.fsdp}x{args.tp} needs {n} devices; {platform} has "
                          f"{len(jax.devices())} (use --devices or --mesh).")
@@ -252,6 +347,8 @@ def main(argv=None) -> list[dict]:
     print(f"fusedpar demo: {args.blocks} blocks, batch {args.batch} x seq {args.seq} x dim "
           f"{args.dim} (hidden {args.hidden}), {args.dtype}, mesh fsdp={args.fsdp} x "
           f"tp={args.tp} on {where}, {args.steps} SGD steps", flush=True)
+    if note:
+        print(note, flush=True)
     dtype = jnp.dtype(args.dtype)
     kx, ky, km = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (args.batch, args.seq, args.dim), jnp.float32).astype(dtype)
@@ -274,8 +371,9 @@ def main(argv=None) -> list[dict]:
         with jax.set_mesh(mesh):
             model = fusedpar.shard(_model(args, backend, km), mesh)
             profile = (os.path.join(args.profile_dir, backend) if args.profile_dir else None)
-            model, losses, times = _train(backend, args, model, jax.device_put(x, act),
-                                          jax.device_put(y, act), args.quiet, profile)
+            model, losses, times = _train(
+                backend, args, model, jax.device_put(x, act), jax.device_put(y, act),
+                args.quiet, profile, STEP_LIMIT_S if note and backend in INTERPRETED else None)
         rows.append(dict(backend=backend, step_s=float(np.median(times[1:] or times)),
                          final_loss=losses[-1], max_diff=_max_diff(model, dense),
                          bytes_per_step=sent))

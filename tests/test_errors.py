@@ -685,6 +685,13 @@ def _demo_parse(argv):
     return demo._parse(argv)  # the option checks, without starting a run
 
 
+def _demo_on_cpu(argv):
+    from fusedpar import demo
+
+    # What the demo decides once it knows its devices are CPUs, without starting a run.
+    return demo._fit_the_interpreter(demo._parse(argv), "cpu")
+
+
 def _aot_parse(argv):
     from fusedpar import _aot_cli
 
@@ -753,6 +760,10 @@ DEMO_BENCH = [
     Row("demo", "--steps 0", cli(_demo_parse, ["--steps", "0"]), SystemExit, ("--steps",),),
     Row("demo", "unknown backend in --backends", cli(_demo_parse, ["--backends", "nope"]),
         SystemExit, ("--backends", "nope"),),
+    Row("demo", "TPU kernels interpreted on CPU with an FSDP axis",
+        cli(_demo_on_cpu, ["--backends", "pallas_tpu", "--mesh", "2x4"]), SystemExit,
+        ("--backends pallas_tpu runs the TPU kernels in TPU interpret mode", "--mesh 2x4",
+         "deadlock", "Use --mesh 1x4")),
     Row("aot", "unknown target", lambda: __import__("fusedpar.aot").aot.devices("v9x:2x2"),
         ValueError, ("unknown target 'v9x:2x2'; valid: h100x8, v5e:2x4",)),
     Row("aot", "unknown --target", cli(_aot_parse, ["--target", "tpu9"]), SystemExit,
