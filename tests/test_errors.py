@@ -160,6 +160,23 @@ def _emb_head():
     return (embed, head), lambda m, t: jax.vmap(jax.vmap(lambda i: m[1](m[0](i))))(t)
 
 
+def _sp_mlp(head):
+    """A sequence-parallel up/down pair on (batch, seq, 8) floats, then `head`'s style,
+    every layer FSDP too (the README's plan)."""
+    k = jax.random.split(KEY, 3)
+    model = [eqx.nn.Linear(8, 16, key=k[0]), eqx.nn.Linear(16, 8, key=k[1]),
+             eqx.nn.Linear(8, 8, key=k[2])]
+    return fusedpar.parallelize(model, {"0": fusedpar.Column(sequence_parallel=True),
+                                        "1": fusedpar.Row(sequence_parallel=True),
+                                        "2": head, "*": "fsdp"})
+
+
+def _sp_mlp_specs(head, between):
+    model = _sp_mlp(head)
+    return lambda: fusedpar.shard_map_specs(
+        model, S((4, 8, 8), jnp.float32), call=lambda m, x: m[2](between(m[1](m[0](x)))))
+
+
 OPS = [
     Row("ops", "scattered dimension not divisible by the ring",
         in_shard_map(lambda x, w: MRS(x, w, "x", dim=0), (3, 8)), ValueError,
@@ -596,6 +613,17 @@ SPECS = [
         specs_of((_emb(fsdp_axis="fsdp"), _emb()), (4, 8), lambda m, t: m[0](t) + m[1](t)),
         ValueError, ("the input x goes into fusedpar layers that want different layouts",
                      "0 (Embedding) wants P('fsdp', None); 1 (Embedding) wants P(None, None)")),
+    Row("specs", "shard_map_specs: an axis brought by code between layers",
+        _sp_mlp_specs("fsdp", jnp.tanh), ValueError,
+        ("the output would be laid out as P('fsdp', None, None)",
+         "inside shard_map it varies over mesh axes ('fsdp', 'tp')",
+         "'tp' came through code between fusedpar layers (first into 2 (FSDPLinear)",
+         "write the out_specs yourself")),
+    Row("specs", "shard_map_specs: a layer given another's output in a layout it refuses",
+        _sp_mlp_specs("column", lambda y: y), ValueError,
+        ("2 (ColumnLinear) takes its input laid out as P('fsdp', None, None)",
+         "the output of 1 (RowLinear), laid out as P('fsdp', 'tp', None)",
+         "Change one of the two layers' styles")),
 ]
 
 PARALLELIZE = [
