@@ -154,6 +154,13 @@ def _few_threads():
         os.environ["NPROC"] = old if old is not None else ""
 
 
+def _other_mesh_call():
+    """A layer placed on a (2, 4) mesh, traced under a (4, 2) mesh of the same axes."""
+    layer = fusedpar.shard(_col(8, 8), mesh((2, 4), ("fsdp", "tp")))
+    with jax.set_mesh(mesh((4, 2), ("fsdp", "tp"))):
+        return eqx.filter_eval_shape(lambda l, x: l(x), layer, jnp.ones((2, 8)))
+
+
 def _emb_head():
     """Token ids -> vocabulary-parallel embedding -> column-parallel head, per example."""
     embed, head = _emb(), _col(8, 16)
@@ -398,6 +405,11 @@ LAYERS = [
         ValueError, ("ColumnLinear: its weight is placed on a mesh {'fsdp': 2, 'tp': 4}",
                      "no mesh is set", "without any fused collective",
                      "inside `with jax.set_mesh(mesh):`")),
+    Row("layers", "weight placed on one mesh, called under another",
+        lambda: _other_mesh_call(), ValueError,
+        ("ColumnLinear: its weight is placed on a mesh {'fsdp': 2, 'tp': 4}",
+         "called under jax.set_mesh of a mesh {'fsdp': 4, 'tp': 2}",
+         "fusedpar.shard(model, mesh)")),
     Row("layers", "called under the deprecated `with mesh:`",
         lambda: _legacy_mesh_call(), ValueError,
         ("ColumnLinear: called inside `with mesh:`", "{'tp': 4}",
