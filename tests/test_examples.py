@@ -20,7 +20,7 @@ def _run(name):
     return out.stdout
 
 
-@pytest.mark.parametrize("name", ["ops.py", "parallelize.py", "gpt.py"])
+@pytest.mark.parametrize("name", ["ops.py", "parallelize.py", "gpt.py", "aot_program.py"])
 def test_docs_quote_the_example_verbatim(name):
     example = (ROOT / "examples" / name).read_text().strip()
     assert any(example in page.read_text() for page in DOCS), name
