@@ -9,7 +9,7 @@ import os
 import re
 from typing import Optional
 
-from . import _hlo
+from . import _hlo, _platforms
 
 # Two processes may load libtpu at once (a test run beside a compile): libtpu refuses
 # unless told it may. And JAX's CUDA plugin registers itself only after checking the
@@ -17,6 +17,13 @@ from . import _hlo
 # its backends: importing this module first sets them.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+# libtpu, loaded to compile for a slice on a host with no TPU, finds no TPU worker to
+# describe and logs an INVALID_ARGUMENT error ("unexpected worker hostname") and a warning
+# about host bounds. Naming this host as the only worker silences both; the topologies
+# (devices, coordinates, processes) and the compiled programs are the same.
+if not _platforms.tpu_attached():
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
 
 # The targets the package is compiled and tested for; other slices of these generations
 # ("v5e:4x4", "v6e:2x2", ...) and "h100xN" (N of 1 to 8) work too.
