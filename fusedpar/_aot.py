@@ -283,6 +283,7 @@ def overlap(program) -> Report:
     """
     module = _hlo.parse(_text(program))
     multiplying = _hlo.matmul_computations(module)
+    fused = _fused_kernel_names()
     transfers, matmuls, kernels = [], [], []
     for comp in _hlo.scheduled_computations(module):
         instructions = module.computations[comp]
@@ -307,7 +308,8 @@ def overlap(program) -> Report:
                 key = _op_of(i.op_name)
                 if i.opcode == "custom-call" and i.target == "tpu_custom_call":
                     if key[0] == "other":  # Mosaic kernels carry no op_name: their name
-                        key = (re.sub(r"\.\d+$", "", i.name), "pallas_tpu", "fused kernel")
+                        name = re.sub(r"\.\d+$", "", i.name)
+                        key = (fused.get(name, name), "pallas_tpu", "fused kernel")
                     kernels.append(key)
                 matmuls.append((key, not open_))
         for start, kind, seen in open_.values():  # done in another computation
@@ -325,6 +327,17 @@ def overlap(program) -> Report:
                              sum(t.bytes for t in mine), len(mm), sum(mm),
                              kernels.count(key), sum(t.hideable for t in mine)))
     return Report(tuple(transfers), tuple(ops))
+
+
+def _fused_kernel_names() -> dict:
+    """`{a fused TPU kernel's name in a program: its primitive}`, so the report names it
+    `ag_rows` as it names every other op (empty when the kernels do not import)."""
+    from ._backends import pallas_tpu
+
+    try:
+        return pallas_tpu.kernel_names()
+    except ImportError:  # pragma: no cover - a JAX without Pallas TPU
+        return {}
 
 
 def _hideable(instructions, multiplying):
