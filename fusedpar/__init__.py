@@ -1,6 +1,7 @@
 """fusedpar: tensor-parallel and FSDP linear layers whose collectives overlap the matmul."""
 
 from . import _interpret, _platforms, cost_model as cost_model
+from ._checkpoint import deserialise_filter_spec as deserialise_filter_spec
 from ._context import local_size as local_size
 from ._describe import describe as describe
 from ._dispatch import Choice as Choice, names as backend_names
@@ -50,6 +51,8 @@ __all__ = [
     # specs
     "param_specs", "shard_map_specs", "validate", "shard", "init_sharded", "compose",
     "Column", "Row", "FSDP", "Rule", "Drop",
+    # checkpoints
+    "deserialise_filter_spec",
     # quantized weights
     "QuantizedArray", "quantize",
     # XLA flags (GPU and TPU)

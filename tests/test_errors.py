@@ -30,6 +30,7 @@ from typing import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -159,6 +160,17 @@ def _other_mesh_call():
     layer = fusedpar.shard(_col(8, 8), mesh((2, 4), ("fsdp", "tp")))
     with jax.set_mesh(mesh((4, 2), ("fsdp", "tp"))):
         return eqx.filter_eval_shape(lambda l, x: l(x), layer, jnp.ones((2, 8)))
+
+
+def _restore_other_model():
+    """An (8, 16) weight read from a checkpoint into a sharded skeleton's (8, 8) one (what
+    `eqx.tree_deserialise_leaves` asks per leaf; it adds the leaf's path)."""
+    f = io.BytesIO()
+    np.save(f, np.zeros((8, 16), np.float32))
+    f.seek(0)
+    skeleton = fusedpar.shard(eqx.filter_eval_shape(lambda: _col(8, 8)),
+                              mesh((2, 4), ("fsdp", "tp")))
+    fusedpar.deserialise_filter_spec(f, skeleton.weight)
 
 
 def _emb_head():
@@ -410,6 +422,10 @@ LAYERS = [
         ("ColumnLinear: its weight is placed on a mesh {'fsdp': 2, 'tp': 4}",
          "called under jax.set_mesh of a mesh {'fsdp': 4, 'tp': 2}",
          "fusedpar.shard(model, mesh)")),
+    Row("layers", "checkpoint of another model restored into a sharded skeleton",
+        _restore_other_model, ValueError,
+        ("deserialise_filter_spec: the checkpoint holds an array of shape (8, 16) where "
+         "the skeleton has (8, 8)", "restore it into the model it was saved from")),
     Row("layers", "called under the deprecated `with mesh:`",
         lambda: _legacy_mesh_call(), ValueError,
         ("ColumnLinear: called inside `with mesh:`", "{'tp': 4}",
