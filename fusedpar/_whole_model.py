@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import equinox as eqx
 import jax
-from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _folding, _specs, _vma
@@ -189,16 +189,23 @@ def _check_varying(model, x, call, pspecs, x_spec, out_spec) -> None:
     another fusedpar call's output. Between layers other code (a norm, an activation, a
     residual sum) may carry an axis the next layer does not use, on a dimension no
     trace names: JAX's varying-axes types say that it happened, so `call` is traced once
-    more inside a `shard_map` (every axis of size 1: only the types matter) to ask them.
+    more inside a `shard_map` (over the mesh set, else over every axis at size 1: only the
+    types matter) to ask them.
     """
     axes = sorted({a for s in jax.tree.leaves((pspecs, x_spec, out_spec),
                                               is_leaf=lambda s: isinstance(s, P))
                    if isinstance(s, P) for e in s for a in _vma.axis_names(e)
                    if e is not None})
-    mesh = AbstractMesh((1,) * len(axes), tuple(axes),
-                        axis_types=(AxisType.Auto,) * len(axes))
     params, static = eqx.partition(model, _specs.is_param)
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x))
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        mesh = AbstractMesh((1,) * len(axes), tuple(axes),
+                            axis_types=(AxisType.Auto,) * len(axes))
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x))
+    else:  # the mesh set (shard_map must use it), the arrays laid out on it as the specs say
+        shapes = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+            (params, x), (pspecs, x_spec), is_leaf=lambda s: isinstance(s, P))
     seen = {}
 
     def body(params, x):

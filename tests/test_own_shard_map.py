@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
 
 import fusedpar
 from helpers import assert_close, mesh
@@ -148,3 +149,15 @@ def test_shard_map_specs_refuses_an_axis_it_cannot_place():
                        r"P\(None, None, None\), but it is the output of down \(RowLinear\), "
                        r"laid out as P\(None, 'tp', None\)"):
         fusedpar.shard_map_specs(model, x, call=lambda m, x: m.head(m.down(m.up(x))))
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
+def test_shard_map_specs_under_a_mesh(kind):
+    """Called under jax.set_mesh (a placed model, say) the specs are the same: the check
+    traces inside a shard_map over the mesh that is set."""
+    model = fusedpar.parallelize(Net(K1), DOC_PLANS["readme"][0])
+    x = jax.ShapeDtypeStruct((4, 8, 16), jnp.float32)
+    want = fusedpar.shard_map_specs(model, x, call=_mlp)
+    m = mesh((2, 4), ("fsdp", "tp"), kind)
+    with jax.set_mesh(m):
+        assert fusedpar.shard_map_specs(fusedpar.shard(model, m), x, call=_mlp) == want
