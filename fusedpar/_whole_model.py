@@ -232,8 +232,8 @@ def _check_varying(model, x, call, pspecs, x_spec, out_spec) -> None:
             f"shard_map_specs: {_leaf_name(path, 'the output')} would be laid out as {spec} "
             f"(derived from the fusedpar calls), but inside shard_map it varies over mesh "
             f"axes {tuple(sorted(varying))}"
-            + (f": {', '.join(map(repr, extra))} came through code between fusedpar layers (first into "
-               f"{lost[0]}, which does not use it), so its dimension is not known"
+            + (f": {', '.join(map(repr, extra))} came through code between fusedpar layers "
+               f"(first into {lost[0]}, which does not use it), so its dimension is not known"
                if extra and lost else "")
             + "; write the out_specs yourself (outputs=False derives the in_specs only).")
 
