@@ -1,6 +1,7 @@
 """fusedpar: tensor-parallel and FSDP linear layers whose collectives overlap the matmul."""
 
-from . import _interpret, cost_model as cost_model
+from . import _interpret, _platforms, cost_model as cost_model
+from ._checkpoint import deserialise_filter_spec as deserialise_filter_spec
 from ._context import local_size as local_size
 from ._describe import describe as describe
 from ._dispatch import Choice as Choice, names as backend_names
@@ -50,13 +51,18 @@ __all__ = [
     # specs
     "param_specs", "shard_map_specs", "validate", "shard", "init_sharded", "compose",
     "Column", "Row", "FSDP", "Rule", "Drop",
+    # checkpoints
+    "deserialise_filter_spec",
     # quantized weights
     "QuantizedArray", "quantize",
     # XLA flags (GPU and TPU)
     "gpu_overlap_flags", "set_gpu_overlap_flags", "set_overlap_flags", "tpu_overlap_flags",
 ]
 
-# Before JAX starts its CPU backend: threads enough for the TPU interpreter's simulated
-# devices (see fusedpar._interpret); a no-op once the backend runs.
+# Before JAX starts its backends: threads enough for the TPU interpreter's simulated
+# devices (fusedpar._interpret), and no platform the host has no device for
+# (fusedpar._platforms: the aot extra's compilers would announce that they found none);
+# no-ops once the backends run.
 _interpret.setup_threads()
+_platforms.setup_platforms()
 

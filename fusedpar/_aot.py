@@ -9,7 +9,7 @@ import os
 import re
 from typing import Optional
 
-from . import _hlo
+from . import _hlo, _platforms
 
 # Two processes may load libtpu at once (a test run beside a compile): libtpu refuses
 # unless told it may. And JAX's CUDA plugin registers itself only after checking the
@@ -17,6 +17,13 @@ from . import _hlo
 # its backends: importing this module first sets them.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+# libtpu, loaded to compile for a slice on a host with no TPU, finds no TPU worker to
+# describe and logs an INVALID_ARGUMENT error ("unexpected worker hostname") and a warning
+# about host bounds. Naming this host as the only worker silences both; the topologies
+# (devices, coordinates, processes) and the compiled programs are the same.
+if not _platforms.tpu_attached():
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
 
 # The targets the package is compiled and tested for; other slices of these generations
 # ("v5e:4x4", "v6e:2x2", ...) and "h100xN" (N of 1 to 8) work too.
@@ -276,6 +283,7 @@ def overlap(program) -> Report:
     """
     module = _hlo.parse(_text(program))
     multiplying = _hlo.matmul_computations(module)
+    fused = _fused_kernel_names()
     transfers, matmuls, kernels = [], [], []
     for comp in _hlo.scheduled_computations(module):
         instructions = module.computations[comp]
@@ -300,7 +308,8 @@ def overlap(program) -> Report:
                 key = _op_of(i.op_name)
                 if i.opcode == "custom-call" and i.target == "tpu_custom_call":
                     if key[0] == "other":  # Mosaic kernels carry no op_name: their name
-                        key = (re.sub(r"\.\d+$", "", i.name), "pallas_tpu", "fused kernel")
+                        name = re.sub(r"\.\d+$", "", i.name)
+                        key = (fused.get(name, name), "pallas_tpu", "fused kernel")
                     kernels.append(key)
                 matmuls.append((key, not open_))
         for start, kind, seen in open_.values():  # done in another computation
@@ -318,6 +327,17 @@ def overlap(program) -> Report:
                              sum(t.bytes for t in mine), len(mm), sum(mm),
                              kernels.count(key), sum(t.hideable for t in mine)))
     return Report(tuple(transfers), tuple(ops))
+
+
+def _fused_kernel_names() -> dict:
+    """`{a fused TPU kernel's name in a program: its primitive}`, so the report names it
+    `ag_rows` as it names every other op (empty when the kernels do not import)."""
+    from ._backends import pallas_tpu
+
+    try:
+        return pallas_tpu.kernel_names()
+    except ImportError:  # pragma: no cover - a JAX without Pallas TPU
+        return {}
 
 
 def _hideable(instructions, multiplying):

@@ -8,13 +8,19 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import time
 
 PROGRAMS = ("ops", "mlp", "block", "block-qkv", "demo")
 BACKENDS = ("reference", "ring", "pallas", "auto")
+# The mesh axes a program gets without --axes: the built-in ones are written for these;
+# the blocks, the demo and your own program (FILE.py:FUNCTION) get ("fsdp", "tp").
+AXES = {"ops": ("x",), "mlp": ("tp",)}
+TWO_AXES = ("fsdp", "tp")
+_MESH = re.compile(r"^[1-9][0-9]*(x[1-9][0-9]*)*$")
 
 
-def _parse(argv):
+def _parser():
     from . import _aot as aot
 
     p = argparse.ArgumentParser(
@@ -29,17 +35,26 @@ def _parse(argv):
                         "sequence-parallel MLP), block (an FSDP x TP transformer block), "
                         "block-qkv (the block with one q, k, v projection), "
                         "demo (the demo's model), or your own: FILE.py:FUNCTION or "
-                        "module:FUNCTION, a function (mesh, backend) -> (jitted, args)")
+                        "module:FUNCTION, a function (mesh, backend) -> (jitted, args), "
+                        "lowered under jax.set_mesh(mesh) (docs/aot.md)")
     p.add_argument("--backend", default="auto", help=f"one of {', '.join(BACKENDS)}")
     p.add_argument("--mesh", default=None,
-                   help="mesh shape, e.g. 2x4 (default: all devices on one axis; 2 x n/2 "
-                        "for the blocks and demo)")
+                   help="mesh shape, one size per axis name, e.g. 2x4; the sizes multiply "
+                        "to the target's device count (default: all devices on one axis "
+                        "for one axis name, 2 x n/2 for two)")
     p.add_argument("--axes", default=None,
                    help="mesh axis names, comma-separated (default: x for ops, tp for "
-                        "mlp, fsdp,tp for the blocks and demo)")
+                        "mlp, fsdp,tp for block, block-qkv, demo and your own program)")
     p.add_argument("--cublas", action="store_true",
                    help="GPU: cuBLAS GEMMs instead of Triton ones")
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
+    return p
+
+
+def _parse(argv):
+    from . import _aot as aot
+
+    p = _parser()
     args = p.parse_args(argv)
     try:
         aot._check_target(args.target)
@@ -50,7 +65,39 @@ def _parse(argv):
     if args.program not in PROGRAMS and ":" not in args.program:
         p.error(f"--program: {args.program!r} is neither one of {', '.join(PROGRAMS)} nor "
                 "FILE.py:FUNCTION / module:FUNCTION")
+    _check_mesh(p, args)
     return args
+
+
+def _axes(args) -> tuple:
+    """The mesh axis names: --axes, or the program's default."""
+    if args.axes is not None:
+        return tuple(args.axes.split(","))
+    return AXES.get(args.program, TWO_AXES)
+
+
+def _check_mesh(p, args) -> None:
+    """--mesh and --axes as written (the device count is the target's: see `_mesh`)."""
+    axes = _axes(args)
+    if args.axes is not None and (not all(a.isidentifier() for a in axes)
+                                  or len(set(axes)) < len(axes)):
+        p.error(f"--axes: {args.axes!r} must be distinct names separated by commas, e.g. "
+                "fsdp,tp")
+    if args.mesh is not None:
+        if not _MESH.match(args.mesh.lower()):
+            p.error(f"--mesh: {args.mesh!r} must be positive sizes separated by x, one per "
+                    f"axis name, e.g. 2x4")
+        sizes = args.mesh.lower().split("x")
+        if len(sizes) != len(axes):
+            p.error(f"--mesh: {args.mesh!r} has {len(sizes)} size"
+                    f"{'s' if len(sizes) > 1 else ''} but the mesh's axis "
+                    f"names are {axes} ("
+                    + ("--axes" if args.axes is not None else
+                       f"the default of --program {args.program}")
+                    + "); give one size per name, or --axes with one name per size")
+    elif len(axes) > 2:
+        p.error(f"--axes: {len(axes)} names {axes} need --mesh (e.g. "
+                f"{'x'.join(['2'] * len(axes))}): the default mesh is for one or two axes")
 
 
 def _user_program(spec):
@@ -68,18 +115,23 @@ def _user_program(spec):
     return getattr(module, name)
 
 
-def _mesh(args, n_default_axes):
+def _mesh(args):
+    """The mesh --mesh and --axes (or the program's defaults) ask for, of every device of
+    --target; one that does not use them all exits as a bad argument does (status 2)."""
     from . import _aot as aot
 
-    axes = tuple(args.axes.split(",")) if args.axes else n_default_axes
-    devices = len(aot.devices(args.target))
+    axes = _axes(args)
+    n = len(aot.devices(args.target))
     if args.mesh:
         shape = tuple(int(v) for v in args.mesh.lower().split("x"))
     elif len(axes) == 2:
-        shape = (2, devices // 2)
+        shape = (2, n // 2)
     else:
-        shape = (devices,)
-    return aot.mesh(args.target, shape, axes)
+        shape = (n,)
+    try:
+        return aot.mesh(args.target, shape, axes)
+    except ValueError as e:
+        _parser().error(f"--mesh: {e} Give --mesh with sizes that multiply to {n}.")
 
 
 def _programs(args):
@@ -87,36 +139,36 @@ def _programs(args):
     from . import _aot_programs as progs, _primitives as prims
 
     backend = args.backend
+    mesh = _mesh(args)
     if args.program == "ops":
-        mesh = _mesh(args, ("x",))
         for prim in prims.PRIMITIVES:
             for bidirectional in (False, True):
                 ring = "bidirectional" if bidirectional else "unidirectional"
                 fn, a = progs.op_program(mesh, prim, backend, bidirectional=bidirectional)
                 yield f"{prim} {ring}", mesh, fn, a
         return
-    if args.program == "mlp":
-        mesh = _mesh(args, ("tp",))
-        build = progs.mlp_program
-    else:
-        mesh = _mesh(args, ("fsdp", "tp"))
-        build = {"block": progs.block_program, "demo": progs.demo_program,
-                 "block-qkv": functools.partial(progs.block_program, fused_qkv=True),
-                 }.get(args.program)
-        build = build or _user_program(args.program)
-    fn, a = build(mesh, backend)
+    build = {"mlp": progs.mlp_program, "block": progs.block_program,
+             "demo": progs.demo_program,
+             "block-qkv": functools.partial(progs.block_program, fused_qkv=True),
+             }.get(args.program)
+    fn, a = (build or _user_program(args.program))(mesh, backend)
     yield args.program, mesh, fn, a
 
 
 def main(argv=None):
     args = _parse(argv)
+    import jax
+
     from . import _aot as aot
 
     options = aot.compiler_options(args.target, args.cublas)
     rows = []
     for label, mesh, fn, arguments in _programs(args):
         start = time.perf_counter()
-        compiled = fn.lower(*arguments).compile(compiler_options=options or None)
+        # Under the mesh, as the program runs: layers on global arrays need it set (a
+        # program of your own is lowered so too, docs/aot.md).
+        with jax.set_mesh(mesh):
+            compiled = fn.lower(*arguments).compile(compiler_options=options or None)
         seconds = time.perf_counter() - start
         report = aot.overlap(compiled)
         predicted = aot.predict(compiled, mesh)

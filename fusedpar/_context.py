@@ -9,7 +9,8 @@ A layer whose weight already lives on a mesh (placed by `fusedpar.shard`, or tra
 from such an array) but is called with no mesh set would compute dense math on the
 gathered weight: correct numbers without a single fused collective. That is refused
 (`check_no_stray_mesh`), as is the deprecated `with mesh:` context, which sets no mesh
-that `jax.sharding.get_abstract_mesh` (and so `shard_map` without `mesh=`) sees.
+that `jax.sharding.get_abstract_mesh` (and so `shard_map` without `mesh=`) sees, and a
+weight placed on a mesh of another shape than the one set (`check_same_mesh`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def check_no_stray_mesh(where: str, axes: tuple, weight) -> None:
     # shard_map_specs traces the model with no mesh only to read its layouts.
     if placed is None or _whole_model.tracing():
         return
-    sizes = dict(zip(placed.axis_names, placed.axis_sizes))
+    sizes = _shape(placed)
     used = [a for a in axes if sizes.get(a, 1) > 1]
     if used:
         raise ValueError(
@@ -69,11 +70,30 @@ def check_no_stray_mesh(where: str, axes: tuple, weight) -> None:
             "jax.jit it) inside `with jax.set_mesh(mesh):`, or inside jax.shard_map.")
 
 
+def _shape(mesh) -> dict:
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def check_same_mesh(where: str, weight, mesh) -> None:
+    """Raise if the layer's `weight` is placed on a mesh of another shape than `mesh`, the
+    one set: JAX cannot use an array of one mesh in a program on another (a (2, 4) and a
+    (4, 2) mesh with the same axis names even abort the process, in its Shardy pass)."""
+    placed = _placed_mesh(weight)
+    if placed is None or _shape(placed) == _shape(mesh):
+        return
+    raise ValueError(
+        f"{where}: its weight is placed on a mesh {_shape(placed)}, but it is called under "
+        f"jax.set_mesh of a mesh {_shape(mesh)}; a program runs on one mesh. Place the "
+        "model on the mesh you set (fusedpar.shard(model, mesh) inside "
+        "`with jax.set_mesh(mesh):`), or set the mesh it was placed on.")
+
+
 def detect(where: str, axes: tuple, weight=None):
     """`(kind, abstract_mesh)` for a layer named `where` that uses mesh `axes`.
 
     `weight`: the layer's sharded parameter, to refuse running it densely when it was
-    placed on a mesh but none is set (`check_no_stray_mesh`).
+    placed on a mesh but none is set (`check_no_stray_mesh`), or under a mesh other than
+    the one it was placed on (`check_same_mesh`).
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not axes:
@@ -93,6 +113,7 @@ def detect(where: str, axes: tuple, weight=None):
     if missing:
         raise ValueError(f"{where}: mesh axis {missing[0]!r} is not in the current mesh, "
                          f"whose axes are {tuple(mesh.axis_names)}.")
+    check_same_mesh(where, weight, mesh)
     return GLOBAL, mesh
 
 

@@ -45,11 +45,13 @@ class Choice:
     bidirectional: bool = False
     unroll: bool = True
     target: object = None
+    kernels: str = ""  # a kernel backend's: which kernels, compiled for what or interpreted
 
     def __str__(self):
         ring = "bidirectional" if self.bidirectional else "unidirectional"
         loop = "unrolled" if self.unroll else "rolled (fori_loop)"
         extra = "" if self.backend == REFERENCE else f", {ring}, {loop}"
+        extra += f" ({self.kernels})" if self.kernels else ""
         where = "" if self.target is None else f" [target: {self.target}]"
         return f"{self.backend}{extra}: {self.reason}{where}"
 
@@ -187,7 +189,9 @@ def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
     if why_not is not None:
         raise NotImplementedError(f"{call.op}: backend {name!r} cannot run this call: {why_not}")
     bidirectional, unroll = ring_shape(call, unroll)
-    choice = Choice(name, reason, bidirectional, unroll, call.target)
+    describe = getattr(_backends.get(name), "kernels", None)
+    choice = Choice(name, reason, bidirectional, unroll, call.target,
+                    describe(call) if describe else "")
     logger.debug("fusedpar: %s %s x%s w%s %s over %d devices -> %s", call.op, call.prim,
                  call.x_shape, call.w_shape, call.dtype, call.axis_size, choice)
     return choice

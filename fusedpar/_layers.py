@@ -138,6 +138,14 @@ class ParallelLinear(eqx.Module):
                         use_bias=self.use_bias)
         return layer_class(rule).from_linear(self, rule, self.backend)
 
+    @property
+    def _ops_backend(self) -> str:
+        """The backend of the collective ops: the layer's, except while
+        `fusedpar.shard_map_specs` checks the layouts it derived inside a `shard_map` with
+        JAX's varying-axes types on (every backend gives the same layouts, and the
+        reference is the one that runs with those types)."""
+        return "reference" if _whole_model.tracing() else self.backend
+
     def __call__(self, x: Array, *, key=None) -> Array:
         """**Arguments:**
 
@@ -178,7 +186,8 @@ class ParallelLinear(eqx.Module):
         rule = self.rule
         x_spec, y_spec = rule.activation_specs(x.ndim, _specs.has_data_dim(rule, x.ndim))
         _whole_model.record(where, self.weight, [(x, x_spec)], (y, y_spec),
-                            x.ndim - 2 if rule.sequence_parallel else None)
+                            x.ndim - 2 if rule.sequence_parallel else None,
+                            _specs.layout_axes(rule, x_spec))
         return y
 
     def _dense(self, x):
@@ -528,10 +537,10 @@ class ColumnLinear(ParallelLinear):
         if tp.sequence_parallel:
             w = _stationary(gather_fsdp(w, rule))
             y = all_gather_matmul(x, w.T, tp.axis, gather="lhs", dim=x.ndim - 2,
-                                  backend=self.backend, comm_dtype=tp.comm_dtype,
+                                  backend=self._ops_backend, comm_dtype=tp.comm_dtype,
                                   grad_comm_dtype=tp.grad_comm_dtype)
         else:
-            y = fsdp_matmul(x, w, rule, self.backend)
+            y = fsdp_matmul(x, w, rule, self._ops_backend)
         y = add_bias(y, b)
         if tp.gather_output:
             y = _context.gather_invariant(y, tp.axis, y.ndim - 1)
@@ -597,14 +606,14 @@ class RowLinear(ParallelLinear):
         w, b, x = self._operands(x, rule, self.in_features // lax.axis_size(tp.axis))
         if tp.sequence_parallel:
             w = _stationary(gather_fsdp(w, rule))
-            y = matmul_reduce_scatter(x, w.T, tp.axis, dim=x.ndim - 2, backend=self.backend,
-                                      comm_dtype=tp.comm_dtype,
+            y = matmul_reduce_scatter(x, w.T, tp.axis, dim=x.ndim - 2,
+                                      backend=self._ops_backend, comm_dtype=tp.comm_dtype,
                                       grad_comm_dtype=tp.grad_comm_dtype)
         else:
             # Partial sums stay in the accumulation dtype through the psum, as the
             # reduce-scatter's do.
             acc = _definition.accumulation_dtype(x.dtype)
-            y = lax.psum(fsdp_matmul(x, w, rule, self.backend, acc), tp.axis).astype(x.dtype)
+            y = lax.psum(fsdp_matmul(x, w, rule, self._ops_backend, acc), tp.axis).astype(x.dtype)
         return add_bias(y, b)
 
 
@@ -645,4 +654,4 @@ class FSDPLinear(ParallelLinear):
 
     def _local(self, x, rule):
         w, b, x = self._operands(x, rule, _length(self.in_features))
-        return add_bias(fsdp_matmul(x, w, rule, self.backend), b)
+        return add_bias(fsdp_matmul(x, w, rule, self._ops_backend), b)

@@ -25,6 +25,11 @@ def _shardings(model, mesh):
 def shard(model, mesh, *, relaxed: bool = False):
     """`model` with every array placed on `mesh` per `fusedpar.param_specs(model)`.
 
+    A model of shapes (`jax.ShapeDtypeStruct` leaves, from `eqx.filter_eval_shape`)
+    becomes a skeleton of the sharded model: each leaf a `jax.ShapeDtypeStruct` with its
+    `NamedSharding`, nothing allocated — what a checkpoint is restored into sharded
+    (`fusedpar.deserialise_filter_spec`, orbax's `restore`; docs/checkpoints.md).
+
     Validates first (`fusedpar.validate`): an axis missing from the mesh or a dimension
     that does not divide raises a `ValueError` naming the parameter path, dimension,
     size and axes. With `relaxed=True` such layers lose the style that does not fit
@@ -32,9 +37,16 @@ def shard(model, mesh, *, relaxed: bool = False):
     """
     model, dropped = _specs.validate(model, mesh, relaxed=relaxed)
     _warn(dropped)
-    params, static = eqx.partition(model, eqx.is_array)
-    params = jax.device_put(params, _shardings(params, mesh))
-    return eqx.combine(params, static)
+    params, static = eqx.partition(model, _specs.is_param)
+    leaves, treedef = jax.tree.flatten(params)
+    shardings = treedef.flatten_up_to(_shardings(params, mesh))
+    arrays = [i for i, x in enumerate(leaves) if eqx.is_array(x)]  # one transfer for all
+    placed = jax.device_put([leaves[i] for i in arrays], [shardings[i] for i in arrays])
+    for i, x in zip(arrays, placed):
+        leaves[i] = x
+    leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+              if isinstance(x, jax.ShapeDtypeStruct) else x for x, s in zip(leaves, shardings)]
+    return eqx.combine(jax.tree.unflatten(treedef, leaves), static)
 
 
 def init_sharded(make: Callable, mesh, *args, relaxed: bool = False, **kwargs):

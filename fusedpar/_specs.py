@@ -687,6 +687,11 @@ def with_unknown_axes(shape, x_spec: P, y_spec: P, others: tuple, sizes: dict) -
     return x_spec, y_spec
 
 
+def axis_dims(spec: P, axes) -> dict:
+    """`{axis: the dimension of spec it shards}` for those of `axes` in `spec`."""
+    return {a: d for d, e in enumerate(spec) for a in _axes_of(e) if a in axes}
+
+
 def layout_axes(rule: Rule, x_spec: P) -> list:
     """The mesh axes whose varying-axes type inside shard_map says whether an input fits
     `x_spec`: the tensor-parallel axis (the input varies over it exactly when `x_spec`

@@ -111,6 +111,14 @@ class Target:
                     return preset
         return _DEFAULT_PRESET[self.platform]
 
+    def devices_are(self) -> str:
+        """The target as an error message names it: "the mesh's devices are <kind>", or,
+        for a platform named alone (`explain(platform=...)`), that no device was named."""
+        if self.device_kind:
+            return f"the mesh's devices are {self}"
+        return (f"only the platform {self.platform!r} was named, no device kind (pass "
+                "target=, a mesh or a device, to say which)")
+
     def __str__(self):
         if not self.device_kind:
             return f"{self.platform} (device kind unknown)"

@@ -30,6 +30,7 @@ from typing import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -164,10 +165,45 @@ def _few_threads():
         os.environ["NPROC"] = old if old is not None else ""
 
 
+def _other_mesh_call():
+    """A layer placed on a (2, 4) mesh, traced under a (4, 2) mesh of the same axes."""
+    layer = fusedpar.shard(_col(8, 8), mesh((2, 4), ("fsdp", "tp")))
+    with jax.set_mesh(mesh((4, 2), ("fsdp", "tp"))):
+        return eqx.filter_eval_shape(lambda l, x: l(x), layer, jnp.ones((2, 8)))
+
+
+def _restore_other_model():
+    """An (8, 16) weight read from a checkpoint into a sharded skeleton's (8, 8) one (what
+    `eqx.tree_deserialise_leaves` asks per leaf; it adds the leaf's path)."""
+    f = io.BytesIO()
+    np.save(f, np.zeros((8, 16), np.float32))
+    f.seek(0)
+    skeleton = fusedpar.shard(eqx.filter_eval_shape(lambda: _col(8, 8)),
+                              mesh((2, 4), ("fsdp", "tp")))
+    fusedpar.deserialise_filter_spec(f, skeleton.weight)
+
+
 def _emb_head():
     """Token ids -> vocabulary-parallel embedding -> column-parallel head, per example."""
     embed, head = _emb(), _col(8, 16)
     return (embed, head), lambda m, t: jax.vmap(jax.vmap(lambda i: m[1](m[0](i))))(t)
+
+
+def _sp_mlp(head):
+    """A sequence-parallel up/down pair on (batch, seq, 8) floats, then `head`'s style,
+    every layer FSDP too (the README's plan)."""
+    k = jax.random.split(KEY, 3)
+    model = [eqx.nn.Linear(8, 16, key=k[0]), eqx.nn.Linear(16, 8, key=k[1]),
+             eqx.nn.Linear(8, 8, key=k[2])]
+    return fusedpar.parallelize(model, {"0": fusedpar.Column(sequence_parallel=True),
+                                        "1": fusedpar.Row(sequence_parallel=True),
+                                        "2": head, "*": "fsdp"})
+
+
+def _sp_mlp_specs(head, between):
+    model = _sp_mlp(head)
+    return lambda: fusedpar.shard_map_specs(
+        model, S((4, 8, 8), jnp.float32), call=lambda m, x: m[2](between(m[1](m[0](x)))))
 
 
 OPS = [
@@ -396,6 +432,15 @@ LAYERS = [
         ValueError, ("ColumnLinear: its weight is placed on a mesh {'fsdp': 2, 'tp': 4}",
                      "no mesh is set", "without any fused collective",
                      "inside `with jax.set_mesh(mesh):`")),
+    Row("layers", "weight placed on one mesh, called under another",
+        lambda: _other_mesh_call(), ValueError,
+        ("ColumnLinear: its weight is placed on a mesh {'fsdp': 2, 'tp': 4}",
+         "called under jax.set_mesh of a mesh {'fsdp': 4, 'tp': 2}",
+         "fusedpar.shard(model, mesh)")),
+    Row("layers", "checkpoint of another model restored into a sharded skeleton",
+        _restore_other_model, ValueError,
+        ("deserialise_filter_spec: the checkpoint holds an array of shape (8, 16) where "
+         "the skeleton has (8, 8)", "restore it into the model it was saved from")),
     Row("layers", "called under the deprecated `with mesh:`",
         lambda: _legacy_mesh_call(), ValueError,
         ("ColumnLinear: called inside `with mesh:`", "{'tp': 4}",
@@ -611,6 +656,17 @@ SPECS = [
         specs_of((_emb(fsdp_axis="fsdp"), _emb()), (4, 8), lambda m, t: m[0](t) + m[1](t)),
         ValueError, ("the input x goes into fusedpar layers that want different layouts",
                      "0 (Embedding) wants P('fsdp', None); 1 (Embedding) wants P(None, None)")),
+    Row("specs", "shard_map_specs: an axis brought by code between layers",
+        _sp_mlp_specs("fsdp", jnp.tanh), ValueError,
+        ("the output would be laid out as P('fsdp', None, None)",
+         "inside shard_map it varies over mesh axes ('fsdp', 'tp')",
+         "'tp' came through code between fusedpar layers (first into 2 (FSDPLinear)",
+         "write the out_specs yourself")),
+    Row("specs", "shard_map_specs: a layer given another's output in a layout it refuses",
+        _sp_mlp_specs("column", lambda y: y), ValueError,
+        ("2 (ColumnLinear) takes its input laid out as P('fsdp', None, None)",
+         "the output of 1 (RowLinear), laid out as P('fsdp', 'tp', None)",
+         "Change one of the two layers' styles")),
 ]
 
 PARALLELIZE = [
@@ -768,6 +824,12 @@ DEMO_BENCH = [
         ValueError, ("unknown target 'v9x:2x2'; valid: h100x8, v5e:2x4",)),
     Row("aot", "unknown --target", cli(_aot_parse, ["--target", "tpu9"]), SystemExit,
         ("--target: unknown target 'tpu9'",)),
+    Row("aot", "--mesh not sizes", cli(_aot_parse, ["--target", "h100x8", "--mesh", "2by4"]),
+        SystemExit, ("--mesh: '2by4' must be positive sizes separated by x", "e.g. 2x4")),
+    Row("aot", "--mesh with fewer sizes than axis names",
+        cli(_aot_parse, ["--target", "h100x8", "--program", "block", "--mesh", "8"]),
+        SystemExit, ("--mesh: '8' has 1 size but the mesh's axis names are ('fsdp', 'tp')",
+                     "give one size per name")),
     Row("aot", "the aot extra not installed", _aot_missing_extra, ImportError,
         ("compiling for 'v5e:2x4' needs libtpu", 'pip install "fusedpar[aot]"')),
     Row("aot", "overlap of something that is not a compiled program",

@@ -20,7 +20,8 @@ def _run(name):
     return out.stdout
 
 
-@pytest.mark.parametrize("name", ["ops.py", "parallelize.py", "gpt.py"])
+@pytest.mark.parametrize("name", ["ops.py", "parallelize.py", "gpt.py", "aot_program.py",
+                                  "checkpoint_orbax.py"])
 def test_docs_quote_the_example_verbatim(name):
     example = (ROOT / "examples" / name).read_text().strip()
     assert any(example in page.read_text() for page in DOCS), name
@@ -34,6 +35,15 @@ def test_ops_example_runs():
     assert values and float(values.group(1)) < 1e-4, stdout
     assert grads and float(grads.group(1)) < 2e-5, stdout  # f32: a few ulps
     assert "reference: auto:" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_checkpoint_orbax_example_runs():
+    """A sharded model saved with orbax restores sharded into a skeleton from
+    fusedpar.shard (skipped where orbax-checkpoint, not a fusedpar dependency, is absent)."""
+    pytest.importorskip("orbax.checkpoint")
+    assert _run("checkpoint_orbax.py").strip().endswith("P('tp', 'fsdp')")
 
 
 @pytest.mark.timeout(300)

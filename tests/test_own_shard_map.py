@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
 
 import fusedpar
-from helpers import mesh
+from helpers import assert_close, mesh
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,3 +54,110 @@ def test_per_example_code_runs_in_your_own_shard_map():
                                   out_specs=out_spec))
     got = local(fusedpar.shard(eqx.filter(model, eqx.is_array), m), TOKENS)
     np.testing.assert_allclose(got, per_example(model, TOKENS), rtol=1e-5, atol=1e-5)
+
+
+# --- the specs of every plan the docs show, used in a real shard_map -----------------
+
+class Net(eqx.Module):
+    """Token ids -> embedding -> MLP -> head, written on whole (batch, seq) arrays."""
+
+    embed: eqx.Module
+    up: eqx.Module
+    down: eqx.Module
+    head: eqx.Module
+
+    def __init__(self, key):
+        k = jax.random.split(key, 4)
+        self.embed = eqx.nn.Embedding(32, 16, key=k[0])
+        self.up = eqx.nn.Linear(16, 32, key=k[1])
+        self.down = eqx.nn.Linear(32, 16, key=k[2])
+        self.head = eqx.nn.Linear(16, 32, key=k[3])
+
+    def __call__(self, ids):
+        return self.head(self.down(jax.nn.gelu(self.up(self.embed(ids)))))
+
+
+C, R, F = fusedpar.Column, fusedpar.Row, fusedpar.FSDP
+# README (and the issue's FSDP head after a sequence-parallel RowLinear); docs/layers.md's
+# vocabulary plan; examples/gpt.py's TP, TP+SP and FSDP x TP plans. (Its int8/fp8 plan
+# has FSDP x TP's layouts: comm_dtype changes what is sent, never a layout.)
+DOC_PLANS = {
+    "readme": ({"up": C(sequence_parallel=True), "down": R(sequence_parallel=True),
+                "*": "fsdp"}, "mlp"),
+    "vocab": ({"embed": R(sequence_parallel=True), "head": C(sequence_parallel=True),
+               "*": "fsdp"}, "net"),
+    "tp": ({"embed": "row", "up": "column", "down": "row", "head": "column"}, "net"),
+    "tp+sp": ({"embed": R(sequence_parallel=True), "up": C(sequence_parallel=True),
+               "down": R(sequence_parallel=True), "head": C(sequence_parallel=True)}, "net"),
+    "fsdp x tp": ({"embed": R(sequence_parallel=True), "up": C(sequence_parallel=True),
+                   "down": R(sequence_parallel=True), "head": C(sequence_parallel=True),
+                   "*": F()}, "net"),
+}
+
+
+def _mlp(m, x):  # the README's block without its residual, then a head
+    return m.head(m.down(jax.nn.gelu(m.up(x))))
+
+
+@pytest.mark.parametrize("name", DOC_PLANS)
+def test_shard_map_specs_of_every_documented_plan_run_in_shard_map(name):
+    """The derived specs pass JAX's replication check (check_vma=True) and give the dense
+    values and gradients. The README plan's FSDP-only head keeps the sequence sharded
+    as the RowLinear before it left it: its out_spec is P('fsdp', 'tp', None)."""
+    plan, kind = DOC_PLANS[name]
+    dense = Net(K1)
+    if kind == "mlp":  # float activations straight into the MLP
+        dense = eqx.tree_at(lambda n: n.embed, dense, eqx.nn.Identity())
+        x, call = jax.random.normal(K2, (4, 8, 16)), _mlp
+    else:
+        x, call = TOKENS[:, :8], (lambda m, t: m(t))
+    model = fusedpar.parallelize(dense, plan)
+    (pspec, x_spec), out_spec = fusedpar.shard_map_specs(model, x, call=call)
+    if name == "readme":
+        assert tuple(out_spec) == ("fsdp", "tp", None)
+    m = mesh((2, 4), ("fsdp", "tp"))
+    local = jax.shard_map(call, mesh=m, in_specs=(pspec, x_spec), out_specs=out_spec,
+                          check_vma=True)
+    # The dense math: the eqx.nn layers applied to one token at a time.
+    params, static = eqx.partition(model, eqx.is_array)
+    dparams, dstatic = eqx.partition(dense, eqx.is_array)
+
+    def want_fn(p):
+        return jax.vmap(jax.vmap(lambda t: call(eqx.combine(p, dstatic), t)))(x)
+
+    ct = jax.random.normal(jax.random.key(2), jax.eval_shape(want_fn, dparams).shape)
+    got = jax.jit(jax.value_and_grad(
+        lambda p: jnp.sum(local(eqx.combine(p, static), x) * ct)))(params)
+    want = jax.value_and_grad(lambda p: jnp.sum(want_fn(p) * ct))(dparams)
+    assert_close(jax.tree.leaves(got), jax.tree.leaves(want), jnp.float32, name)
+
+
+def test_shard_map_specs_refuses_an_axis_it_cannot_place():
+    """Between the RowLinear and the FSDP head an activation carries "tp" on a dimension
+    no fusedpar call names: the spec is refused, never guessed; and a layer given a
+    layout its own axes do not take is refused with both layers named."""
+    model = fusedpar.parallelize(Net(K1), DOC_PLANS["readme"][0])
+    x = jax.ShapeDtypeStruct((4, 8, 16), jnp.float32)
+    with pytest.raises(ValueError, match=r"varies over mesh axes \('fsdp', 'tp'\).*'tp' came "
+                       r"through code between fusedpar layers \(first into head "
+                       r"\(FSDPLinear\)"):
+        fusedpar.shard_map_specs(model, x, call=lambda m, x: m.head(jax.nn.gelu(
+            m.down(jax.nn.gelu(m.up(x))))))
+    model = fusedpar.parallelize(Net(K1), {"up": C(sequence_parallel=True),
+                                           "down": R(sequence_parallel=True), "head": "column"})
+    with pytest.raises(ValueError, match=r"head \(ColumnLinear\) takes its input laid out as "
+                       r"P\(None, None, None\), but it is the output of down \(RowLinear\), "
+                       r"laid out as P\(None, 'tp', None\)"):
+        fusedpar.shard_map_specs(model, x, call=lambda m, x: m.head(m.down(m.up(x))))
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
+def test_shard_map_specs_under_a_mesh(kind):
+    """Called under jax.set_mesh (a placed model, say) the specs are the same: the check
+    traces inside a shard_map over the mesh that is set."""
+    model = fusedpar.parallelize(Net(K1), DOC_PLANS["readme"][0])
+    x = jax.ShapeDtypeStruct((4, 8, 16), jnp.float32)
+    want = fusedpar.shard_map_specs(model, x, call=_mlp)
+    m = mesh((2, 4), ("fsdp", "tp"), kind)
+    with jax.set_mesh(m):
+        assert fusedpar.shard_map_specs(fusedpar.shard(model, m), x, call=_mlp) == want

@@ -225,7 +225,9 @@ def test_shard_map_specs():
     (pspecs, x_spec), y_spec = fusedpar.shard_map_specs(m, x, call=call)
     assert pspecs == fusedpar.param_specs(m)
     assert x_spec == P("fsdp", "tp", None)  # blocks[0].up takes x
-    assert y_spec == P("fsdp", None, None)  # extra["fsdp"] (an FSDPLinear) returns it
+    # extra["fsdp"] (an FSDPLinear) returns it, the sequence still sharded as the last
+    # sequence-parallel RowLinear left it
+    assert y_spec == P("fsdp", "tp", None)
     up = m.blocks[0].up
     assert up.rule.activation_specs(2) == (P("tp", None), P(None, "tp"))
     assert m.blocks[0].down.rule.activation_specs(3, data=True) == (

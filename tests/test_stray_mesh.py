@@ -1,10 +1,16 @@
-"""A sharded layer called with no mesh set is refused, never run as dense math.
+"""A sharded layer called with no mesh set is refused, never run as dense math; one
+called under a mesh other than the one its weights are placed on is refused too.
 
 Weights placed by `fusedpar.shard` and a layer called outside `jax.set_mesh` used to give
 the right numbers with no fused collective at all (0 ring transfers in the program);
-the deprecated `with mesh:` did the same.
+the deprecated `with mesh:` did the same. Weights placed on a (2, 4) mesh and called
+under a (4, 2) mesh with the same axis names aborted the interpreter (signal 6 in JAX's
+Shardy pass, dedup_meshes.cc).
 """
 
+import os
+import subprocess
+import sys
 import warnings
 
 import equinox as eqx
@@ -68,3 +74,32 @@ def test_shard_map_specs_of_a_placed_model_outside_a_mesh():
     layer = fusedpar.shard(_layer(), mesh((2, 4), ("fsdp", "tp")))
     (_, x_spec), y_spec = fusedpar.shard_map_specs(layer, jnp.ones((4, 16)))
     assert tuple(y_spec) == (None, "tp")
+
+
+_OTHER_MESH = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import equinox as eqx, jax, jax.numpy as jnp
+from jax.sharding import AxisType
+import fusedpar
+
+auto = (AxisType.Auto,) * 2
+layer = fusedpar.FSDPLinear(64, 64, key=jax.random.key(0))
+placed = fusedpar.shard(layer, jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=auto))
+with jax.set_mesh(jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=auto)):
+    try:
+        eqx.filter_jit(lambda l, x: l(x))(placed, jnp.ones((8, 64)))
+    except ValueError as e:
+        print(e)
+"""
+
+
+def test_layer_placed_on_another_mesh_is_refused_not_aborted():
+    """In a subprocess: before the check, JAX aborted the interpreter here."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _OTHER_MESH], env=env, capture_output=True,
+                         text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert ("FSDPLinear: its weight is placed on a mesh {'fsdp': 2, 'tp': 4}, but it is "
+            "called under jax.set_mesh of a mesh {'fsdp': 4, 'tp': 2}") in out.stdout
+    assert "fusedpar.shard(model, mesh)" in out.stdout

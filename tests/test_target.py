@@ -113,6 +113,42 @@ def test_explain_decides_for_the_mesh():
     assert cpu.backend == "reference" and cpu.target.platform == "cpu"
 
 
+def test_explain_says_which_kernels_pallas_became():
+    """"pallas" names its kernel family and whether it is compiled (for which chip) or
+    interpreted; a platform named alone is not spoken of as a mesh."""
+    x = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    cpu = fusedpar.explain(AGM, x, w, 8, backend="pallas", target=cpu_mesh((8,), ("x",)))
+    assert cpu.kernels == ("pallas_tpu: one fused TPU kernel for ag_rows, the ring inside "
+                           "it, in TPU interpret mode (every device, DMA and semaphore "
+                           "simulated on CPU)")
+    assert cpu.kernels in str(cpu)
+    tpu = fusedpar.explain(AGM, x, w, 8, backend="pallas", platform="tpu")
+    assert tpu.kernels.endswith("compiled by Mosaic for TPU v5e, the default (no generation "
+                                "named)"), tpu.kernels
+    assert fusedpar.explain(AGM, x, w, 8, backend="ring", platform="tpu").kernels == ""
+    with pytest.raises(NotImplementedError) as e:
+        fusedpar.explain(AGM, x, w, 8, backend="pallas", platform="gpu")
+    assert "mesh's devices" not in str(e.value)
+    assert "only the platform 'gpu' was named, no device kind (pass target=" in str(e.value)
+
+
+@needs_aot
+def test_explain_says_which_kernels_pallas_became_on_the_targets():
+    x = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    h100, v5e = _aot_mesh("h100x8"), _aot_mesh("v5e:2x4")
+    assert fusedpar.explain(AGM, x, w, 8, backend="pallas", target=v5e).kernels == (
+        "pallas_tpu: one fused TPU kernel for ag_rows, the ring inside it, compiled by "
+        "Mosaic for TPU v5e")
+    assert fusedpar.explain(AGM, x, w, 8, backend="pallas", target=h100).kernels == (
+        "pallas_gpu: a lax ring with Mosaic GPU (TMA, wgmma) step kernels, compiled for "
+        "compute capability 9.0")
+    triton = fusedpar.explain(AGM, x, w, 8, backend="pallas", target=h100,
+                              options={"kernels": "triton"})
+    assert "Pallas Triton step kernels" in triton.kernels
+
+
 @needs_aot
 def test_requests_that_contradict_the_target():
     x = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)

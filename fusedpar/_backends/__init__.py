@@ -12,6 +12,9 @@ Every module in the table provides
   `_primitives.Config`; with `return_gathered`, all-gathers also return the gathered
   operand.
 
+A kernel backend also provides `kernels(call)`: which kernels run the call, compiled for
+what or interpreted (`Choice.kernels`, what `fusedpar.explain` says).
+
 Which backend runs a call is decided in `fusedpar._dispatch`, never here.
 """
 

@@ -27,5 +27,9 @@ def unavailable(call):
     return for_platform(call.platform).unavailable(call)
 
 
+def kernels(call) -> str:
+    return for_platform(call.platform).kernels(call)
+
+
 def run(prim, cfg, x, w, return_gathered=False):
     return for_platform(cfg.on.platform).run(prim, cfg, x, w, return_gathered)

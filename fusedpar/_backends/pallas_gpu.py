@@ -86,12 +86,12 @@ def unavailable(call):
                 f"not on {call.platform!r}")
     if call.platform == "gpu" and call.target.compute_capability is None:
         return (f"the Pallas GPU kernels need an NVIDIA GPU of a known compute capability; "
-                f"the mesh's devices are {call.target}")
+                f"{call.target.devices_are()}")
     if call.dtype not in _DTYPES:
         return f"dtype {call.dtype} is not supported (only {', '.join(_DTYPES)})"
     if call.option("interpret") and call.platform != "cpu":
         return (f"options['interpret']=True runs the kernels in Pallas interpret mode on CPU "
-                f"devices, but the mesh's devices are {call.target}")
+                f"devices, but {call.target.devices_are()}")
     rows, k, cols = prims.step_matmul(call.prim, call.x_shape, call.w_shape,
                                       call.axis_size, 2 if call.runs_bidirectional else 1)
     gpu = _kernels()
@@ -114,6 +114,18 @@ def unavailable(call):
     except ValueError as e:
         return str(e)
     return None
+
+
+def kernels(call) -> str:
+    """Which kernels run `call` and how (what `fusedpar.explain` says of them)."""
+    family = _family(call, call.target)
+    interpret = call.option("interpret")
+    if call.target.interpret if interpret is None else interpret:
+        mode = "in Pallas interpret mode on the CPU devices"
+    else:
+        mode = "compiled for compute capability {}.{}".format(*call.target.compute_capability)
+    name = "Mosaic GPU (TMA, wgmma)" if family == MOSAIC else "Pallas Triton"
+    return f"pallas_gpu: a lax ring with {name} step kernels, {mode}"
 
 
 def _step_kernels(cfg):

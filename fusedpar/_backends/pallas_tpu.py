@@ -109,8 +109,8 @@ def _interpret(option, params, target):
         return False
     if not target.interpret:
         raise ValueError(f"options['interpret']=True (or interpret_params) runs the kernels "
-                         f"in TPU interpret mode on CPU devices, but the mesh's devices are "
-                         f"{target}: leave it out, and Mosaic compiles them for that TPU")
+                         f"in TPU interpret mode on CPU devices, but {target.devices_are()}: "
+                         "leave it out, and Mosaic compiles them for that TPU")
     return params if params is not None else pltpu.InterpretParams()
 
 
@@ -278,6 +278,29 @@ def _run(prim, cfg, x, w, return_gathered=False):
         if "vma" in str(e):
             raise type(e)(f"{e}\n\n{tpu.CHECK_VMA_HINT}") from e
         raise
+
+
+def kernels(call) -> str:
+    """Which kernel runs `call` and how (what `fusedpar.explain` says of it)."""
+    interpret = call.option("interpret")
+    if interpret is None:
+        interpret = call.option("interpret_params") is not None or call.target.interpret
+    if interpret:
+        mode = "in TPU interpret mode (every device, DMA and semaphore simulated on CPU)"
+    else:
+        chip = _chip(call.target, call.option("chip"), call.option("cores")).name
+        if call.target.tpu_generation or call.option("chip"):
+            mode = f"compiled by Mosaic for TPU {chip}"
+        else:
+            mode = f"compiled by Mosaic for TPU {chip}, the default (no generation named)"
+    return f"pallas_tpu: one fused TPU kernel for {call.prim}, the ring inside it, {mode}"
+
+
+def kernel_names() -> dict:
+    """`{the name a fused kernel has in a compiled program: its primitive}` (the kernels
+    name their `pallas_call` `<kernel>_<layout>`; the rest of the package says `ag_rows`)."""
+    return {f"{name}_{layout}": p for p in prims.PRIMITIVES
+            for _, name, layout in [_kernel_of(p)]}
 
 
 # pallas_call cannot be batched by jax.vmap on these 2-D layouts: fold the mapped

@@ -1,0 +1,73 @@
+"""`python -m fusedpar.aot`: your own program is lowered under `jax.set_mesh(mesh)` (the
+documented example, a step whose layers run on global arrays, compiles through the
+CLI), `--help` states the mesh each program gets, and a --mesh that does not fit the
+target exits with status 2 and a message, as other bad arguments do."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from fusedpar import _aot_cli
+
+from helpers import needs_aot
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.aot
+@needs_aot
+@pytest.mark.timeout(200)
+def test_the_documented_program_compiles_through_the_cli(tmp_path):
+    out = tmp_path / "rows.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run(
+        [sys.executable, "-m", "fusedpar.aot", "--target", "h100x8", "--program",
+         "examples/aot_program.py:train_step", "--backend", "ring", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    ops = {(o["op"], o["direction"]): o for o in row["ops"]}
+    # The layers ran sharded on the global arrays: their rings, every transfer hidden.
+    for key in (("ag_rows", "forward"), ("rs_rows", "forward"), ("ag_rows", "backward")):
+        assert ops[key]["backend"] == "ring" and ops[key]["transfers"] > 0, row["ops"]
+        assert ops[key]["hidden"] == ops[key]["transfers"], row["ops"]
+
+
+def test_help_states_the_default_mesh_each_program_gets():
+    text = _aot_cli._parser().format_help().replace("\n", " ")
+    text = " ".join(text.split())
+    assert ("default: x for ops, tp for mlp, fsdp,tp for block, block-qkv, demo and your "
+            "own program") in text
+    assert "default: all devices on one axis for one axis name, 2 x n/2 for two" in text
+    for program, axes in (("ops", ("x",)), ("mlp", ("tp",)), ("block", ("fsdp", "tp")),
+                          ("my.py:step", ("fsdp", "tp"))):
+        args = _aot_cli._parse(["--target", "h100x8", "--program", program])
+        assert _aot_cli._axes(args) == axes, program
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mesh", "2by4"], "--mesh: '2by4' must be positive sizes separated by x"),
+    (["--mesh", "2x4"], "--mesh: '2x4' has 2 sizes but the mesh's axis names are ('tp',) "
+                        "(the default of --program mlp)"),
+    (["--axes", "a,b,c"], "--axes: 3 names ('a', 'b', 'c') need --mesh"),
+    (["--axes", "fsdp,fsdp"], "--axes: 'fsdp,fsdp' must be distinct names"),
+])
+def test_bad_mesh_or_axes_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        _aot_cli._parse(["--target", "h100x8"] + argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.aot
+@needs_aot
+def test_a_mesh_that_does_not_use_every_device_exits_2(capsys):
+    args = _aot_cli._parse(["--target", "h100x8", "--program", "block", "--mesh", "2x2"])
+    with pytest.raises(SystemExit) as e:
+        _aot_cli._mesh(args)
+    assert e.value.code == 2
+    assert "has 8 devices; shape (2, 2)" in capsys.readouterr().err
