@@ -165,10 +165,13 @@ def kernels(call) -> str:
     """Which kernels run `call` and how (what `fusedpar.explain` says of them)."""
     family = _family(call, call.target)
     interpret = call.option("interpret")
+    cc = call.target.compute_capability
     if call.target.interpret if interpret is None else interpret:
         mode = "in Pallas interpret mode on the CPU devices"
+    elif cc is None:  # options={"interpret": False} on a CPU mesh: lowered for CUDA there
+        mode = "lowered for CUDA from the CPU devices"
     else:
-        mode = "compiled for compute capability {}.{}".format(*call.target.compute_capability)
+        mode = "compiled for compute capability {}.{}".format(*cc)
     name = "Mosaic GPU (TMA, wgmma)" if family == MOSAIC else "Pallas Triton"
     return f"pallas_gpu: a lax ring with {name} step kernels, {mode}"
 
