@@ -97,6 +97,8 @@ def _family(cfg, target) -> str:
 
 def _refused(family, target):
     """Why `family` cannot run on `target`'s GPUs, or None."""
+    if target.kind is not None:
+        return target.kind.why_not(family)
     families, refused = _families(target)
     if family in families:
         return None
@@ -107,8 +109,8 @@ def _refused(family, target):
 def _limits(family, target) -> dict:
     """The GPU's limits a family's tile heuristic needs, as plain kernel options: the
     Mosaic kernels' SM count (the devices' own, else their registry entry's) and shared
-    memory per block (the entry's). None on CPU, or for a kind the registry lacks (the
-    kernels assume an H100's)."""
+    memory per block (the entry's). Nothing on CPU, nor what the registry does not know
+    (the kernels then assume an H100's)."""
     if family != MOSAIC or target.platform != "gpu":
         return {}
     kind = target.kind
