@@ -9,7 +9,7 @@ import os
 import re
 from typing import Optional
 
-from . import _hlo, _platforms
+from . import _hlo, _platforms, _registry
 
 # Two processes may load libtpu at once (a test run beside a compile): libtpu refuses
 # unless told it may. And JAX's CUDA plugin registers itself only after checking the
@@ -25,31 +25,36 @@ if not _platforms.tpu_attached():
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
 
-# The targets the package is compiled and tested for; other slices of these generations
-# ("v5e:4x4", "v6e:2x2", ...) and "h100xN" (N of 1 to 8) work too.
-TARGETS = ("h100x8", "v5e:2x4", "v5p:2x2x2", "v6e:2x4", "v4:2x2x2")
-TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e")
-# Generations whose chips have two TensorCores: one JAX device per chip (megacore).
-_MEGACORE = ("v4", "v5p")
-_GPU = re.compile(r"^h100x(\d+)$")
-_TPU = re.compile(r"^(v\d+[a-z]?):(\d+(?:x\d+){1,2})$")
+# The targets the package is compiled and tested for (one per registry entry that names
+# one, `fusedpar._registry`); other slices of these generations ("v5e:4x4", "v6e:2x2",
+# ...), "h100xN" (N of 1 to 8) and every entry's AOT name work too ("h200x8").
+TARGETS = tuple(k.aot.example for k in _registry.kinds() if k.aot and k.aot.example)
+TPU_GENERATIONS = tuple(sorted(k.generation for k in _registry.kinds()
+                               if k.platform == "tpu" and k.aot and k.aot.example))
+_GPU = re.compile(r"^([a-z]\w*?)x(\d+)$")
+_TPU = re.compile(r"^(\w+):(\d+(?:x\d+){1,2})$")
 _EXTRA = 'pip install "fusedpar[aot]"'
 
 
 def _check_target(target: str):
-    """`("gpu", n)` or `("tpu", generation)` for a target name; a clear error otherwise."""
+    """`(kind, n)` (the registry entry, and N devices of a GPU target or the slice of a
+    TPU target) for a target name; a clear error otherwise."""
     if not isinstance(target, str):
         raise TypeError(f"target must be a name like {TARGETS[0]!r}, got "
                         f"{type(target).__name__}.")
-    m = _GPU.match(target)
-    if m and 1 <= int(m.group(1)) <= 8:
-        return "gpu", int(m.group(1))
     m = _TPU.match(target)
-    if m and m.group(1) in TPU_GENERATIONS:
-        return "tpu", m.group(1)
+    kind = m and _registry.aot_kind(m.group(1))
+    if kind and kind.platform == "tpu":
+        return kind, m.group(2)
+    m = _GPU.match(target)
+    kind = m and _registry.aot_kind(m.group(1))
+    if kind and kind.platform == "gpu" and 1 <= int(m.group(2)) <= kind.aot.max_devices:
+        return kind, int(m.group(2))
+    tpus = [k.aot.name for k in _registry.kinds() if k.aot and k.platform == "tpu"]
+    gpus = [f"'{k.aot.name}xN' with N from 1 to {k.aot.max_devices}"
+            for k in _registry.kinds() if k.aot and k.platform == "gpu"]
     raise ValueError(f"unknown target {target!r}; valid: {', '.join(TARGETS)} (or another "
-                     f"slice of {', '.join(TPU_GENERATIONS)} like 'v5e:4x4', or 'h100xN' "
-                     "with N from 1 to 8).")
+                     f"slice of {', '.join(tpus)} like 'v5e:4x4', or {', '.join(gpus)}).")
 
 
 def _need(module: str, what: str, target: str):
@@ -64,12 +69,12 @@ def devices(target: str) -> list:
     They compile programs but cannot run them. Raises ImportError when the `aot` extra
     (the compiler for that platform) is not installed.
     """
-    platform, what = _check_target(target)
+    kind, what = _check_target(target)
     from jax.experimental import topologies
 
-    if platform == "gpu":
+    if kind.platform == "gpu":
         _need("jax_plugins.xla_cuda12", "JAX's CUDA compiler plugin", target)
-        config = os.path.join(os.path.dirname(__file__), "targets", "h100_sxm.txtpb")
+        config = os.path.join(os.path.dirname(__file__), "targets", kind.aot.target_config)
         with open(config) as f:
             try:
                 topology = topologies.get_topology_desc(
@@ -83,8 +88,10 @@ def devices(target: str) -> list:
                     "JAX_PLATFORMS=cpu) in the environment.") from None
         return list(topology.devices)
     _need("libtpu", "libtpu (the TPU compiler)", target)
-    options = {"chip_config_name": "megacore"} if what in _MEGACORE else {}
-    return list(topologies.get_topology_desc(target, "tpu", **options).devices)
+    # A chip's two TensorCores as one device where the kind plans for both (megacore).
+    options = {"chip_config_name": "megacore"} if kind.cores == 2 else {}
+    name = f"{kind.aot.topology or kind.aot.name}:{what}"
+    return list(topologies.get_topology_desc(name, "tpu", **options).devices)
 
 
 def mesh(target: str, shape: Optional[tuple] = None, axis_names: tuple = ("x",)):
@@ -122,11 +129,11 @@ def gpu_compiler_options(cublas: bool = False) -> dict:
 def compiler_options(target: str, cublas: bool = False) -> dict:
     """The `compiler_options` this package compiles `target`'s programs with, what
     `fusedpar.set_overlap_flags()` sets for a program run on it: the GPU flags
-    (`gpu_compiler_options(cublas)`) for an H100 target, the TPU flags
+    (`gpu_compiler_options(cublas)`) for a GPU target, the TPU flags
     (`fusedpar.tpu_overlap_flags()`) for a TPU slice."""
     from ._xla_flags import _TPU_FLAGS
 
-    if _check_target(target)[0] == "gpu":
+    if _check_target(target)[0].platform == "gpu":
         return gpu_compiler_options(cublas)
     return _options(_TPU_FLAGS)
 
@@ -421,6 +428,6 @@ def predict(program, target):
         # (their topology coordinates are not a wiring).
         if found.platform == "tpu" and all(getattr(d, "coords", None) is not None
                                            for d in devices):
-            coords = [tuple(d.coords) for d in devices]
+            coords = [_registry.position(d, found.kind) for d in devices]
     return _simulate.predict(_text(program), hardware, coords)
 

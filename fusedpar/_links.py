@@ -2,13 +2,13 @@
 share while in flight at once. Used by the replay (`fusedpar._simulate`).
 
 On a TPU slice each chip has one ICI link to each neighbour along each axis; the ends of
-an axis are joined (a wrap-around link) only where the slice is a whole torus
-(`cost_model.Hardware.torus_period`). A transfer to a chip several links away is
-forwarded by the routers on the way, dimension by dimension, the shorter way around an
-axis that wraps (dimension-order routing), and cut-through: the first bytes move on
-before the last arrive. So it pays one hop's latency per link and its bytes once, at the
-rate of the most loaded link it crosses; transfers in flight at once slow each other
-only where they cross the same link in the same direction. On a GPU in an NVSwitch box
+an axis are joined (a wrap-around link) only where the slice is a whole torus (the kind's
+rule, `_hardware.Hardware.wraps`). A transfer to a chip several links away is forwarded
+by the routers on the way, dimension by dimension, the shorter way around an axis that
+wraps (dimension-order routing), and cut-through: the first bytes move on before the
+last arrive. So it pays one hop's latency per link and its bytes once, at the rate of
+the most loaded link it crosses; transfers in flight at once slow each other only where
+they cross the same link in the same direction. On a GPU in an NVSwitch box
 every peer is one hop away, and what a device has in flight shares its egress.
 
 `Network` replays the transfers in flight as flows: each moves its bytes at the rate its
@@ -40,16 +40,15 @@ class Hop:
         return ("link", self.source, self.target)
 
 
-def wraps_of(coords: list, period: int) -> tuple:
-    """Each torus axis' length where the slice has wrap-around links on it, else 0: a
-    slice whose every extent (but those of one chip: a 2-D slice's third axis) is a whole
-    multiple of `period` chips is a torus (`period` 0: never)."""
+def wraps_of(coords: list, hardware) -> tuple:
+    """Each torus axis' length where the slice of chips at `coords` has wrap-around
+    links on it, else 0: `hardware`'s rule (`_hardware.Hardware.wraps`) on the slice's
+    extents."""
     if not coords:
         return ()
     extents = [max(c[a] for c in coords) - min(c[a] for c in coords) + 1
                for a in range(len(coords[0]))]
-    torus = period > 0 and all(e % period == 0 for e in extents if e > 1)
-    return tuple(e if torus and e > 2 else 0 for e in extents)
+    return hardware.wraps(extents)
 
 
 class Torus:

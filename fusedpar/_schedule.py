@@ -334,18 +334,17 @@ def _prod(values) -> int:
 
 
 def tpu_wraps(device_kind: str, extent: Sequence[int]) -> tuple:
-    """Which dimensions of a TPU slice of `extent` chips have wrap-around links.
-
-    v4 and v5p slices are tori along every dimension once the slice is made of whole
-    4x4x4 cubes; v5e and v6e slices are 2-D meshes, tori only as whole 16x16 pods. A
-    guess either way costs little: `ring_order` needs no wrap-around on a grid with an
-    even side, only on a line.
+    """Which dimensions of a TPU slice of `extent` chips have wrap-around links: the
+    registry's rule for the kind (`_hardware.Hardware.wraps`; no wrap-around for a kind
+    it does not know). A guess either way costs little: `ring_order` needs no
+    wrap-around on a grid with an even side, only on a line.
     """
-    kind = device_kind.lower()
-    if "lite" in kind or "v6" in kind or "v5e" in kind:
-        return tuple(e == 16 for e in extent)
-    cubes = all(e % 4 == 0 for e in extent) and len(extent) == 3
-    return tuple(cubes for _ in extent)
+    from . import _registry
+
+    kind = _registry.find("tpu", device_kind)
+    if kind is None or kind.hardware is None:
+        return tuple(False for _ in extent)
+    return tuple(bool(n) for n in kind.hardware.wraps(extent))
 
 
 def group_order(groups: Sequence[Sequence[tuple]], wraps=(), extent=None) -> tuple:
@@ -368,6 +367,8 @@ def mesh_ring_order(mesh, axis_name) -> Optional[tuple]:
     when its devices have no coordinates (GPU, CPU)."""
     import numpy as np
 
+    from . import _registry
+
     names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     devices = np.asarray(mesh.devices)
     flat = devices.reshape(-1)
@@ -379,8 +380,11 @@ def mesh_ring_order(mesh, axis_name) -> Optional[tuple]:
     ring_axes = [axes.index(a) for a in names]
     size = _prod(devices.shape[i] for i in ring_axes)
     groups = devices.transpose(others + ring_axes).reshape(-1, size)
-    coords = [[tuple(d.coords) for d in group] for group in groups]
-    all_coords = [tuple(d.coords) for d in flat]
+    # A device's place: its chip's coordinates, and which of the chip's devices it is
+    # where a chip holds several (TPU7x).
+    kind = _registry.find("tpu", flat[0].device_kind)
+    coords = [[_registry.position(d, kind) for d in group] for group in groups]
+    all_coords = [_registry.position(d, kind) for d in flat]
     extent = tuple(max(c[i] for c in all_coords) + 1 for i in range(len(all_coords[0])))
     wraps = tpu_wraps(flat[0].device_kind, extent)
     order = group_order(coords, wraps, extent)

@@ -426,13 +426,13 @@ def predict(text: str, hardware, coords: Optional[list] = None,
 
     `coords`: each device's physical coordinates, in the program's device order (a TPU
     slice's `device.coords`), and `wraps`: the torus length of each coordinate axis (0
-    where it has no wrap-around link; by default from the slice's extents and
-    `hardware.torus_period`): transfers are routed over the torus's links
+    where it has no wrap-around link; by default `hardware.wraps` of the slice's
+    extents): transfers are routed over the torus's links
     (`fusedpar._links`). Without coordinates every peer is one hop away and the transfers
     in flight share the device's egress (a GPU's NVSwitch).
     """
     if coords and wraps is None:
-        wraps = _links.wraps_of(coords, hardware.torus_period)
+        wraps = _links.wraps_of(coords, hardware)
     module = _hlo.parse(text)
     replay = _Replay(module, hardware, coords, wraps)
     seconds, _ = replay.run(module.entry, 0.0)

@@ -13,44 +13,23 @@ compiling for an absent TPU): they come from the `Target` this module reads from
 3. else, with no mesh anywhere, the local default device (the only place that asks).
 
 Simulated CPU devices are the target "cpu": Pallas kernels run in interpret mode there.
+What the package knows of a kind of device (generation, compute capability, cost numbers,
+chip limits, kernel families) is its entry in the registry, `fusedpar._registry`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
 from typing import Optional
 
 import jax
 
-CPU, GPU, TPU = "cpu", "gpu", "tpu"
+from . import _registry
+from ._hardware import CPU, GPU, TPU
+
 PLATFORMS = (CPU, GPU, TPU)
 _PLATFORM_ALIASES = {"cuda": GPU, "rocm": GPU}
-
-# TPU device kinds (as `device.device_kind` spells them) -> generation names, the names
-# `jax.experimental.pallas.tpu.ChipVersion` uses.
-_TPU_GENERATIONS = {
-    "TPU v2": "v2", "TPU v3": "v3", "TPU v4": "v4", "TPU v4 lite": "v4i",
-    "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
-    "TPU v6 lite": "v6e", "TPU v6e": "v6e", "TPU7": "7", "TPU7x": "7x",
-}
-# NVIDIA device kinds -> compute capability, for targets without a local GPU to ask
-# (NVIDIA's CUDA GPUs table). Matched as words of the kind, first match wins.
-_COMPUTE_CAPABILITIES = (
-    (("B200", "B100", "GB200"), (10, 0)),
-    (("H100", "H200", "H800", "H20", "GH200"), (9, 0)),
-    (("L4", "L40", "L40S", "RTX 4090", "RTX 6000 Ada"), (8, 9)),
-    (("A10", "A10G", "A40", "RTX 3090", "RTX A6000"), (8, 6)),
-    (("A100", "A800", "A30"), (8, 0)),
-    (("T4",), (7, 5)),
-    (("V100",), (7, 0)),
-)
-# Cost-model presets (`cost_model.PRESETS`) by GPU device kind, and the preset a platform
-# falls back to when its kind has none.
-_GPU_PRESETS = (("H200", "h200"), ("H100", "h100_sxm"), ("H800", "h100_sxm"),
-                ("GH200", "h100_sxm"))
-_DEFAULT_PRESET = {CPU: "cpu", GPU: "h100_sxm", TPU: "tpu_v5e"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,35 +60,37 @@ class Target:
         return self.platform == CPU
 
     @property
+    def kind(self):
+        """The registry's entry for these devices (`fusedpar._registry`), or None when
+        none names their kind (or only the platform is known)."""
+        if not self.device_kind:
+            return None
+        return _registry.find(self.platform, self.device_kind)
+
+    @property
     def tpu_generation(self) -> Optional[str]:
         """"v4", "v5e", "v5p", "v6e", ... for a TPU of a known kind, else None."""
-        if self.platform != TPU:
-            return None
-        return _TPU_GENERATIONS.get(self.device_kind)
+        kind = self.kind if self.platform == TPU else None
+        return None if kind is None else kind.generation
 
     @property
     def compute_capability(self) -> Optional[tuple[int, int]]:
         """`(major, minor)` of an NVIDIA GPU of a known kind, else None."""
         if self.platform != GPU or not self.device_kind:
             return None
-        words = set(re.split(r"[\s\-_]+", self.device_kind.upper()))
-        kind = self.device_kind.upper()
-        for names, cc in _COMPUTE_CAPABILITIES:
-            if any(n in words or (" " in n and n in kind) for n in names):
-                return cc
+        kind = self.kind
+        if kind is not None and kind.compute_capability is not None:
+            return kind.compute_capability
         return _local_compute_capability(self.device_kind)
 
     @property
     def cost_preset(self) -> str:
-        """The `cost_model.PRESETS` key `"auto"` assumes for this target."""
-        if self.platform == TPU and self.tpu_generation in ("v4", "v5e", "v5p", "v6e"):
-            return "tpu_" + self.tpu_generation
-        if self.platform == GPU:
-            kind = self.device_kind.upper()
-            for needle, preset in _GPU_PRESETS:
-                if needle in kind:
-                    return preset
-        return _DEFAULT_PRESET[self.platform]
+        """The `cost_model.PRESETS` key `"auto"` assumes for this target: its entry's,
+        else the platform default's."""
+        kind = self.kind
+        if kind is None or kind.hardware is None:
+            kind = _registry.default(self.platform)
+        return kind.name
 
     def devices_are(self) -> str:
         """The target as an error message names it: "the mesh's devices are <kind>", or,

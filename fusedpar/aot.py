@@ -2,11 +2,12 @@
 
 JAX compiles for devices that are absent ("deviceless" ahead-of-time compiling): libtpu
 compiles for TPU slices (Pallas TPU kernels go through Mosaic's real compiler) and the
-CUDA plugin compiles for H100s from a GPU target description. Both come with the `aot`
-extra (`pip install "fusedpar[aot]"`: libtpu and the CUDA compiler plugin matching the
-installed jax, no CUDA runtime). fusedpar reads the hardware from the mesh's devices
-(`fusedpar._target`), so a program traced here for `"v5e:2x4"` makes the choices it
-would make on that slice.
+CUDA plugin compiles for H100s (or H200s) from a GPU target description. Both come with
+the `aot` extra (`pip install "fusedpar[aot]"`: libtpu and the CUDA compiler plugin
+matching the installed jax, no CUDA runtime). fusedpar reads the hardware from the mesh's
+devices (`fusedpar._target`), so a program traced here for `"v5e:2x4"` makes the choices
+it would make on that slice. Which targets exist, and what is known of their devices, is
+the hardware registry's (`fusedpar._registry`).
 
     mesh = fusedpar.aot.mesh("h100x8", (8,), ("tp",))      # compile-only devices
     compiled = jax.jit(f).lower(*structs_on(mesh)).compile()

@@ -23,138 +23,48 @@ a per-kernel launch overhead, so thin per-step matmuls of small shapes become me
 overhead-bound and decomposing stops paying. The reduce-scatter accumulator travels in
 `reduce_dtype` (float32 by default), doubling its bytes for bfloat16 inputs.
 
-Presets (`PRESETS`) come from public spec sheets; `calibrate` fits a preset to measured
-numbers (for example the single-GPU bench: a matmul's time and a transfer's time).
+Presets (`PRESETS`, a view of the hardware registry, `fusedpar._registry`) come from public
+spec sheets; `calibrate` fits a preset to measured numbers (for example the single-GPU
+bench: a matmul's time and a transfer's time).
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 from typing import Mapping, Optional, Union
 
 import numpy as np
 
-from . import _primitives as prims, _quantize, _validate
+from . import _primitives as prims, _quantize, _registry, _validate
+from ._hardware import Hardware
 
 # -- hardware --------------------------------------------------------------------------
+# A `Hardware` per kind of device is in the registry (`fusedpar._registry`); `PRESETS` is
+# a view of it.
 
 
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    """What the model needs to know about one device and its ring links.
+class _Presets(collections.abc.Mapping):
+    """`{name: Hardware}` of every registry entry with cost numbers of its own, in
+    registration order (an entry registered later shows up here too)."""
 
-    - `name`: a label.
-    - `flops`: peak matmul FLOP/s per device by input dtype name (`"bfloat16"`, ...);
-      dtypes not listed use `flops["float32"]`.
-    - `efficiency`: fraction of peak a large matmul reaches.
-    - `hbm_bandwidth`: device memory bytes/s (the roofline's memory side).
-    - `link_bandwidth`: bytes/s one way to one ring neighbour.
-    - `egress_bandwidth`: bytes/s a device can send in total, over all its links.
-    - `step_latency`: seconds of fixed cost per ring step of the lax ring (a ppermute
-      launch and synchronisation, plus the step's small ops).
-    - `kernel_step_latency`: the same for the "pallas" backend (on TPU a DMA start and a
-      semaphore wait inside the fused kernel).
-    - `hop_latency`: seconds per ring hop inside the reference's collective (the
-      collective library's own per-step cost).
-    - `launch_overhead`: seconds of fixed cost per matmul kernel / collective launch.
-    - `overlap`: fraction of the shorter of (compute, transfer) that hides behind the
-      longer one: 1 on accelerators with DMA engines, 0 where "transfers" are copies made
-      by the same cores that compute (the simulated CPU devices).
-    - `torus_period`: on a TPU, the chips along each axis of a slice that is a whole
-      torus (wrap-around links joining each axis' ends) when every extent of the slice is
-      a multiple of it; 0 where the links form no torus (a GPU's NVSwitch). The replay
-      routes transfers over these links (`fusedpar._links`).
-    """
+    def __getitem__(self, name):
+        kind = next((k for k in _registry.kinds() if k.name == name and k.hardware), None)
+        if kind is None:
+            raise KeyError(name)
+        return kind.hardware
 
-    name: str
-    flops: Mapping[str, float]
-    efficiency: float
-    hbm_bandwidth: float
-    link_bandwidth: float
-    egress_bandwidth: float
-    step_latency: float
-    kernel_step_latency: float
-    hop_latency: float
-    launch_overhead: float
-    overlap: float = 1.0
-    torus_period: int = 0
+    def __iter__(self):
+        return iter([k.name for k in _registry.kinds() if k.hardware is not None])
 
-    def matmul_flops(self, dtype) -> float:
-        name = np.dtype(dtype).name
-        return self.flops.get(name, self.flops["float32"]) * self.efficiency
+    def __len__(self):
+        return sum(k.hardware is not None for k in _registry.kinds())
 
-    def send_bandwidth(self, directions: int) -> float:
-        """Bytes/s per direction when sending to `directions` neighbours at once."""
-        return min(self.link_bandwidth, self.egress_bandwidth / directions)
+    def __repr__(self):
+        return f"PRESETS({dict(self)!r})"
 
 
-_T, _G = 1e12, 1e9
-_GPU_FLOPS = {"bfloat16": 989 * _T, "float16": 989 * _T, "float32": 495 * _T,
-              "float64": 67 * _T}
-
-
-def _hopper(name, hbm_bandwidth):
-    """An NVIDIA Hopper SXM part in an NVSwitch box.
-
-    989 TFLOP/s dense bf16/fp16, 495 TF32 (JAX's default precision for float32 matmuls on
-    GPU); NVLink 4: 900 GB/s both ways = 450 GB/s out, shared by all peers through
-    NVSwitch. The "pallas" backend drives its ring with the same ppermutes as the lax ring,
-    so its per-step cost is the lax ring's until measurements say otherwise (so "auto",
-    which asks kernels to be 5% faster than the lax ring, does not pick them on GPU).
-    Spec-sheet numbers, not yet calibrated on a GPU (bench/calibrate_gpu.py does that).
-    """
-    return Hardware(name, _GPU_FLOPS, efficiency=0.7, hbm_bandwidth=hbm_bandwidth,
-                    link_bandwidth=450 * _G, egress_bandwidth=450 * _G, step_latency=10e-6,
-                    kernel_step_latency=10e-6, hop_latency=3e-6, launch_overhead=5e-6,
-                    overlap=0.9)
-
-
-def _tpu(name, peak_tflops, hbm_gbs, link_gbs, links, torus_period, efficiency=0.8):
-    """A TPU generation (per chip: one JAX device; a v4/v5p chip's two TensorCores
-    together in megacore mode), from Google's spec sheets.
-
-    float32 matmuls run as bf16 passes at the default precision. The fused kernel's step
-    is a DMA start and a semaphore wait (`kernel_step_latency`), the lax ring's a ppermute
-    launch. `efficiency` is what the fused kernels' step matmuls are expected to reach:
-    their tile presets (kernels/tpu/_chips.py) are compute-bound from HBM on every
-    generation, with the most headroom on v5e/v5p (tile intensity 341 flop/byte against
-    240/166 needed) and the least on v6e (683 against 560, 256-wide MXUs), hence 0.8 and
-    0.75. Calibrate with a measured step (bench/test_tpu_speed.py) when a TPU is available.
-    `torus_period`: v4 and v5p slices of whole 4x4x4 cubes are 3-D tori (smaller ones have
-    no wrap-around links); v5e and v6e are 2-D tori only as a whole 16x16 pod.
-    """
-    return Hardware(name, {"bfloat16": peak_tflops * _T, "float32": peak_tflops * _T},
-                    efficiency=efficiency, hbm_bandwidth=hbm_gbs * _G,
-                    link_bandwidth=link_gbs * _G, egress_bandwidth=links * link_gbs * _G,
-                    step_latency=5e-6, kernel_step_latency=1.5e-6, hop_latency=1e-6,
-                    launch_overhead=2e-6, overlap=1.0, torus_period=torus_period)
-
-
-PRESETS: dict[str, Hardware] = {
-    "h100_sxm": _hopper("H100 SXM", 3.35 * _T),  # 3.35 TB/s HBM3
-    "h200": _hopper("H200 SXM", 4.8 * _T),  # H100 compute, 4.8 TB/s HBM3e
-    # TPU v4: 275 TFLOP/s bf16, 1.2 TB/s HBM2, 6 ICI links of 50 GB/s one way (3-D torus).
-    "tpu_v4": _tpu("TPU v4", 275, 1200, 50, 6, 4),
-    # TPU v5e: 197 TFLOP/s bf16, 819 GB/s HBM2, ICI 400 GB/s both ways per chip over 4
-    # links (2-D torus) = 50 GB/s one way per link.
-    "tpu_v5e": _tpu("TPU v5e", 197, 819, 50, 4, 16),
-    # TPU v5p: 459 TFLOP/s bf16, 2765 GB/s HBM2e, ICI 1200 GB/s both ways per chip over 6
-    # links (3-D torus) = 100 GB/s one way per link.
-    "tpu_v5p": _tpu("TPU v5p", 459, 2765, 100, 6, 4),
-    # TPU v6e (Trillium): 918 TFLOP/s bf16, 1640 GB/s HBM, ICI 3584 Gbit/s one way per
-    # chip over 4 links (2-D torus) = 112 GB/s one way per link.
-    "tpu_v6e": _tpu("TPU v6e", 918, 1640, 112, 4, 16, efficiency=0.75),
-    # One of 8 simulated devices on a 2-core CPU (rough, fitted by eye to bench/RESULTS.md:
-    # ~200 GFLOP/s f32 for the two cores together, shared by the 8 devices). The devices
-    # share the cores and a "transfer" is a copy made by those cores, so nothing overlaps.
-    # Pallas there is an interpreter; auto never picks it.
-    "cpu": Hardware(
-        "CPU (simulated device)", {"float32": 25 * _G}, efficiency=1.0, hbm_bandwidth=4 * _G,
-        link_bandwidth=4 * _G, egress_bandwidth=4 * _G, step_latency=150e-6,
-        kernel_step_latency=150e-6, hop_latency=20e-6, launch_overhead=20e-6, overlap=0.0),
-}
-_ALIASES = {"h100": "h100_sxm", "h200_sxm": "h200", "v4": "tpu_v4", "v5e": "tpu_v5e",
-            "v5p": "tpu_v5p", "v6e": "tpu_v6e"}
+PRESETS: Mapping[str, Hardware] = _Presets()
 
 _default: Optional[Hardware] = None
 
@@ -170,11 +80,14 @@ def get_hardware(spec: Union[str, Hardware, None] = None, target=None) -> Hardwa
     if isinstance(spec, Hardware):
         return spec
     if spec is not None:
-        key = _ALIASES.get(spec.lower(), spec.lower())
-        if key not in PRESETS:
+        try:
+            hardware = _registry.get(spec).hardware
+        except ValueError:
+            hardware = None
+        if hardware is None:
             raise ValueError(f"cost_model: unknown hardware {spec!r}; presets are "
-                             f"{', '.join(sorted(PRESETS))} (or pass a Hardware).")
-        return PRESETS[key]
+                             f"{', '.join(PRESETS)} (or pass a Hardware).")
+        return hardware
     if _default is not None:
         return _default
     from . import _target  # jax is imported only when a target must be read
@@ -423,8 +336,9 @@ def estimate(op: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
     - `comm_dtype`: the narrow dtype the travelling block is sent in, as for the op
       (`jnp.int8` or `jnp.float8_e4m3fn`: its values plus float32 scales); None sends
       `dtype`.
-    - `hardware`: a preset name (`PRESETS`: "h100_sxm", "h200", "tpu_v4", "tpu_v5e",
-      "tpu_v5p", "tpu_v6e", "cpu") or a `Hardware` (e.g. from `calibrate`).
+    - `hardware`: a preset name (`PRESETS`: "h100_sxm", "h200", "b200", "tpu_v4",
+      "tpu_v5e", "tpu_v5p", "tpu_v6e", "tpu_v7x", "cpu") or a `Hardware` (e.g. from
+      `calibrate`).
     - `bidirectional`: the ring shape (default: what the op would use).
     - `details`: return `Breakdown`s (per-step compute/transfer, bytes) instead of seconds.
 

@@ -147,7 +147,7 @@ def test_cpu_program_has_synchronous_transfers():
 def test_bad_input():
     with pytest.raises(TypeError, match=r"overlap: program must be a compiled program"):
         aot.overlap(42)
-    with pytest.raises(ValueError, match=r"unknown target 'v9x:2x2'; valid: h100x8, v5e:2x4"):
+    with pytest.raises(ValueError, match=r"unknown target 'v9x:2x2'; valid: h100x8, v4:2x2x2, v5e:2x4"):
         aot.devices("v9x:2x2")
     with pytest.raises(ValueError, match=r"'h100x16'.*'h100xN' with N from 1 to 8"):
         aot.mesh("h100x16")

@@ -821,7 +821,7 @@ DEMO_BENCH = [
         ("--backends pallas_tpu runs the TPU kernels in TPU interpret mode", "--mesh 2x4",
          "deadlock", "Use --mesh 1x4")),
     Row("aot", "unknown target", lambda: __import__("fusedpar.aot").aot.devices("v9x:2x2"),
-        ValueError, ("unknown target 'v9x:2x2'; valid: h100x8, v5e:2x4",)),
+        ValueError, ("unknown target 'v9x:2x2'; valid: h100x8, v4:2x2x2, v5e:2x4",)),
     Row("aot", "unknown --target", cli(_aot_parse, ["--target", "tpu9"]), SystemExit,
         ("--target: unknown target 'tpu9'",)),
     Row("aot", "--mesh not sizes", cli(_aot_parse, ["--target", "h100x8", "--mesh", "2by4"]),

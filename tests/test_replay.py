@@ -402,9 +402,9 @@ def test_a_transfer_over_several_links_is_cut_through_and_shares_links():
     # Which slices are tori: v5e's 16x16 pod, not its 2x4 slice; v5p's 4x4x4 cube, not 2x2x2.
     grid = lambda *e: [(x, y, z) for x in range(e[0]) for y in range(e[1])  # noqa: E731
                        for z in range(e[2])]
-    assert _links.wraps_of(grid(16, 16, 1), V5E.torus_period) == (16, 16, 0)
-    assert _links.wraps_of(grid(2, 4, 1), V5E.torus_period) == (0, 0, 0)
-    v5p = cost_model.get_hardware("v5p").torus_period
+    assert _links.wraps_of(grid(16, 16, 1), V5E) == (16, 16, 0)
+    assert _links.wraps_of(grid(2, 4, 1), V5E) == (0, 0, 0)
+    v5p = cost_model.get_hardware("v5p")
     assert _links.wraps_of(grid(4, 4, 4), v5p) == (4, 4, 4)
     assert _links.wraps_of(grid(2, 2, 2), v5p) == (0, 0, 0)
     # On a ring of 4 that wraps, 0 -> 3 is one link: the wrap-around one.

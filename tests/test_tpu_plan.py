@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from fusedpar.kernels.tpu import _chips, _layout, _tile_plan
+from fusedpar._backends.pallas_tpu import chip as tpu_chip
+from fusedpar.kernels.tpu import _layout, _tile_plan
 from fusedpar._target import of_platform
 
 MiB = 2**20
+GENERATIONS = ("v4", "v5e", "v5p", "v6e", "7x")
 
 
 def test_tiles_are_eight_rows_for_32_16_and_8_bit_values():
@@ -30,7 +32,7 @@ def test_row_windows(dtype, rows_ok, rows_bad):
 
     assert window(rows_ok).problem() is None
     assert window(3 * rows_ok).problem() is None
-    why = window(rows_bad).problem(_chips.chip("v6e"))
+    why = window(rows_bad).problem(tpu_chip("v6e"))
     assert f"not a multiple of {rows_ok} rows of {dtype}" in why
     assert f"Mosaic for TPU v6e lays {dtype} out in ({rows_ok}, 128) tiles" in why
     assert f"make that dimension's blocks multiples of {rows_ok}" in why
@@ -52,31 +54,32 @@ def test_the_bad_window_is_raised_only_when_enforced():
         with pytest.raises(_layout.LayoutError, match="window of 32 along dimension 1"):
             _layout.check(bad, enforce=True)
         with pytest.raises(_layout.LayoutError, match="Mosaic for TPU v5p lays"):
-            _layout.check(bad, enforce=_chips.chip("v5p"))  # the chip built for
+            _layout.check(bad, enforce=tpu_chip("v5p"))  # the chip built for
         _layout.check(bad, enforce=None)
     assert seen == [bad, bad, bad, bad]
 
 
-@pytest.mark.parametrize("name", _chips.NAMES)
+@pytest.mark.parametrize("name", GENERATIONS)
 def test_presets_rest_on_the_documented_numbers(name):
-    chip = _chips.chip(name)
+    chip = tpu_chip(name)
     info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(name), 1)
     expected = {"v4": (16, 16, 16), "v5e": (128, 16, 96), "v5p": (64, 16, 48),
-                "v6e": (128, 32, 96)}[name]  # VMEM, default scoped, our limit (MiB)
+                "v6e": (128, 32, 96), "7x": (64, 16, 48)}[name]  # VMEM, default, ours (MiB)
     assert (chip.vmem_bytes // MiB, chip.default_scoped_vmem_bytes // MiB,
             chip.vmem_limit_bytes // MiB) == expected
     assert chip.vmem_limit_bytes <= chip.vmem_bytes
     assert chip.cores == (2 if name in ("v4", "v5p") else 1)
     bm, bk, bn = chip.tiles
-    # Compute-bound from HBM: a bf16 tile's flop per byte above the chip's peak / HBM BW.
-    chip_peak = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}[name]
-    hbm = info.mem_bw_bytes_per_second * {"v4": 2, "v5p": 2}.get(name, 1)  # per chip
-    assert bm * bn / (bm + bn) > chip_peak / hbm
+    # Compute-bound from HBM: a bf16 tile's flop per byte above the device's peak / HBM BW
+    # (a TPU7x chip's two TensorCores are two devices).
+    peak = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12, "7x": 2307e12 / 2}[name]
+    hbm = info.mem_bw_bytes_per_second * {"v4": 2, "v5p": 2}.get(name, 1)  # per device
+    assert bm * bn / (bm + bn) > peak / hbm
     mxu = info.mxu_column_size
     assert bm % mxu == bk % mxu == bn % mxu == 0
     # The tiles fit the budget in bf16 and in f32 (ints: documented MiB in bf16).
     bf16 = _tile_plan.tile_bytes(chip.tiles, jnp.bfloat16, jnp.bfloat16)
-    assert bf16 // MiB == {"v4": 4, "v5e": 10, "v5p": 10, "v6e": 28}[name]
+    assert bf16 // MiB == {"v4": 4, "v5e": 10, "v5p": 10, "v6e": 28, "7x": 16}[name]
     assert _tile_plan.tile_bytes(chip.tiles, jnp.float32, jnp.float32) <= chip.budget_bytes
     if name == "v6e":  # the reason vmem_limit_bytes is set
         assert bf16 + 8 * MiB > chip.default_scoped_vmem_bytes * 7 // 8
@@ -84,10 +87,10 @@ def test_presets_rest_on_the_documented_numbers(name):
 
 def test_unknown_generation_and_missing_cores_are_refused():
     with pytest.raises(ValueError, match="unknown TPU generation 'v9'"):
-        _chips.chip("v9")
+        tpu_chip("v9")
     with pytest.raises(ValueError, match="a TPU v5e device has 1 TensorCore"):
-        _chips.chip("v5e", cores=2)  # the two programs would run one after the other
-    assert _chips.chip("v5p", cores=1).cores == 1  # split mode
+        tpu_chip("v5e", cores=2)  # the two programs would run one after the other
+    assert tpu_chip("v5p", cores=1).cores == 1  # split mode
 
 
 class _Launch:
@@ -96,7 +99,7 @@ class _Launch:
 
 
 def test_tiles_are_aligned_for_the_dtypes_they_cut():
-    chip = _chips.chip("v5e")
+    chip = tpu_chip("v5e")
     # bf16 operands: rows in steps of 8 (bf16's tile has 8 rows, measured with Mosaic):
     # 984 = 8 * 123 rows have the tile 24, none that is a multiple of 16.
     t, why = _tile_plan.tiles((24 * 41, 4096, 4096), jnp.bfloat16, jnp.bfloat16, (100, 512, 512))
@@ -137,7 +140,7 @@ STATIONARY = {"ag_rows": "w", "ag_cols": "x", "ag_contract": "x", "rs_rows": "w"
 def test_resident_buffers_at_the_layer_size():
     """docs/tpu.md: what stays in VMEM at 4096 x 8192 x 4096 bf16 per device, ring of 4."""
     got = {chip: {p: _resident(p, chip, 4096, 8192, 4096) for p in PRIMS}
-           for chip in _chips.NAMES}
+           for chip in GENERATIONS}
     assert got["v5e"] == {p: {STATIONARY[p]} for p in PRIMS}
     assert got["v6e"] == {"ag_rows": set(), "ag_cols": {"x"}, "ag_contract": set(),
                           "rs_rows": {"stage"}, "rs_cols": {"x"}}
@@ -151,7 +154,7 @@ def test_resident_buffers_at_the_layer_size():
 
 
 def test_small_problems_stay_in_vmem():
-    chip = _chips.chip("v5e")
+    chip = tpu_chip("v5e")
     small = [((256, 256), np.float32)] * 4
     layout, _ = _tile_plan.plan(_Launch(chip), (256, 256, 256), np.float32, np.float32,
                                 small, [])

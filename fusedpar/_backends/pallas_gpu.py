@@ -17,12 +17,14 @@ kernel (`fusedpar.kernels.gpu`):
 arrived itself: a kernel that read it would wait for the transfer (`ring.py`).
 
 Two kernel families compute these steps (option `kernels`): `"mosaic"` (Mosaic GPU:
-TMA, wgmma, warp specialisation), the default on Hopper and newer (compute capability
-9.0+); `"triton"` (Pallas Triton, deprecated by jax 0.11 in favour of Mosaic GPU), the
-default before Hopper, where wgmma and TMA do not exist, and on CPU, where Pallas
-interpret mode runs it at any small shape. Which GPU it is comes from the target (the
-mesh's devices, `fusedpar._target`), so a program compiled on a CPU host for H100s gets
-the Mosaic kernels. On a CPU mesh the kernels run in interpret mode;
+TMA, wgmma, warp specialisation), the default on Hopper (compute capability 9.0);
+`"triton"` (Pallas Triton, deprecated by jax 0.11 in favour of Mosaic GPU), the
+default before Hopper, where wgmma and TMA do not exist, on Blackwell (whose tensor cores
+have no wgmma: the Mosaic kernels refuse it until a Blackwell family exists), and on CPU,
+where Pallas interpret mode runs it at any small shape. Which GPU it is, and which
+families it runs, comes from the target (the mesh's devices, `fusedpar._target`) and its
+entry in the hardware registry (`fusedpar._registry`), so a program compiled on a CPU
+host for H100s gets the Mosaic kernels. On a CPU mesh the kernels run in interpret mode;
 `options={"interpret": False}` forces the GPU lowering there (to lower for CUDA from a
 CPU mesh).
 """
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from .. import _batching, _primitives as prims
+from .. import _batching, _primitives as prims, _registry
 from . import ring
 
 DESCRIPTION = "a lax ppermute ring whose per-step compute is Pallas GPU kernels"
@@ -61,11 +63,25 @@ def options(platform: str) -> frozenset:
     return _family_options(MOSAIC) | _family_options(TRITON) | {"kernels", "interpret"}
 
 
+def _families(target) -> tuple:
+    """`(families, refused)` of the step kernels on `target`: its registry entry's
+    (`fusedpar._registry`), else what its compute capability runs; on CPU both run
+    interpreted, Triton first."""
+    if target.platform != "gpu":
+        return (TRITON, MOSAIC), {}
+    kind = target.kind
+    if kind is not None:
+        return kind.families, kind.refused
+    return _registry.gpu_families(target.compute_capability)
+
+
 def default_family(target) -> str:
     """The kernels that run on `target` (a `fusedpar._target.Target`) unless
-    `options["kernels"]` says otherwise: Mosaic GPU from compute capability 9.0 (Hopper)."""
-    cc = target.compute_capability if target.platform == "gpu" else None
-    return MOSAIC if cc is not None and cc >= (9, 0) else TRITON
+    `options["kernels"]` says otherwise: the first its registry entry runs (Mosaic GPU
+    on Hopper, Triton before it and on Blackwell, whose wgmma-less tensor cores the
+    Mosaic kernels cannot use)."""
+    runs = [f for f in _families(target)[0] if f in (MOSAIC, TRITON)]
+    return runs[0] if runs else TRITON
 
 
 def _family(cfg, target) -> str:
@@ -77,6 +93,34 @@ def _family(cfg, target) -> str:
         raise ValueError(f"options['kernels'] must be {MOSAIC!r} or {TRITON!r}, got "
                          f"{family!r}.")
     return family
+
+
+def _refused(family, target):
+    """Why `family` cannot run on `target`'s GPUs, or None."""
+    if target.kind is not None:
+        return target.kind.why_not(family)
+    families, refused = _families(target)
+    if family in families:
+        return None
+    return refused.get(family, f"the {family} step kernels do not run on "
+                               f"{target.device_kind} GPUs")
+
+
+def _limits(family, target) -> dict:
+    """The GPU's limits a family's tile heuristic needs, as plain kernel options: the
+    Mosaic kernels' SM count (the devices' own, else their registry entry's) and shared
+    memory per block (the entry's). Nothing on CPU, nor what the registry does not know
+    (the kernels then assume an H100's)."""
+    if family != MOSAIC or target.platform != "gpu":
+        return {}
+    kind = target.kind
+    limits = {}
+    sms = target.num_cores or (kind.cores if kind is not None and kind.cores > 1 else None)
+    if sms:
+        limits["num_sms"] = sms
+    if kind is not None and kind.smem_bytes:
+        limits["smem_limit"] = kind.smem_bytes
+    return limits
 
 
 def unavailable(call):
@@ -99,12 +143,15 @@ def unavailable(call):
         family = _family(call, call.target)
     except ValueError as e:
         return str(e)
+    if call.platform == "gpu" and _refused(family, call.target):
+        return _refused(family, call.target)
     if family == MOSAIC:
         why = gpu.mosaic.unsupported_reason(call.dtype, call.precision)
         if why is not None:
             return why
         try:
-            gpu.mosaic.choose_config(rows, cols, (k,), call.dtype, "float32")
+            gpu.mosaic.choose_config(rows, cols, (k,), call.dtype, "float32",
+                                     _limits(family, call.target))
         except ValueError as e:
             return (f"{e}; options={{'kernels': 'triton'}} runs the Triton kernels, "
                     "backend='ring' the lax ring")
@@ -120,10 +167,13 @@ def kernels(call) -> str:
     """Which kernels run `call` and how (what `fusedpar.explain` says of them)."""
     family = _family(call, call.target)
     interpret = call.option("interpret")
+    cc = call.target.compute_capability
     if call.target.interpret if interpret is None else interpret:
         mode = "in Pallas interpret mode on the CPU devices"
+    elif cc is None:  # options={"interpret": False} on a CPU mesh: lowered for CUDA there
+        mode = "lowered for CUDA from the CPU devices"
     else:
-        mode = "compiled for compute capability {}.{}".format(*call.target.compute_capability)
+        mode = "compiled for compute capability {}.{}".format(*cc)
     name = "Mosaic GPU (TMA, wgmma)" if family == MOSAIC else "Pallas Triton"
     return f"pallas_gpu: a lax ring with {name} step kernels, {mode}"
 
@@ -143,7 +193,8 @@ def _step_kernels(cfg):
     interpret = cfg.option("interpret")
     if interpret is None:
         interpret = target.interpret
-    config = tuple((k, v) for k, v in cfg.options if k in own)
+    config = tuple({**_limits(family, target),
+                    **{k: v for k, v in cfg.options if k in own}}.items())
     gpu = _kernels()
     module = gpu.mosaic if family == MOSAIC else gpu.triton
     return module, dict(precision=cfg.precision, config=config, interpret=bool(interpret))

@@ -38,7 +38,8 @@ import dataclasses
 
 import jax
 
-from .. import _batching, _primitives as prims, _quantize, _target, _vma
+from .. import _batching, _primitives as prims, _quantize, _registry, _target, _vma
+from .._hardware import TPU_KERNELS
 from .._schedule import Ring, ring_for
 
 DESCRIPTION = "one fused Pallas TPU kernel per op: the ring runs inside it with remote DMAs"
@@ -73,25 +74,43 @@ def _kernel_of(prim):
     return mrs, "matmul_reduce_scatter", {prims.RS_ROWS: mrs.ROWS, prims.RS_COLS: mrs.COLUMNS}[prim]
 
 
-def _chip(target, chip=None, cores=None):
-    """The `Chip` to plan for: on a TPU mesh its devices' generation and cores (`chip`, if
-    given, must agree); elsewhere `chip` (a name, or a `Chip` for another or a made-up
-    generation), else the default generation."""
+def chip(generation: str, cores=None):
+    """The kernels' `Chip` for TPU `generation` ("v5e", ...), from its registry entry
+    (`fusedpar._registry`), with `cores` TensorCores per device (default: megacore
+    where the entry plans for it)."""
+    kind = _registry.tpu_kind(generation)
+    if kind is None:
+        known = ", ".join(k.generation for k in _registry.kinds() if k.platform == "tpu")
+        raise ValueError(f"unknown TPU generation {generation!r}; the hardware registry "
+                         f"knows {known}")
+    if cores is not None and not 1 <= cores <= kind.cores:
+        # A grid axis of 2 "parallel" programs on one TensorCore runs them one after the
+        # other: the first would wait forever for the second at its first hand-over.
+        raise ValueError(f"a TPU {generation} device has {kind.cores} TensorCore(s) to "
+                         f"split a step between, not {cores}")
+    return _kernels().Chip(kind.generation, kind.vmem_bytes, kind.default_scoped_vmem_bytes,
+                           kind.cores if cores is None else cores, tuple(kind.tiles))
+
+
+def _chip(target, name=None, cores=None):
+    """The `Chip` to plan for: on a TPU mesh its devices' generation and cores (`name`,
+    if given, must agree); elsewhere `name` (a generation, or a `Chip` for another or a
+    made-up generation), else the default TPU's generation."""
     tpu = _kernels()
-    if isinstance(chip, tpu.Chip):
-        return chip if cores is None else dataclasses.replace(chip, cores=cores)
+    if isinstance(name, tpu.Chip):
+        return name if cores is None else dataclasses.replace(name, cores=cores)
     if target.platform == "tpu" and target.device_kind:  # not a platform name alone
         generation = target.tpu_generation
         if generation is None:
             raise ValueError(f"no TPU generation is known for the mesh's devices, {target}; "
                              "pass options={'chip': tpu.Chip(...)} to describe it")
-        if chip is not None and chip != generation:
-            raise ValueError(f"the mesh's devices are {target}, not TPU {chip}: leave "
+        if name is not None and name != generation:
+            raise ValueError(f"the mesh's devices are {target}, not TPU {name}: leave "
                              "options['chip'] out (it is read from the mesh)")
         if cores is None and target.num_cores in (1, 2):
             cores = target.num_cores
-        return tpu.chip(generation, cores)
-    return tpu.chip(chip or tpu.DEFAULT_CHIP, cores)
+        return chip(generation, cores)
+    return chip(name or _registry.default("tpu").generation, cores)
 
 
 def _interpret(option, params, target):
@@ -174,6 +193,9 @@ def unavailable(call):
     if call.platform not in ("tpu", "cpu"):
         return (f"the fused TPU kernels run on TPU (or interpreted on CPU), not on "
                 f"platform {call.platform!r}")
+    kind = call.target.kind if call.target is not None else None
+    if call.platform == "tpu" and kind is not None and kind.why_not(TPU_KERNELS):
+        return kind.why_not(TPU_KERNELS)
     if call.automatic_axes:
         return (f"the enclosing jax.shard_map leaves mesh axes {dict(call.automatic_axes)} "
                 f"to XLA (they are not in its axis_names), and a fused TPU kernel runs only "

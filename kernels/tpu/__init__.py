@@ -10,9 +10,10 @@ device, DMA and semaphore.
 - `_launch.py`: `RingLaunch` (ring, collective id, chip, interpret mode) and the
   `pallas_call`; `_protocol.py`: the ring protocol and the megacore split;
   `_step_compute.py`: a step's matmul and add, whole or tiled; `_tile_plan.py`: VMEM or
-  tiled, which tiles, which buffers stay resident; `_chips.py`: VMEM and tile presets per
-  TPU generation; `_layout.py`: Mosaic's (sublane, lane) tiles and the window checks;
-  `_collective_ids.py`: one collective id per (kernel, mesh axes).
+  tiled, which tiles, which buffers stay resident; `_chips.py`: `Chip`, the VMEM,
+  TensorCores and tile presets a kernel is built for (plain values: the package fills
+  them from its hardware registry); `_layout.py`: Mosaic's (sublane, lane) tiles and the
+  window checks; `_collective_ids.py`: one collective id per (kernel, mesh axes).
 
 The backend that maps the package's primitives and options to these parameters is
 `fusedpar._backends.pallas_tpu`. These are collective kernels: the enclosing
@@ -21,8 +22,7 @@ The backend that maps the package's primitives and options to these parameters i
 
 from . import all_gather_matmul as all_gather_matmul
 from . import matmul_reduce_scatter as matmul_reduce_scatter
-from ._chips import DEFAULT as DEFAULT_CHIP, Chip as Chip, chip as chip
-from ._chips import local_chip as local_chip
+from ._chips import Chip as Chip
 from ._collective_ids import collective_id as collective_id
 from ._launch import CHECK_VMA_HINT as CHECK_VMA_HINT, RingLaunch as RingLaunch
 from ._layout import LayoutError as LayoutError

@@ -15,7 +15,9 @@ Both kernels run one warp-specialised, persistent GEMM on Hopper:
   `matmul_acc` with an accumulator).
 
 `GemmConfig` is what a caller can override; `choose` is the heuristic (a starting point
-for an H100: it has not been tuned on hardware).
+for an H100: it has not been tuned on hardware). The GPU's limits are plain values too
+(`num_sms`, `smem_limit`): the package passes its target's, from its hardware registry;
+a direct caller gets an H100's.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-# H100 SXM / H200: 132 SMs; 227 KiB of shared memory per CTA (232448 bytes opt-in).
+# What a direct caller's config assumes (an H100 SXM: 132 SMs, 227 KiB of shared memory
+# per CTA, 232448 bytes opt-in); the package passes its target's.
 NUM_SMS = 132
 SMEM_LIMIT = 232448
 _SMEM_RESERVE = 2304  # barriers and the lowering's reduction scratch (2 KiB)
 _MAX_STAGES = 6
 OPTIONS = ("tile_m", "tile_n", "tile_k", "stages", "num_compute_wgs", "wg_dim", "epi_m",
-           "epi_n", "epi_slots", "group_m", "num_sms", "memory_registers")
+           "epi_n", "epi_slots", "group_m", "num_sms", "memory_registers", "smem_limit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,7 @@ class GemmConfig:
     - `num_sms`: CTAs in the persistent grid (capped at the number of tiles).
     - `memory_registers`: registers per thread left to the memory warpgroup
       (`setmaxnreg`); the compute warpgroups share the rest.
+    - `smem_limit`: the shared memory one CTA may use (the GPU's opt-in limit).
     """
 
     tile_m: int = 128
@@ -66,6 +70,7 @@ class GemmConfig:
     group_m: int = 8
     num_sms: int = NUM_SMS
     memory_registers: int = 40
+    smem_limit: int = SMEM_LIMIT
 
     @property
     def cta_m(self) -> int:
@@ -129,9 +134,9 @@ class GemmConfig:
         for k in ks:
             if k % self.tile_k:
                 bad(f"tile_k={self.tile_k} does not divide the contraction k={k}")
-        if self.smem_bytes(in_dtype, out_dtype) > SMEM_LIMIT:
+        if self.smem_bytes(in_dtype, out_dtype) > self.smem_limit:
             bad(f"needs {self.smem_bytes(in_dtype, out_dtype)} bytes of shared memory, "
-                f"over {SMEM_LIMIT}")
+                f"over {self.smem_limit}")
 
 
 def _fit_stages(cfg: GemmConfig, in_dtype, out_dtype) -> GemmConfig | None:
@@ -142,7 +147,7 @@ def _fit_stages(cfg: GemmConfig, in_dtype, out_dtype) -> GemmConfig | None:
             continue
         for stages in range(_MAX_STAGES, 1, -1):
             c = dataclasses.replace(cfg, stages=stages, epi_slots=slots)
-            if c.smem_bytes(in_dtype, out_dtype) <= SMEM_LIMIT and (stages >= 4 or slots == 1):
+            if c.smem_bytes(in_dtype, out_dtype) <= c.smem_limit and (stages >= 4 or slots == 1):
                 return c
     return None
 
