@@ -281,6 +281,36 @@ def _compile_panel(ax, compile_rows, value, title, ylabel):
     ax.legend(fontsize=7)
 
 
+def gpu_section() -> list:
+    """The one-GPU results committed beside this file (bench/gpu_session.sh made them):
+    the step kernels against cuBLAS and JAX's Hopper matmul, the ops on a ring of one,
+    and the compute stream of the layer programs against the replay."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    kernels = os.path.join(here, "results-gpu.json")
+    stream = os.path.join(here, "results-compute-stream.json")
+    lines = []
+    if os.path.exists(stream):
+        import compute_stream
+
+        lines += ["## One GPU: the compute stream of the layer programs against the replay", "",
+                  "Each program of `python -m fusedpar.aot` (h100x8: `mlp` on 8 devices, `block` "
+                  "on 2 x 4) as XLA partitions it, every collective replaced by a parameter of "
+                  "its shape and its operands kept as outputs, compiled and run on one GPU "
+                  "(`bench/compute_stream.py`): what one device computes between transfers. "
+                  "Measured: 20 calls queued back to back, per call. The replay is of the "
+                  "module the GPU compiled, with the calibrated preset (`fusedpar/_registry.py`)."
+                  " Commands: `python bench/compute_stream.py prepare --out DIR`, then on the "
+                  "GPU `bash bench/gpu_session.sh`.", ""]
+        lines += compute_stream.table(
+            stream, os.path.join(here, "compute-stream-compiled.tgz")).splitlines()
+        lines += [""]
+    if os.path.exists(kernels):
+        import test_gpu_steps
+
+        lines += test_gpu_steps.markdown([kernels]).splitlines() + [""]
+    return lines
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json", nargs="+", help="pytest-benchmark --benchmark-json file(s)")
@@ -340,6 +370,7 @@ def main(argv=None):
         lines += ratio_tables(ops_sim)
     lines += compile_tables(compile_rows)
     lines += other_tables(other)
+    lines += gpu_section()
     with open(args.out, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
     wrote_plot = plot(ops_main, compile_rows, args.plot) if ops_main or compile_rows else False

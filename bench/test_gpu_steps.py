@@ -85,7 +85,9 @@ def _skip_unless_runs(family):
         pytest.skip("the Mosaic GPU kernels need Hopper (compute capability 9.0)")
 
 
-BUDGET = 0.02 if SIZES == "cpu" else 0.4  # seconds of timed calls per benchmark
+# Seconds of timed calls per benchmark (FUSEDPAR_BENCH_BUDGET shortens a run on a GPU
+# whose time is rationed).
+BUDGET = float(os.environ.get("FUSEDPAR_BENCH_BUDGET") or (0.02 if SIZES == "cpu" else 0.4))
 
 
 def _inputs(s, dtype, *shapes):
@@ -121,8 +123,36 @@ def _id(v):
 # -- kernel: one step kernel vs jnp.dot --------------------------------------------------
 
 
+def _check(got, want, what):
+    """`got` equals `want` (float32) to a 16-bit input's rounding (TF32's for float32
+    inputs), relative to the largest element; NaN (an element never written) fails."""
+    got = jnp.asarray(got, jnp.float32)
+    assert not bool(jnp.isnan(got).any()), f"{what}: elements left unwritten (NaN)"
+    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    assert err < 1e-2, f"{what} differs from jnp.dot by {err:.3g} of the largest element"
+
+
 KERNEL_VARIANTS = ["jnp.dot", "acc+jnp.dot"] + [
     f"{kernel} ({family})" for family in FAMILIES for kernel in ("matmul_into", "matmul_acc")]
+if SIZES != "cpu":
+    # JAX's own Hopper matmul (Mosaic GPU, warp-specialised): what a Pallas GEMM reaches.
+    KERNEL_VARIANTS.append("hopper_matmul_mgpu")
+
+
+def _hopper_matmul(s, dtype):
+    """JAX's `hopper_matmul_mgpu.matmul` at tiles from its own tuning range (128 x 128 x
+    64, 4 stages); 16-bit inputs only."""
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    if jnp.dtype(dtype).itemsize != 2:
+        pytest.skip("hopper_matmul_mgpu takes 16-bit inputs")
+    if not ON_CPU and jax.devices()[0].device_kind.find("H") < 0:
+        pytest.skip("hopper_matmul_mgpu needs Hopper")
+    # 128 x 256 tiles with 4 stages overflow the shared memory on jax 0.11 (360 KB).
+    config = hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
+                             grid_minor_dim=hm.MatmulDimension.N, grid_tile_width=8,
+                             wg_dimension=hm.MatmulDimension.N)
+    return jax.jit(lambda x, w: hm.matmul(x, w, None, config=config))
 
 
 @pytest.mark.parametrize("variant", KERNEL_VARIANTS)
@@ -135,6 +165,10 @@ def test_kernel(benchmark, timed, s, dtype, variant):
     if variant == "jnp.dot":
         fn = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=f32).astype(dtype))
         args = (x, w)
+    elif variant == "hopper_matmul_mgpu":
+        fn, args = _hopper_matmul(s, dtype), (x, w)
+        want = jnp.dot(x, w, preferred_element_type=f32)
+        _check(fn(x, w), want, variant)
     elif variant == "acc+jnp.dot":
         fn, args = _donating(lambda acc, x, w: acc + jnp.dot(x, w, preferred_element_type=f32),
                              jnp.zeros((s, s), f32), x, w), ()
@@ -143,11 +177,20 @@ def test_kernel(benchmark, timed, s, dtype, variant):
         _skip_unless_runs(family)
         kernels = getattr(gpu, family)
         kw = dict(config=TILES[family], interpret=ON_CPU)
+        # The kernel computes its product on the device that runs it: the output is
+        # poisoned with NaN (every element must be written), the accumulator random.
         if kernel == "matmul_into":
             seg = jnp.zeros((1,), jnp.int32)
+            _check(jax.jit(lambda o, x, w: kernels.matmul_into(o, [x], w, seg, axis=0, **kw))(
+                jnp.full((s, s), jnp.nan, dtype), x, w),
+                jnp.dot(x, w, preferred_element_type=f32), variant)
             fn, args = _donating(lambda out, x, w: kernels.matmul_into(
                 out, [x], w, seg, axis=0, **kw), jnp.zeros((s, s), dtype), x, w), ()
         else:
+            (acc,) = _inputs(s, f32, (s, s))
+            _check(jax.jit(lambda a, x, w: kernels.matmul_acc(
+                a, [gpu.Term(x, w, s)], (s, s), f32, **kw))(acc, x, w),
+                acc + jnp.dot(x, w, preferred_element_type=f32), variant)
             fn, args = _donating(lambda acc, x, w: kernels.matmul_acc(
                 acc, [gpu.Term(x, w, s)], (s, s), f32, **kw), jnp.zeros((s, s), f32), x, w), ()
     timed(benchmark, fn, *args, group=f"kernel {_name(dtype)} {s}^3", budget=BUDGET,
@@ -186,6 +229,10 @@ def test_ring1(benchmark, timed, make_mesh, s, dtype, op, backend):
     fn = jax.jit(jax.shard_map(functools.partial(call, **kw), mesh=make_mesh(1),
                                in_specs=(P(), P()), out_specs=P("x")))
     x, w = _inputs(s, dtype, (s, s), (s, s))
+    if backend != "reference":
+        ref = jax.jit(jax.shard_map(functools.partial(call, backend="reference"),
+                                    mesh=make_mesh(1), in_specs=(P(), P()), out_specs=P("x")))
+        _check(fn(x, w), jnp.asarray(ref(x, w), jnp.float32), f"{op} {backend}")
     timed(benchmark, fn, x, w, group=f"ring1 {op} {_name(dtype)} {s}^3", budget=BUDGET,
           section="ring1", op=op, backend=backend, dtype=_name(dtype), size=s, flops=2 * s ** 3)
 
@@ -285,9 +332,16 @@ def _tables(rows):
     by = lambda sec: [r for r in rows if r["section"] == sec]  # noqa: E731
     tflops = lambda r: r["flops"] / r["seconds"] / 1e12  # noqa: E731
     kern = by("kernel")
+    # The families the rows hold (a GPU run has both; this may run on a CPU).
+    import re
+
+    families = sorted({m.group(1) for r in rows for m in [re.search(
+        r"\((mosaic|triton)\)", r.get("variant", r.get("backend", "")))] if m})
     if kern:
-        variants = [v for v in ["jnp.dot"] + [f"matmul_into ({f})" for f in FAMILIES]
-                    + ["acc+jnp.dot"] + [f"matmul_acc ({f})" for f in FAMILIES]]
+        present = {r["variant"] for r in kern}
+        variants = [v for v in ["jnp.dot"] + [f"matmul_into ({f})" for f in families]
+                    + ["hopper_matmul_mgpu", "acc+jnp.dot"]
+                    + [f"matmul_acc ({f})" for f in families] if v in present]
         out += ["### Step kernels vs `jnp.dot` (TFLOP/s; ratio to the XLA counterpart)", "",
                 "| dtype | S (S x S x S) | " + " | ".join(variants) + " |",
                 "|---|---:|" + "---:|" * len(variants)]
@@ -295,7 +349,7 @@ def _tables(rows):
             t = {r["variant"]: r for r in kern if (r["dtype"], r["size"]) == key}
             cells = []
             for v in variants:
-                base = ("jnp.dot" if v.startswith("matmul_into") else
+                base = ("jnp.dot" if v.startswith(("matmul_into", "hopper")) else
                         "acc+jnp.dot" if v.startswith("matmul_acc") else None)
                 if v not in t:
                     cells.append("—")
@@ -308,16 +362,17 @@ def _tables(rows):
         out.append("")
     ring1 = by("ring1")
     if ring1:
+        backends = ["reference", "ring"] + [f"pallas_gpu ({f})" for f in families]
         out += ["### Ops on a ring of 1 device (time; ratio to reference)", "",
-                "| op | dtype | S | " + " | ".join(RING1_BACKENDS) + " |",
-                "|---|---|---:|" + "---:|" * len(RING1_BACKENDS)]
+                "| op | dtype | S | " + " | ".join(backends) + " |",
+                "|---|---|---:|" + "---:|" * len(backends)]
         for key in sorted({(r["op"], r["dtype"], r["size"]) for r in ring1}):
             t = {r["backend"]: r["seconds"] for r in ring1
                  if (r["op"], r["dtype"], r["size"]) == key}
             ref = t.get("reference")
             cells = [("—" if b not in t else f"{t[b] * 1e3:.3g} ms" + (
                 f" (**{t[b] / ref:.2f}x**)" if ref and b != "reference" else ""))
-                for b in RING1_BACKENDS]
+                for b in backends]
             out.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + " |")
         out.append("")
     dec = by("decomp")

@@ -57,8 +57,10 @@ def _check_target(target: str):
                      f"slice of {', '.join(tpus)} like 'v5e:4x4', or {', '.join(gpus)}).")
 
 
-def _need(module: str, what: str, target: str):
-    if importlib.util.find_spec(module) is None:
+def _need(module, what: str, target: str):
+    """`module`: a module name, or a tuple of names any one of which will do."""
+    names = (module,) if isinstance(module, str) else module
+    if all(importlib.util.find_spec(name) is None for name in names):
         raise ImportError(f"compiling for {target!r} needs {what}, which the 'aot' extra "
                           f"installs: {_EXTRA}")
 
@@ -73,7 +75,9 @@ def devices(target: str) -> list:
     from jax.experimental import topologies
 
     if kind.platform == "gpu":
-        _need("jax_plugins.xla_cuda12", "JAX's CUDA compiler plugin", target)
+        # CUDA 12's plugin is the aot extra's; a GPU host may have CUDA 13's instead.
+        _need(("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"),
+              "JAX's CUDA compiler plugin", target)
         config = os.path.join(os.path.dirname(__file__), "targets", kind.aot.target_config)
         with open(config) as f:
             try:

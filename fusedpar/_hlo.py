@@ -229,7 +229,7 @@ def in_place_bytes(module: Module, i: Instruction, by_name: dict) -> Optional[in
     if i.opcode == "dynamic-update-slice":
         update = by_name.get(i.operands[1]) if len(i.operands) > 1 else None
         return None if update is None else update.bytes
-    if i.opcode != "fusion":
+    if i.opcode not in ("fusion", "fusion-start"):  # fusion-start: XLA's asynchronous fusion
         return None
     for c in i.calls:
         root = module.roots.get(c)

@@ -146,10 +146,21 @@ def _nvswitch(name, flops, hbm_bandwidth, egress):
     by all its peers through the switch. The latencies are estimates; the "pallas"
     backend drives its ring with the lax ring's ppermutes, so its per-step cost is the
     lax ring's until measured (so "auto", which asks the kernels to be 5% faster, does
-    not pick them on GPU)."""
-    return Hardware(name, flops, efficiency=0.7, hbm_bandwidth=hbm_bandwidth,
+    not pick them on GPU).
+
+    `hbm_bandwidth` is the datasheet's; the compute side is calibrated on an H200 (JAX
+    0.11.2, 2026-11-26; bench/compute_stream.py, bench/RESULTS.md): one device's
+    compute stream of six layer programs (MLP and FSDP x TP block; reference, ring and
+    Pallas kernels), queued time against the replay of the very module the GPU ran,
+    searched over the matmul efficiency, the HBM fraction and the launch cost: matmuls
+    at 0.75 of peak, 0.87 of the datasheet's HBM bandwidth (a large copy reached 0.9 on
+    these machines, H100 and H200 alike), 6 us per matmul launch. The replay lands
+    within 2.2% of all six (with the earlier 0.7, the whole datasheet HBM and 5 us: 8%
+    under to 6% over). The H100 runs the same SMs at the same clocks: the same
+    fractions, its own HBM."""
+    return Hardware(name, flops, efficiency=0.75, hbm_bandwidth=0.87 * hbm_bandwidth,
                     link_bandwidth=egress, egress_bandwidth=egress, step_latency=10e-6,
-                    kernel_step_latency=10e-6, hop_latency=3e-6, launch_overhead=5e-6,
+                    kernel_step_latency=10e-6, hop_latency=3e-6, launch_overhead=6e-6,
                     overlap=0.9)
 
 
@@ -173,7 +184,7 @@ register(Kind(
 # 8 TB/s HBM3e; NVLink 5: 1.8 TB/s both ways = 900 GB/s out; 148 SMs; 227 KiB of shared
 # memory per block (compute capability 10.0). No Blackwell step kernels yet: the Mosaic
 # GPU ones use wgmma, which Blackwell does not run; the Triton ones compile `tl.dot` for
-# the GPU at hand (not yet run on a B200).
+# the GPU at hand (not yet run on a B200; its compute side takes Hopper's calibration).
 register(Kind(
     "b200", GPU, words=("B200",), compute_capability=(10, 0), cores=148, smem_bytes=232448,
     hardware=_nvswitch("B200", {"bfloat16": 2250 * _T, "float16": 2250 * _T,

@@ -147,7 +147,8 @@ class _Replay:
         return self.hw.matmul_flops(_DTYPE_NAMES.get(dtype, "float32"))
 
     def _kernel_time(self, i, by_name) -> float:
-        if (i.opcode in _FREE or i.opcode.endswith("-done") or _hlo.is_async_start(i)
+        if (i.opcode in _FREE or i.opcode.endswith("-done")
+                or (_hlo.is_async_start(i) and i.opcode != "fusion-start")
                 or i.name.startswith("async-collective-done") or i.target in _FREE_TARGETS):
             return 0.0
         operand_bytes = _hlo.read_bytes(self.module, i, by_name)
@@ -303,6 +304,12 @@ class _Replay:
                     self.note(f"conditional {i.name}: which branch runs",
                               f"its first branch, {i.calls[0]}")
                 now, _ = self.run(i.calls[0], now)
+            elif i.opcode == "fusion-start" and _hlo.in_place_bytes(self.module, i, by_name):
+                # Newer XLA (JAX 0.11) starts an in-place update as an asynchronous
+                # fusion; it runs on the compute stream as it starts (an update's copy).
+                t = self._kernel_time(i, by_name)
+                self.compute += t
+                now += t
             elif i.opcode.endswith("-start") and i.opcode != "async-start":
                 self.note(f"{i.opcode} {i.name}", "nothing: it costs no time")
             else:

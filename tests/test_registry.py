@@ -145,7 +145,8 @@ def test_b200_runs_the_triton_kernels_and_refuses_mosaic():
     x, w = _structs((1024, 4096), (4096, 4096))
     b200 = Target("gpu", "NVIDIA B200")
     assert b200.compute_capability == (10, 0) and b200.cost_preset == "b200"
-    assert cost_model.PRESETS["b200"].hbm_bandwidth == 8e12
+    # The datasheet's 8 TB/s at the fraction the kernels reached on Hopper (calibrated).
+    assert cost_model.PRESETS["b200"].hbm_bandwidth == pytest.approx(0.87 * 8e12)
     device = Device("gpu", "NVIDIA B200")
     assert fusedpar.explain(AGM, x, w, 8, target=device, backend="pallas").kernels == (
         "pallas_gpu: a lax ring with Pallas Triton step kernels, compiled for compute "
@@ -169,7 +170,8 @@ def test_h200_target_has_its_own_preset():
     assert (target.device_kind, target.compute_capability, target.cost_preset) == (
         "NVIDIA H200", (9, 0), "h200")
     h200, h100 = cost_model.PRESETS["h200"], cost_model.PRESETS["h100_sxm"]
-    assert (h200.hbm_bandwidth, h100.hbm_bandwidth) == (4.8e12, 3.35e12)
+    assert (h200.hbm_bandwidth, h100.hbm_bandwidth) == (
+        pytest.approx(0.87 * 4.8e12), pytest.approx(0.87 * 3.35e12))
     x, w = _structs((1024, 4096), (4096, 4096))
     choice = fusedpar.explain(AGM, x, w, 8, target=mesh)
     assert "H200 SXM:" in choice.reason
