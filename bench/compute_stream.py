@@ -524,6 +524,49 @@ def table(path: str, compiled: str = None, preset: str = "h200_sxm") -> str:
     return "\n".join(lines) + "\n"
 
 
+def gemms_by_shape(path: str, compiled: str, preset: str = "h200_sxm") -> str:
+    """Markdown: the matmul kernels of every program, matched in schedule order to the
+    profiled GPU kernels (the stream runs them in that order), grouped by output shape,
+    FLOPs and dtype: measured rate against the preset's peak (the efficiency a per-shape
+    model would use), and how many ran."""
+    from fusedpar import _flops, _hlo, cost_model
+
+    hw = cost_model.get_hardware(preset)
+    data = json.load(open(path))
+    texts = _compiled_texts(compiled)
+    groups: dict = {}
+    for key, row in data["programs"].items():
+        if key not in texts or not row.get("profile"):
+            continue
+        module = _hlo.parse(texts[key])
+        multiplying = _hlo.matmul_computations(module)
+        gemms = []
+        for name in _hlo.scheduled_computations(module):
+            instructions = module.computations[name]
+            by_name = {i.name: i for i in instructions}
+            for i in instructions:
+                if _hlo.is_matmul(i, multiplying):
+                    flops, dtype = _flops.matmul_flops(module, i, by_name)
+                    gemms.append((_hlo.array_shapes(i.shape)[0][1], flops, dtype))
+        events = [e for line in row["profile"].values() for e in line
+                  if _GEMM_KERNELS.search(e[0])]
+        if len(events) != len(gemms):
+            continue  # the order cannot be matched
+        for (shape, flops, dtype), (_, ns, _) in zip(gemms, events):
+            g = groups.setdefault((tuple(shape), round(flops / 1e9, 1), dtype), [0, 0.0, set()])
+            g[0] += 1
+            g[1] += ns * 1e-9
+            g[2].add(key.split("-")[0])
+    lines = ["| output shape | GFLOP | dtype | kernels | mean time (us) | TFLOP/s | of peak |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    for (shape, gflop, dtype), (n, seconds, _) in sorted(groups.items(), key=lambda kv: -kv[0][1]):
+        rate = gflop * 1e9 * n / seconds
+        peak = hw.flops.get(_DTYPES.get(dtype, "float32"), hw.flops["float32"])
+        lines.append(f"| {'x'.join(map(str, shape))} | {gflop:g} | {dtype} | {n} | "
+                     f"{seconds / n * 1e6:,.1f} | {rate / 1e12:,.0f} | {rate / peak:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -551,6 +594,8 @@ def main(argv=None):
         measure(args.directory, args.out, args.runs, args.only and args.only.split(","))
     else:
         print(table(args.json, args.compiled, args.preset))
+        if args.compiled:
+            print(gemms_by_shape(args.json, args.compiled, args.preset))
 
 
 if __name__ == "__main__":

@@ -301,9 +301,12 @@ def gpu_section() -> list:
                   "module the GPU compiled, with the calibrated preset (`fusedpar/_registry.py`)."
                   " Commands: `python bench/compute_stream.py prepare --out DIR`, then on the "
                   "GPU `bash bench/gpu_session.sh`.", ""]
-        lines += compute_stream.table(
-            stream, os.path.join(here, "compute-stream-compiled.tgz")).splitlines()
-        lines += [""]
+        compiled = os.path.join(here, "compute-stream-compiled.tgz")
+        lines += compute_stream.table(stream, compiled).splitlines()
+        lines += ["", "The matmul kernels by shape (matched in schedule order to the profiled "
+                  "kernels; all six programs): the rate each reached, against the dense bf16 "
+                  "peak of the sheet.", ""]
+        lines += compute_stream.gemms_by_shape(stream, compiled).splitlines() + [""]
     if os.path.exists(kernels):
         import test_gpu_steps
 
