@@ -262,7 +262,6 @@ def _compile_local(text: str, options: dict):
     shapes: a stand-in function with the same signature is lowered and its module
     swapped for ours (HLO -> StableHLO through XLA's own importer)."""
     import jax
-    import numpy as np
     from jax._src.interpreters import mlir
     from jax._src.lib import xla_client as xc
     from jax._src.lib.mlir import ir
@@ -294,11 +293,11 @@ def _compile_local(text: str, options: dict):
         return tuple(jax.numpy.zeros(o.shape, o.dtype) for o in outs)
 
     lowered = jax.jit(stand_in, keep_unused=True).lower(*args)
-    with mlir.make_ir_context() as ctx:  # noqa: F841
+    with mlir.make_ir_context():
         module = ir.Module.parse(stablehlo)
         lowered._lowering._hlo = module
         compiled = lowered.compile(options)
-    return compiled, args, np
+    return compiled, args
 
 
 _DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "s32": "int32",
@@ -413,7 +412,7 @@ def measure(directory: str, out: str, runs: int, only=None) -> dict:
         row = {"replay_8_devices": replay["programs"].get(key)}
         try:
             t0 = time.time()
-            compiled, args, _ = _compile_local(open(path).read(), options)
+            compiled, args = _compile_local(open(path).read(), options)
             row["compile_s"] = time.time() - t0
             fn = compiled
             values = _random(args)
