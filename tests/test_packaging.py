@@ -29,3 +29,40 @@ def test_public_names():
                  "Ring"):
         assert hasattr(fusedpar, name), name
     assert {"reference", "ring", "pallas"} <= set(fusedpar.backend_names())
+
+
+def _imports(path: pathlib.Path):
+    """`(line, module)` of every import in `path`, relative ones resolved to absolute names
+    as the installed package sees them (kernels/ is fusedpar.kernels)."""
+    import ast
+
+    package = ["fusedpar", *path.parent.relative_to(ROOT).parts]  # kernels -> fusedpar.kernels
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names = [module] if node.module else [f"{module}.{a.name}" for a in node.names]
+            for name in names:
+                yield node.lineno, name
+
+
+def test_kernels_import_nothing_of_fusedpar_outside_kernels():
+    # The kernels are the bottom layer: refs in, refs out, their ring given as a value.
+    outside = [f"{p.relative_to(ROOT)}:{line}: {name}"
+               for p in sorted((ROOT / "kernels").rglob("*.py"))
+               for line, name in _imports(p)
+               if (name == "fusedpar" or name.startswith("fusedpar."))
+               and not (name == "fusedpar.kernels" or name.startswith("fusedpar.kernels."))
+               or name == "kernels" or name.startswith("kernels.")]
+    assert not outside, "kernels/ imports the package above it:\n" + "\n".join(outside)
+
+
+def test_the_package_ring_is_what_the_kernels_ask_for():
+    from fusedpar import Ring
+    from fusedpar.kernels._ring import RingSchedule
+
+    assert isinstance(Ring(4, bidirectional=True), RingSchedule)
+    assert not isinstance(object(), RingSchedule)
