@@ -14,8 +14,9 @@ ROOT = pathlib.Path(__file__).resolve().parent
 
 def packages() -> list:
     """fusedpar's packages, and kernels/'s as fusedpar.kernels, fusedpar.kernels.tpu, ..."""
+    kernels = find_packages(ROOT, include=["kernels", "kernels.*"])
     return (find_packages(ROOT, include=["fusedpar", "fusedpar.*"])
-            + ["fusedpar." + name for name in find_packages(ROOT, include=["kernels", "kernels.*"])])
+            + ["fusedpar." + name for name in kernels])
 
 
 if __name__ == "__main__":
