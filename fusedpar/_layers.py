@@ -40,6 +40,10 @@ the input has one besides the sequence and feature dimensions) over its FSDP axi
 FSDP layer given an input without a batch dimension in the global context gathers its
 weight on entry and computes like its tensor-parallel part alone. Inside `shard_map`, an
 input whose varying-axes type contradicts the layout is an error.
+
+Beside this module: the checks of arguments and inputs (`_layer_checks`), the per-device
+arithmetic (`_layer_math`), the FSDP weight gather and matmul (`_fsdp_gather`), and what
+`fusedpar.describe` says each layer sends (`_collective_names`).
 """
 
 from __future__ import annotations
@@ -54,26 +58,14 @@ from equinox import field
 from jax import lax
 from jaxtyping import Array
 
-from . import (_context, _definition, _dispatch, _folding, _quantize, _specs, _target, _vma,
-               _whole_model)
+from . import (_collective_names, _context, _definition, _dispatch, _folding, _specs, _target,
+               _vma, _whole_model)
+from ._fsdp_gather import fsdp_matmul, gather_fsdp
+from ._layer_checks import check_quantized_weight, check_sequence, features, layout_hint, length
+from ._layer_math import add_bias, array_of, matmul_t, same_dtype, stationary
 from ._ops import all_gather_matmul, matmul_reduce_scatter
-from ._quantized_array import QuantizedArray, fake_quantize, qdot
+from ._quantized_array import QuantizedArray, fake_quantize
 from ._specs import Rule
-
-
-def _positive_int(where, name, v):
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{where}: {name} must be a positive int, got {v!r}.")
-
-
-def _features(where, name, v):
-    """A positive int, or "scalar" as `eqx.nn.Linear` takes it (a dimension of 1)."""
-    if v != "scalar" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-        raise ValueError(f"{where}: {name} must be a positive int or 'scalar', got {v!r}.")
-
-
-def _length(features) -> int:
-    return 1 if features == "scalar" else features
 
 
 def _new(cls, **fields):
@@ -100,8 +92,8 @@ class ParallelLinear(eqx.Module):
 
     def _setup(self, in_features, out_features, use_bias, dtype, key, rule, backend):
         where = type(self).__name__
-        _features(where, "in_features", in_features)
-        _features(where, "out_features", out_features)
+        features(where, "in_features", in_features)
+        features(where, "out_features", out_features)
         if not isinstance(use_bias, bool):
             raise TypeError(f"{where}: use_bias must be True or False, got {use_bias!r}.")
         _dispatch.check_backend_name(where, backend)
@@ -120,7 +112,7 @@ class ParallelLinear(eqx.Module):
             raise TypeError(f"{cls.__name__}.from_linear: linear must be an eqx.nn.Linear "
                             f"(or a fusedpar linear layer), got {type(linear).__name__}.")
         for name in ("in_features", "out_features"):
-            _features(cls.__name__, name, getattr(linear, name))
+            features(cls.__name__, name, getattr(linear, name))
         _dispatch.check_backend_name(cls.__name__, backend)
         return _new(cls, weight=linear.weight, bias=linear.bias,
                     in_features=linear.in_features, out_features=linear.out_features,
@@ -173,10 +165,10 @@ class ParallelLinear(eqx.Module):
         """The layer on `x` with every vmapped axis folded in."""
         where = type(self).__name__
         check_quantized_weight(where, self.weight)
-        kind, mesh = _context.detect(where, self.rule.axes, _array_of(self.weight))
+        kind, mesh = _context.detect(where, self.rule.axes, array_of(self.weight))
         if kind == _context.LOCAL:
             y = self._local(x, self.rule)
-        elif x.shape[-1] != _length(self.in_features):
+        elif x.shape[-1] != length(self.in_features):
             raise ValueError(f"{where}: x has shape {x.shape}; its last dimension must be "
                              f"in_features={self.in_features}.")
         elif kind == _context.DENSE:
@@ -201,7 +193,7 @@ class ParallelLinear(eqx.Module):
         within the quantization error. A Row's `comm_dtype` acts on the partial sums of
         its ring, which the dense product does not form: that layer is exact here. A
         `QuantizedArray` weight is multiplied as stored. (docs/quantized.md)"""
-        w, x = _same_dtype(self.weight, x)
+        w, x = same_dtype(self.weight, x)
         tp, f = self.rule.tp, self.rule.fsdp
         if isinstance(tp, _specs.Column) and tp.comm_dtype is not None:
             x = fake_quantize(x, tp.comm_dtype, -1)
@@ -214,7 +206,7 @@ class ParallelLinear(eqx.Module):
         where = type(self).__name__
         rule = self.rule
         _specs.check_scalar(where, rule, self.in_features, self.out_features)
-        _check_sequence(where, rule, x)
+        check_sequence(where, rule, x)
         data = _specs.has_data_dim(rule, x.ndim)
         if rule.fsdp is not None and not data:
             rule = rule.without_fsdp()  # the weight is gathered on entry to shard_map
@@ -222,7 +214,7 @@ class ParallelLinear(eqx.Module):
             return self._dense(x)
         sizes = _specs.mesh_sizes(mesh)
         pspecs = _specs.layer_param_specs(self, where, rule)
-        _specs.check_spec(f"{where}.weight", self.weight.shape, _array_of(pspecs.weight), sizes)
+        _specs.check_spec(f"{where}.weight", self.weight.shape, array_of(pspecs.weight), sizes)
         x_spec, y_spec = rule.activation_specs(x.ndim, data)
         _specs.check_spec(f"{where}: x of shape {x.shape}", x.shape, x_spec, sizes,
                           what="input")
@@ -240,7 +232,7 @@ class ParallelLinear(eqx.Module):
         _specs.check_scalar(where, rule, self.in_features, self.out_features)
         sizes = {a: lax.axis_size(a) for a in rule.axes}
         over = _context.shard_map_sizes(rule.axes)
-        shape = (_length(self.out_features), _length(self.in_features))
+        shape = (length(self.out_features), length(self.in_features))
         want = rule.local_weight_shape(shape, sizes)
         if self.weight.shape != want:
             hint = (" — its global shape: pass the layer through shard_map as an argument "
@@ -254,60 +246,12 @@ class ParallelLinear(eqx.Module):
             raise ValueError(
                 f"{where}: inside shard_map over {over} the local input must have "
                 f"{local_in} features (last dim), got x of shape {x.shape}.")
-        _check_sequence(where, rule, x)
+        check_sequence(where, rule, x)
         x_spec = rule.activation_specs(x.ndim, _specs.has_data_dim(rule, x.ndim))[0]
         _vma.check_layout(where, "the input", x, x_spec, _specs.layout_axes(rule, x_spec),
                           layout_hint(rule))
-        w, x = _same_dtype(self.weight, x)
+        w, x = same_dtype(self.weight, x)
         return w, self.bias, x
-
-
-def check_quantized_weight(where, w) -> None:
-    """A QuantizedArray weight `(out, in)` must be scaled along `in` (per output channel,
-    or per block of `in`), the contraction every fusedpar layer applies its scales to."""
-    if isinstance(w, QuantizedArray) and w.axis != -1:
-        raise ValueError(f"{where}: a QuantizedArray weight (out, in) must be quantized "
-                         f"along in_features (axis=-1), got axis={w.axis % w.ndim}.")
-
-
-def layout_hint(rule) -> str:
-    """What input layout a layer under `rule` takes, and the style for other layouts."""
-    tp, parts = rule.tp, []
-    if isinstance(tp, _specs.Column) and tp.sequence_parallel:
-        parts.append(f"a sequence-parallel ColumnLinear gathers its input's sequence (dim -2) "
-                     f"over {tp.axis!r}; an input replicated over {tp.axis!r} needs "
-                     "sequence_parallel=False")
-    elif isinstance(tp, _specs.Column):
-        parts.append(f"a ColumnLinear takes an input replicated over {tp.axis!r}; one sharded "
-                     f"along the sequence (dim -2) over {tp.axis!r} needs "
-                     "sequence_parallel=True, one sharded on its features goes into a "
-                     "RowLinear")
-    elif isinstance(tp, _specs.Row):
-        parts.append(f"a RowLinear takes its input's features sharded over {tp.axis!r} (a "
-                     "ColumnLinear's output); a replicated input goes into a ColumnLinear")
-    if rule.fsdp is not None:
-        parts.append(f"FSDP takes the batch (dim 0) sharded over {rule.fsdp.axis!r}")
-    return "; ".join(parts)
-
-
-def _check_sequence(where, rule, x):
-    if rule.sequence_parallel and x.ndim < 2:
-        raise ValueError(
-            f"{where}: sequence_parallel=True needs an input (..., seq, features) whose "
-            f"dim -2 is the sequence, got x of shape {x.shape}.")
-
-
-def _in(layer, style, name) -> str:
-    """" in int8" where the collective of `style` sends a narrow dtype (its `name`, or
-    the FSDP gather of a stored QuantizedArray weight), else ""."""
-    if style is None:
-        return ""
-    d = getattr(style, name)
-    w = layer.weight
-    if (name == "comm_dtype" and isinstance(style, _specs.FSDP)
-            and isinstance(w, QuantizedArray)):
-        d = w.values.dtype
-    return "" if d is None else f" in {jnp.dtype(d).name}"
 
 
 def _fsdp_style(where, axis, dim, comm_dtype, grad_comm_dtype):
@@ -326,147 +270,6 @@ def layer_class(rule: Rule):
     if isinstance(rule.tp, _specs.Row):
         return RowLinear
     return FSDPLinear
-
-
-def _bias_grad_sum(layer) -> list:
-    """A bias is added to every shard of an output sharded along the batch (FSDP) or the
-    sequence (a sequence-parallel RowLinear), so its gradient is summed over those axes."""
-    rule = layer.rule
-    axes = [rule.fsdp.axis] if rule.fsdp is not None else []
-    if isinstance(rule.tp, _specs.Row) and rule.tp.sequence_parallel:
-        axes.append(rule.tp.axis)
-    return [f"psum db over {', '.join(axes)}"] if axes and layer.bias is not None else []
-
-
-def _same_dtype(w, x):
-    # The promotion of `jnp.result_type`, without the strict-promotion check: an input
-    # of another dtype than the weight is what mixed-precision models pass on purpose.
-    # A QuantizedArray takes the dtype as its logical one (its values stay as stored).
-    with jax.numpy_dtype_promotion("standard"):
-        dt = jnp.result_type(w.dtype, x)
-    return w.astype(dt), x.astype(dt)
-
-
-def _array_of(w):
-    """The array standing for the weight `w` (a QuantizedArray's `values`, or its spec's)."""
-    return w.values if isinstance(w, QuantizedArray) else w
-
-
-def _stationary(w):
-    """A weight that stays put in a ring (the x-gathers and reduce-scatters multiply
-    each step's block by it): a QuantizedArray's local shard is dequantized here, the
-    kernels take no quantized stationary operand."""
-    return w.materialise() if isinstance(w, QuantizedArray) else w
-
-
-def matmul_t(x, w, out_dtype=None):
-    """`x @ w.T` for a weight `(out, in)`, accumulating in float32 for 16-bit inputs; a
-    `QuantizedArray` weight is multiplied as int8/fp8 values, scales on the product."""
-    out_dtype = out_dtype or x.dtype
-    if isinstance(w, QuantizedArray):
-        acc = _definition.accumulation_dtype(x.dtype)
-        dn = (((x.ndim - 1,), (w.ndim - 1,)), ((), ()))
-        return qdot(x, w, dn, preferred_element_type=acc).astype(out_dtype)
-    return _definition.matmul(x, w.T).astype(out_dtype)
-
-
-def add_bias(y, b):
-    if b is None:
-        return y
-    # Type the bias as varying where `y` varies *before* broadcasting it: the transpose
-    # of that implicit `pvary` is the bias gradient's psum, which then sums the
-    # (out,) bias, not the broadcast (batch, seq, out) cotangent (on an FSDP x TP block
-    # that was a 32 MB and an 8 MB all-reduce per step in place of two 8-32 KB ones).
-    b = _vma.as_varying(b.astype(y.dtype), _vma.varying_axes(y))
-    # Broadcast explicitly: jax_numpy_rank_promotion="raise" refuses `y + b` on batches.
-    return y + jnp.broadcast_to(b, y.shape)
-
-
-def gather_fsdp(w, rule: Rule):
-    """Gather the FSDP shards of the local weight (its transpose reduce-scatters the grad).
-
-    With the FSDP style's `comm_dtype` each device quantizes its shard (one scale per
-    output channel of the shard) and the gather moves values and scales; the result is
-    dequantized, with a straight-through gradient. A `QuantizedArray` weight is
-    gathered as values and scales (scales along the features only where FSDP splits
-    the output features: a scale covers a whole row) and stays quantized; one with a
-    `master` is gathered the same way (the master stays home) and dequantized, its
-    gradient reduce-scattered to the master.
-    """
-    f = rule.fsdp
-    if f is None:
-        return w
-    d = rule.fsdp_dim
-    gather = functools.partial(lax.all_gather, axis_name=f.axis, axis=d, tiled=True)
-    if isinstance(w, QuantizedArray):
-        one = w.scales.shape[-1] == 1 and d == 1  # one scale per row: nothing to gather
-        g = QuantizedArray(gather(w.values), w.scales if one else gather(w.scales),
-                           axis=w.axis, dtype=w.dtype,
-                           allow_materialise=w.allow_materialise)
-        if w.master is None:
-            return g
-        # Training: the master stays home; its gradient is the gathered weight's,
-        # reduce-scattered (straight through the quantization).
-        full = g.dequantize()
-        return _straight_through_gather(full, w.master.astype(full.dtype), f.axis, d)
-    if f.comm_dtype is None:
-        return gather(w)
-    if f.grad_comm_dtype is not None:
-        raise NotImplementedError(
-            f"FSDP(grad_comm_dtype={f.grad_comm_dtype}): a sequence-parallel layer gathers "
-            "its FSDP weight with lax.all_gather, whose gradient is a psum_scatter in the "
-            "weight's dtype; grad_comm_dtype applies where the gather is an "
-            "all_gather_matmul (the non-sequence-parallel layers).")
-    return _gather_quantized(w, f.axis, d, f.comm_dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _straight_through_gather(full, own, axis, dim):
-    """`full` (a gathered weight, dequantized), differentiated as the gather of `own`
-    (this device's shard, or the master a stored QuantizedArray carries): the gradient
-    is reduce-scattered to it, straight through the quantization."""
-    return full
-
-
-def _straight_through_gather_fwd(full, own, axis, dim):
-    return full, None
-
-
-def _straight_through_gather_bwd(axis, dim, _, g):
-    return None, lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
-
-
-_straight_through_gather.defvjp(_straight_through_gather_fwd, _straight_through_gather_bwd)
-
-
-def _gather_quantized(w, axis, dim, dtype):
-    """The FSDP gather of `w` sent in `dtype`: each shard quantized with one scale per
-    row (of the shard: a gathered row has one scale per shard where FSDP splits `in`)."""
-    q = _quantize.quantize(w, dtype, axis=1)
-    g = jax.tree.map(lambda a: lax.all_gather(a, axis, axis=dim, tiled=True), q)
-    return _straight_through_gather(_quantize.dequantize(g, w.dtype), w, axis, dim)
-
-
-def fsdp_matmul(x, w, rule: Rule, backend, out_dtype=None):
-    """`x @ w.T` with the full weight: the FSDP gather overlapped with the matmul.
-
-    The weight's FSDP dimension `d` is `w.T`'s dimension `1 - d`: the contracting rows
-    (gather="rhs", dim=0) or the output columns (dim=1). The op's backward
-    reduce-scatters the weight gradient over the FSDP axis. The gather sends the FSDP
-    style's `comm_dtype`; a `QuantizedArray` weight travels as its stored values and
-    scales (no gradient), or, carrying a `master`, as the master quantized by the op
-    to the values' dtype (straight-through gradient to the master).
-    """
-    f = rule.fsdp
-    if f is None:
-        return matmul_t(x, w, out_dtype)
-    comm, grad_comm = f.comm_dtype, f.grad_comm_dtype
-    if isinstance(w, QuantizedArray) and w.master is not None:
-        w, comm = w.master.astype(w.dtype), w.values.dtype
-    wt = w.T.as_payload() if isinstance(w, QuantizedArray) else w.T
-    return all_gather_matmul(x, wt, f.axis, gather="rhs", dim=1 - rule.fsdp_dim,
-                             backend=backend, preferred_element_type=out_dtype,
-                             comm_dtype=comm, grad_comm_dtype=grad_comm)
 
 
 class ColumnLinear(ParallelLinear):
@@ -515,27 +318,13 @@ class ColumnLinear(ParallelLinear):
 
     def collectives(self) -> tuple[list, list]:
         """The collectives of the forward and of the backward pass (`fusedpar.describe`)."""
-        tp, f = self.rule.tp, self.rule.fsdp
-        fw, fg = _in(self, f, "comm_dtype"), _in(self, f, "grad_comm_dtype")
-        fwd, bwd = [], []
-        if tp.sequence_parallel:
-            fwd += [f"all_gather W over {f.axis}{fw}"] if f else []
-            fwd.append(f"all_gather_matmul x(seq) over {tp.axis}{_in(self, tp, 'comm_dtype')}")
-            bwd.append(f"matmul_reduce_scatter dx(seq) over {tp.axis}"
-                       f"{_in(self, tp, 'grad_comm_dtype')}")
-            bwd += [f"reduce_scatter dW over {f.axis}"] if f else []
-        else:
-            fwd += [f"all_gather_matmul W over {f.axis}{fw}"] if f else []
-            bwd += [f"matmul_reduce_scatter dW over {f.axis}{fg}"] if f else []
-            bwd.append(f"psum dx over {tp.axis}")
-        fwd += [f"all_gather y over {tp.axis}"] if tp.gather_output else []
-        return fwd, bwd + _bias_grad_sum(self)
+        return _collective_names.column(self)
 
     def _local(self, x, rule):
         tp = rule.tp
-        w, b, x = self._operands(x, rule, _length(self.in_features))
+        w, b, x = self._operands(x, rule, length(self.in_features))
         if tp.sequence_parallel:
-            w = _stationary(gather_fsdp(w, rule))
+            w = stationary(gather_fsdp(w, rule))
             y = all_gather_matmul(x, w.T, tp.axis, gather="lhs", dim=x.ndim - 2,
                                   backend=self._ops_backend, comm_dtype=tp.comm_dtype,
                                   grad_comm_dtype=tp.grad_comm_dtype)
@@ -587,25 +376,13 @@ class RowLinear(ParallelLinear):
 
     def collectives(self) -> tuple[list, list]:
         """The collectives of the forward and of the backward pass (`fusedpar.describe`)."""
-        tp, f = self.rule.tp, self.rule.fsdp
-        fw, fg = _in(self, f, "comm_dtype"), _in(self, f, "grad_comm_dtype")
-        if tp.sequence_parallel:
-            fwd = ([f"all_gather W over {f.axis}{fw}"] if f else []) + [
-                f"matmul_reduce_scatter y(seq) over {tp.axis}{_in(self, tp, 'comm_dtype')}"]
-            bwd = [f"all_gather_matmul dy(seq) over {tp.axis}"
-                   f"{_in(self, tp, 'grad_comm_dtype')}"] + (
-                [f"reduce_scatter dW over {f.axis}"] if f else [])
-        else:
-            fwd = ([f"all_gather_matmul W over {f.axis}{fw}"] if f else []) + [
-                f"psum y over {tp.axis}"]
-            bwd = [f"matmul_reduce_scatter dW over {f.axis}{fg}"] if f else []
-        return fwd, bwd + _bias_grad_sum(self)
+        return _collective_names.row(self)
 
     def _local(self, x, rule):
         tp = rule.tp
         w, b, x = self._operands(x, rule, self.in_features // lax.axis_size(tp.axis))
         if tp.sequence_parallel:
-            w = _stationary(gather_fsdp(w, rule))
+            w = stationary(gather_fsdp(w, rule))
             y = matmul_reduce_scatter(x, w.T, tp.axis, dim=x.ndim - 2,
                                       backend=self._ops_backend, comm_dtype=tp.comm_dtype,
                                       grad_comm_dtype=tp.grad_comm_dtype)
@@ -647,11 +424,8 @@ class FSDPLinear(ParallelLinear):
 
     def collectives(self) -> tuple[list, list]:
         """The collectives of the forward and of the backward pass (`fusedpar.describe`)."""
-        f = self.rule.fsdp
-        return ([f"all_gather_matmul W over {f.axis}{_in(self, f, 'comm_dtype')}"],
-                [f"matmul_reduce_scatter dW over {f.axis}{_in(self, f, 'grad_comm_dtype')}"]
-                + _bias_grad_sum(self))
+        return _collective_names.fsdp(self)
 
     def _local(self, x, rule):
-        w, b, x = self._operands(x, rule, _length(self.in_features))
+        w, b, x = self._operands(x, rule, length(self.in_features))
         return add_bias(fsdp_matmul(x, w, rule, self._ops_backend), b)

@@ -32,6 +32,9 @@ import dataclasses
 import functools
 from typing import Optional, Sequence
 
+# Re-exported: the kernels need it too, so it lives at the bottom, in fusedpar.kernels.
+from .kernels._ring import mesh_coordinates as mesh_coordinates
+
 
 @dataclasses.dataclass(frozen=True)
 class Ring:
@@ -174,19 +177,6 @@ def prefers_bidirectional(size: int, block_length: int) -> bool:
     """The default ring shape: bidirectional when the ring has more than 2 devices (with 2,
     both directions reach the same neighbour) and each block splits into equal halves."""
     return size > 2 and block_length % 2 == 0
-
-
-def mesh_coordinates(position, sizes: dict) -> dict:
-    """Per-axis coordinates of ring `position` on a ring over several mesh axes.
-
-    `sizes` maps each axis name to its size, in the order of the axis tuple the ring runs
-    over: the first axis is major, as `lax.axis_index(tuple)` counts. Works on traced ints.
-    """
-    coords = {}
-    for name in reversed(list(sizes)):
-        coords[name] = position % sizes[name]
-        position = position // sizes[name]
-    return coords
 
 
 # -- the ring order on physical links ------------------------------------------------------

@@ -1,7 +1,9 @@
 """Every subpackage ships: fusedpar's, and kernels/ as fusedpar.kernels (never a top-level
-`kernels`). setuptools installs only the packages pyproject.toml lists."""
+`kernels`). setup.py finds the package list; pyproject.toml maps kernels/ to
+fusedpar.kernels."""
 
 import importlib
+import importlib.util
 import pathlib
 import tomllib
 
@@ -11,12 +13,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_every_subpackage_is_installed():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert config["package-dir"]["fusedpar.kernels"] == "kernels"
-    listed = set(config["packages"])
+    assert "packages" not in config, "setup.py finds the packages: no list in pyproject.toml"
+    spec = importlib.util.spec_from_file_location("fusedpar_setup", ROOT / "setup.py")
+    setup_py = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup_py)  # defines packages(); setup() runs only as __main__
+    listed = set(setup_py.packages())
     on_disk = {"fusedpar." + ".".join(p.parent.relative_to(ROOT).parts)
                for p in (ROOT / "kernels").rglob("__init__.py")}
     on_disk |= {".".join(p.parent.relative_to(ROOT).parts)
                 for p in (ROOT / "fusedpar").rglob("__init__.py")}
-    assert on_disk <= listed, f"add {sorted(on_disk - listed)} to packages in pyproject.toml"
+    assert on_disk == listed, (sorted(on_disk - listed), sorted(listed - on_disk))
     assert not any(name == "kernels" or name.startswith("kernels.") for name in listed)
     for name in on_disk:
         importlib.import_module(name)
@@ -29,3 +35,40 @@ def test_public_names():
                  "Ring"):
         assert hasattr(fusedpar, name), name
     assert {"reference", "ring", "pallas"} <= set(fusedpar.backend_names())
+
+
+def _imports(path: pathlib.Path):
+    """`(line, module)` of every import in `path`, relative ones resolved to absolute names
+    as the installed package sees them (kernels/ is fusedpar.kernels)."""
+    import ast
+
+    package = ["fusedpar", *path.parent.relative_to(ROOT).parts]  # kernels -> fusedpar.kernels
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names = [module] if node.module else [f"{module}.{a.name}" for a in node.names]
+            for name in names:
+                yield node.lineno, name
+
+
+def test_kernels_import_nothing_of_fusedpar_outside_kernels():
+    # The kernels are the bottom layer: refs in, refs out, their ring given as a value.
+    outside = [f"{p.relative_to(ROOT)}:{line}: {name}"
+               for p in sorted((ROOT / "kernels").rglob("*.py"))
+               for line, name in _imports(p)
+               if (name == "fusedpar" or name.startswith("fusedpar."))
+               and not (name == "fusedpar.kernels" or name.startswith("fusedpar.kernels."))
+               or name == "kernels" or name.startswith("kernels.")]
+    assert not outside, "kernels/ imports the package above it:\n" + "\n".join(outside)
+
+
+def test_the_package_ring_is_what_the_kernels_ask_for():
+    from fusedpar import Ring
+    from fusedpar.kernels._ring import RingSchedule
+
+    assert isinstance(Ring(4, bidirectional=True), RingSchedule)
+    assert not isinstance(object(), RingSchedule)

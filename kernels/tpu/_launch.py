@@ -19,8 +19,7 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from fusedpar._schedule import Ring
-
+from .._ring import RingSchedule
 from . import _protocol
 from ._chips import Chip
 
@@ -35,7 +34,7 @@ class RingLaunch:
     """What a ring kernel is built with, besides its operands.
 
     - `axis_name`: the mesh axis (or tuple of axes, the first major) the ring runs over;
-      `ring`: its `Ring` (size, direction).
+      `ring`: its schedule (`fusedpar.Ring`, or any `_ring.RingSchedule`).
     - `collective_id`: the kernel's barrier semaphore (`_collective_ids`); None on a ring
       of one device, which has no collective.
     - `chip`: the `_chips.Chip` it is planned and compiled for.
@@ -48,7 +47,7 @@ class RingLaunch:
     """
 
     axis_name: Hashable
-    ring: Ring
+    ring: RingSchedule
     collective_id: Optional[int]
     chip: Chip
     interpret: Any = False

@@ -34,8 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from fusedpar._schedule import Ring, mesh_coordinates
-
+from .. import _ring
 from . import _layout
 
 # Private option values that break the protocol on purpose (tests/test_tpu_protocol.py
@@ -76,7 +75,7 @@ class Link:
     it is a ref (one part) or a tuple of refs (one per part).
     """
 
-    ring: Ring
+    ring: _ring.RingSchedule
     axis_name: object
     slots: object
     send: object
@@ -101,7 +100,7 @@ class Link:
         with `lax.axis_index`: the enclosing `shard_map` must be manual over every mesh
         axis (Mosaic cannot partition a kernel over an automatic one either)."""
         names = _axis_names(self.axis_name)
-        return mesh_coordinates(index, {name: lax.axis_size(name) for name in names})
+        return _ring.mesh_coordinates(index, {name: lax.axis_size(name) for name in names})
 
     def barrier(self):
         """Wait until both neighbours have entered the kernel."""

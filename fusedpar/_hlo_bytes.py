@@ -1,0 +1,104 @@
+"""The bytes an HLO instruction reads and writes: windows of sliced operands, in-place
+updates, and what a fusion only passes through (to its root tuple or a collective)."""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from ._hlo_kinds import is_collective
+from ._hlo_parse import Instruction, Module
+
+
+def in_place_bytes(module: Module, i: Instruction, by_name: dict) -> Optional[int]:
+    """The bytes of the update when `i` updates a buffer in place (a dynamic-update-slice,
+    alone or as the root of its fusion), else None: it moves the update, not the buffer."""
+    if i.opcode == "dynamic-update-slice":
+        update = by_name.get(i.operands[1]) if len(i.operands) > 1 else None
+        return None if update is None else update.bytes
+    if i.opcode not in ("fusion", "fusion-start"):  # fusion-start: XLA's asynchronous fusion
+        return None
+    for c in i.calls:
+        root = module.roots.get(c)
+        if root is not None and root.opcode == "dynamic-update-slice" and len(root.operands) > 1:
+            inner = {j.name: j for j in module.computations.get(c, ())}
+            update = inner.get(root.operands[1])
+            if update is not None:
+                return update.bytes
+    return None
+
+
+_WINDOWS = ("slice", "dynamic-slice")
+_PARAMETER = re.compile(r"\bparameter\((\d+)\)")
+
+
+def read_bytes(module: Module, i: Instruction, by_name: dict) -> int:
+    """The bytes `i` reads from memory: each operand's, except that an operand only
+    sliced (a `slice` or `dynamic-slice`, alone or inside the fusion) is read only
+    where the windows are: slicing one block out of a gathered buffer reads the block;
+    and an operand a fusion only passes through (to its root tuple, or to a collective
+    whose transfer the DMA engines make) is not read by the fusion at all."""
+    operands = [by_name.get(o) for o in i.operands]
+    if i.opcode in _WINDOWS:
+        return i.bytes + sum(o.bytes for o in operands[1:] if o is not None)
+    windows = {}  # fused parameter number -> bytes its slices read (only-sliced ones)
+    for c in i.calls if i.opcode == "fusion" else ():
+        windows.update(_sliced_parameters(module, c))
+    return sum(windows.get(n, o.bytes) for n, o in enumerate(operands) if o is not None)
+
+
+def _sliced_parameters(module: Module, computation: str, depth: int = 0) -> dict:
+    """`{parameter number: bytes read}` for the parameters of a fused computation that
+    are only read through slices: by `slice` / `dynamic-slice` instructions, or as the
+    operand of a nested fusion that only slices it (the TPU compiler wraps a step's
+    dynamic-slice in a loop fusion inside the matmul's fusion)."""
+    inner = module.computations.get(computation, ())
+    root = module.roots.get(computation)
+    found = {}
+    for j in inner:
+        number = _PARAMETER.search(j.line) if j.opcode == "parameter" else None
+        users = [u for u in inner if j.name in u.operands]
+        if not number or not users:
+            continue
+        read = 0
+        for u in users:
+            if _passes_through(u, root):
+                continue
+            if u.opcode in _WINDOWS and u.operands[0] == j.name:
+                read += u.bytes
+                continue
+            nested = (_sliced_parameters(module, u.calls[0], depth + 1)
+                      if u.opcode == "fusion" and u.calls and depth < 4 else {})
+            positions = [k for k, o in enumerate(u.operands) if o == j.name]
+            if positions and all(k in nested for k in positions):
+                read += sum(nested[k] for k in positions)
+                continue
+            read = None
+            break
+        if read is not None:
+            found[int(number.group(1))] = read
+    return found
+
+
+def _passes_through(user: Instruction, root: Optional[Instruction]) -> bool:
+    """Whether a fused computation's `user` of a value moves it without the compute
+    units: the root tuple returning it as it is (an output aliased to the operand, as
+    in the TPU compiler's asynchronous collective fusions, which thread the
+    collective's buffers through the matmuls running beside it), or a collective,
+    whose bytes the DMA engines move and the replay counts as a transfer."""
+    return ((user is root and user.opcode == "tuple")
+            or is_collective(user))
+
+
+def written_bytes(module: Module, i: Instruction) -> int:
+    """The bytes `i` writes: its result's, less the parts of a fusion's tuple result that
+    its computation passes through from a parameter or takes from a collective (see
+    `_passes_through`)."""
+    for c in i.calls if i.opcode == "fusion" else ():
+        root = module.roots.get(c)
+        if root is None or root.opcode != "tuple":
+            continue
+        inner = {j.name: j for j in module.computations.get(c, ())}
+        return sum(inner[o].bytes for o in root.operands if o in inner
+                   and inner[o].opcode != "parameter" and not is_collective(inner[o]))
+    return i.bytes

@@ -1,0 +1,156 @@
+"""What an HLO instruction is: a collective (and which), the start or done of an
+asynchronous one, a matmul; which computations have a schedule of their own, and the
+dataflow within one."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ._hlo_parse import COLLECTIVES, MATMUL_TARGETS, Instruction, Module
+
+
+def is_collective(i: Instruction) -> bool:
+    """Whether `i` is a collective (`COLLECTIVES`) or the start of one."""
+    return i.opcode.replace("-start", "") in COLLECTIVES
+
+
+def collective_kind(module: Module, instruction: Instruction) -> Optional[str]:
+    """The collective an instruction starts or is (`COLLECTIVES`), else None."""
+    op = instruction.opcode
+    for kind in COLLECTIVES:
+        if op in (kind, kind + "-start"):
+            return kind
+    if op == "async-start" or is_async_start(instruction):
+        inner = collective_inside(module, instruction)
+        return None if inner is None else inner.opcode.replace("-start", "")
+    if op == "fusion" and not instruction.name.startswith("async-collective-done"):
+        return _fused_collective(module, instruction)
+    return None
+
+
+def _fused_collective(module: Module, fusion: Instruction) -> Optional[str]:
+    """The synchronous collective a fusion is, else None. The TPU compiler wraps a
+    reduce-scatter in a fusion (`%all-reduce-scatter`: an all-reduce of the padded input
+    and the slice each device keeps); a fusion with a matmul beside its collective is a
+    step of an asynchronous collective fusion (its transfer is the start's)."""
+    inner = list(_inside(module, fusion))
+    collective = next((j for j in inner if j.opcode in COLLECTIVES), None)
+    if collective is None or any(_is_matmul_itself(j) for j in inner):
+        return None
+    root = module.roots.get(fusion.calls[0]) if fusion.calls else None
+    if collective.opcode == "all-reduce" and root is not None and root.opcode == "dynamic-slice":
+        return "reduce-scatter"
+    return collective.opcode
+
+
+def _inside(module: Module, instruction: Instruction):
+    """The instructions of the computations `instruction` calls, and of those they call,
+    breadth first (each computation once)."""
+    stack, seen = list(instruction.calls), set()
+    while stack:
+        c = stack.pop(0)
+        if c in seen:
+            continue
+        seen.add(c)
+        for inner in module.computations.get(c, ()):
+            yield inner
+            stack.extend(inner.calls)
+
+
+def collective_inside(module: Module, instruction: Instruction) -> Optional[Instruction]:
+    """The collective instruction an async wrapper runs (its replica groups, its
+    op_name), found through the computations it calls; None if there is none."""
+    return next((inner for inner in _inside(module, instruction) if is_collective(inner)),
+                None)
+
+
+def op_name(module: Module, i: Instruction) -> str:
+    """`i`'s op_name, or (a wrapper without one, like a TPU async collective fusion) the
+    op_name of the first instruction inside it that has one."""
+    if i.op_name:
+        return i.op_name
+    return next((inner.op_name for inner in _inside(module, i) if inner.op_name and
+                 inner.opcode not in ("parameter", "get-tuple-element", "tuple", "bitcast")),
+                "")
+
+
+def is_async_start(i: Instruction) -> bool:
+    """Whether `i` starts an asynchronous operation: `<op>-start`, or the TPU compiler's
+    `async-collective-start` fusion (whose computation holds the collective)."""
+    return i.opcode.endswith("-start") or (
+        i.opcode == "fusion" and i.name.startswith("async-collective-start"))
+
+
+def started_by(i: Instruction, by_name: dict) -> Optional[str]:
+    """The name of the start an asynchronous done `i` finishes (`<op>-done(start)`, or a
+    TPU `async-collective-done` fusion of the start's tuple elements), else None."""
+    if i.opcode.endswith("-done") and i.operands:
+        return i.operands[0]
+    if i.opcode == "fusion" and i.name.startswith("async-collective-done"):
+        for name in i.operands:
+            source = by_name.get(name)
+            while source is not None and source.opcode == "get-tuple-element":
+                name = source.operands[0] if source.operands else None
+                source = by_name.get(name)
+            if source is not None and is_async_start(source):
+                return source.name
+    return None
+
+
+def matmul_computations(module: Module) -> set:
+    """Names of the computations that multiply, directly or through what they call."""
+    direct = {name for name, instructions in module.computations.items()
+              if any(_is_matmul_itself(i) for i in instructions)}
+    changed = True
+    while changed:
+        changed = False
+        for name, instructions in module.computations.items():
+            if name not in direct and any(c in direct for i in instructions for c in i.calls):
+                direct.add(name)
+                changed = True
+    return direct
+
+
+def _is_matmul_itself(i: Instruction) -> bool:
+    if i.opcode in ("dot", "convolution", "ragged-dot"):
+        return True
+    return i.opcode == "custom-call" and any(t in i.target for t in MATMUL_TARGETS)
+
+
+def is_matmul(i: Instruction, multiplying: set) -> bool:
+    """Whether instruction `i` runs a matmul (itself, or inside a fusion/call/loop it
+    runs); `multiplying` is `matmul_computations(module)`."""
+    if _is_matmul_itself(i):
+        return True
+    if i.opcode in ("fusion", "call", "while", "conditional"):
+        return any(c in multiplying for c in i.calls)
+    return False
+
+
+def scheduled_computations(module: Module) -> list:
+    """The computations that have a schedule of their own: the entry, loop bodies and
+    conditions, called computations and branches — not fusion bodies (they run inside
+    their fusion's kernel) nor the bodies of async wrappers and reductions."""
+    inside = set()
+    for instructions in module.computations.values():
+        for i in instructions:
+            if i.opcode not in ("while", "call", "conditional"):
+                inside.update(i.calls)
+    return [name for name in module.computations if name not in inside]
+
+
+def dataflow(instructions) -> tuple[list, list]:
+    """Each instruction's ancestors and descendants in its computation's dataflow, as
+    bitsets (Python ints, bit `k` for `instructions[k]`). The instructions of a
+    scheduled computation are listed in an order where operands come first."""
+    index = {i.name: k for k, i in enumerate(instructions)}
+    operands = [[index[o] for o in i.operands if o in index] for i in instructions]
+    ancestors = [0] * len(instructions)
+    for k, ops in enumerate(operands):
+        for o in ops:
+            ancestors[k] |= ancestors[o] | (1 << o)
+    descendants = [0] * len(instructions)
+    for k in range(len(instructions) - 1, -1, -1):
+        for o in operands[k]:
+            descendants[o] |= descendants[k] | (1 << k)
+    return ancestors, descendants

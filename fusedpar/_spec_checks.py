@@ -1,0 +1,78 @@
+"""Checks of a layer's sharding against a mesh, with errors that say what to change.
+
+Errors name the parameter path, dimension, size and axes, and the fix (for a vocabulary,
+the padding that makes it divide).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from jax.sharding import PartitionSpec as P
+
+from ._rules import Rule, axes_of, axes_product
+
+
+def check_fsdp_dim(where: str, fsdp_axis, fsdp_dim) -> None:
+    """Raise if `fsdp_dim` is given without the `fsdp_axis` it would apply to."""
+    if fsdp_dim is not None and fsdp_axis is None:
+        raise ValueError(f"{where}: fsdp_dim={fsdp_dim!r} without fsdp_axis does nothing; "
+                         "pass fsdp_axis (e.g. 'fsdp') to shard the weight with FSDP, or "
+                         "drop fsdp_dim.")
+
+
+def mesh_sizes(mesh) -> dict:
+    """`{axis name: size}` of a `Mesh` or `AbstractMesh`."""
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def check_scalar(where: str, rule: Rule, in_features, out_features) -> None:
+    """Refuse a rule that shards a "scalar" feature dimension of a linear layer.
+
+    `eqx.nn.Linear` takes `"scalar"` features (a weight dimension of length 1); a layer
+    with them computes as it does with no mesh, but no mesh axis can split that dimension.
+    """
+    names = {0: ("out_features", out_features), 1: ("in_features", in_features)}
+    for pl in rule.placements(use_bias=False):
+        name, value = names[pl.dim]
+        if value == "scalar":
+            style = "FSDP" if pl.role == "fsdp" else type(rule.tp).__name__
+            raise ValueError(
+                f"{where}: {name}='scalar' is a weight dimension of length 1, which its "
+                f"{style} style shards over mesh axis {pl.axis!r}; keep this layer an "
+                "eqx.nn.Linear (leave it out of the parallelize plan), or use a style "
+                "that shards the other dimension.")
+
+
+def check_spec(path: str, shape, spec: P, sizes: dict, what="parameter",
+               vocab_dim: Optional[int] = None):
+    """Raise unless every axis of `spec` is in the mesh and divides its dimension.
+
+    `vocab_dim`: the dimension that is a vocabulary, which the message says to pad.
+    """
+    for d, entry in enumerate(spec):
+        axes = axes_of(entry)
+        missing = [a for a in axes if a not in sizes]
+        if missing:
+            raise ValueError(
+                f"{path}: mesh axis {missing[0]!r} (sharding dim {d}) is not in the mesh, "
+                f"whose axes are {tuple(sizes)}.")
+        n = axes_product(axes, sizes)
+        if axes and shape[d] % n:
+            sz = ", ".join(f"{a}={sizes[a]}" for a in axes)
+            fix = ("change the size, the mesh, or use relaxed=True to replicate this "
+                   "dimension" if what == "parameter" else "change the size or the mesh")
+            if d == vocab_dim:
+                fix = pad_vocab_hint(shape[d], n) + ", or use relaxed=True to replicate it"
+            raise ValueError(
+                f"{path}: {what} dim {d} has size {shape[d]}, not divisible by {n}, the "
+                f"product of mesh axes {axes} ({sz}); {fix}.")
+
+
+def pad_vocab_hint(vocab: int, n: int) -> str:
+    """How to make a vocabulary of `vocab` entries shard over `n` devices."""
+    padded = -(-vocab // n) * n
+    return (f"pad the vocabulary to a multiple of {n} (e.g. {padded}: the embedding's "
+            f"num_embeddings and the LM head's out_features), and pass "
+            f"vocab_size={vocab} to fusedpar.cross_entropy so the padding gets no "
+            "probability")

@@ -1,0 +1,23 @@
+"""The package list, found rather than kept by hand (everything else is in pyproject.toml).
+
+kernels/ lives at the repository root but installs as fusedpar.kernels (pyproject.toml's
+package-dir maps it). setuptools' `packages.find` cannot search a mapped directory under
+another name, so each subpackage found under kernels/ is named here as fusedpar.kernels.*.
+"""
+
+import pathlib
+
+from setuptools import find_packages, setup
+
+ROOT = pathlib.Path(__file__).resolve().parent
+
+
+def packages() -> list:
+    """fusedpar's packages, and kernels/'s as fusedpar.kernels, fusedpar.kernels.tpu, ..."""
+    kernels = find_packages(ROOT, include=["kernels", "kernels.*"])
+    return (find_packages(ROOT, include=["fusedpar", "fusedpar.*"])
+            + ["fusedpar." + name for name in kernels])
+
+
+if __name__ == "__main__":
+    setup(packages=packages())
