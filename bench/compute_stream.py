@@ -370,24 +370,29 @@ def _replayed(text: str) -> dict:
         hw = cost_model.get_hardware(preset)
         out[preset] = _simulate.predict(text, hw).compute
         if preset == "h100_sxm":
-            replay = _simulate._Replay(module, hw)
             costs = {}
-            for name in _hlo.scheduled_computations(module):
-                instructions = module.computations[name]
-                by_name = {i.name: i for i in instructions}
-                for i in instructions:
-                    t = replay._kernel_time(i, by_name)
-                    if t:
-                        costs[i.name] = [t, _category(module, i, replay.multiplying)]
+            for i, t, matmul in _kernel_costs(module, hw):
+                costs[i.name] = [t, "matmul" if matmul else _category(i)]
             out["instructions"] = costs
     return out
 
 
-def _category(module, i, multiplying) -> str:
-    from fusedpar import _hlo
+def _kernel_costs(module, hw):
+    """`(instruction, seconds, is a matmul)` of every kernel the replay costs on the
+    compute stream of `module` (a parsed HLO module) with `hw`'s numbers."""
+    from fusedpar import _hlo, _simulate
 
-    if _hlo.is_matmul(i, multiplying):
-        return "matmul"
+    replay = _simulate._Replay(module, hw)
+    for name in _hlo.scheduled_computations(module):
+        instructions = module.computations[name]
+        by_name = {i.name: i for i in instructions}
+        for i in instructions:
+            t = replay._kernel_time(i, by_name)
+            if t:
+                yield i, t, _hlo.is_matmul(i, replay.multiplying)
+
+
+def _category(i) -> str:
     for op in ("dynamic-update-slice", "dynamic-slice", "copy", "add", "broadcast",
                "convert", "transpose", "reduce"):
         if op in i.name or i.opcode == op:
@@ -459,18 +464,11 @@ def _replayed_parts(text: str, preset: str) -> tuple:
     from fusedpar import _hlo, _simulate, cost_model
 
     hw = cost_model.get_hardware(preset)
-    module = _hlo.parse(text)
-    replay = _simulate._Replay(module, hw)
     parts = {"matmul": [0, 0.0], "other": [0, 0.0]}
-    for name in _hlo.scheduled_computations(module):
-        instructions = module.computations[name]
-        by_name = {i.name: i for i in instructions}
-        for i in instructions:
-            t = replay._kernel_time(i, by_name)
-            if t:
-                part = parts["matmul" if _hlo.is_matmul(i, replay.multiplying) else "other"]
-                part[0] += 1
-                part[1] += t
+    for _, t, matmul in _kernel_costs(_hlo.parse(text), hw):
+        part = parts["matmul" if matmul else "other"]
+        part[0] += 1
+        part[1] += t
     return _simulate.predict(text, hw).compute, {k: tuple(v) for k, v in parts.items()}
 
 
