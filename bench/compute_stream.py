@@ -190,7 +190,8 @@ def _dumped(compile_fn) -> str:
                     "xla_dump_hlo_pass_re": "call-inliner"})
         # The partitioner's own call inlining: each partition's program, shard_map
         # bodies inlined into the entry computation, before any optimisation.
-        found = sorted(f for f in glob.glob(os.path.join(d, "*.spmd-partitioner.after_call-inliner*.txt"))
+        pattern = os.path.join(d, "*.spmd-partitioner.after_call-inliner*.txt")
+        found = sorted(f for f in glob.glob(pattern)
                        if ".pre-spmd" not in f)
         if not found:
             raise RuntimeError(f"no partitioned dump in {sorted(os.listdir(d))[:10]}")
@@ -501,7 +502,8 @@ def table(path: str, compiled: str = None, preset: str = "h200_sxm") -> str:
     lines = [f"One {data['device']}, JAX {data['jax_version']}; replay with the "
              f"`{preset}` preset. Times per step in us (kernels: count).", "",
              "| program | measured | replay | replay / measured | matmul kernels: measured "
-             "| replay | other kernels: measured | replay |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| replay | other kernels: measured | replay |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for key, row in data["programs"].items():
         if "queued_s" not in row:
             lines.append(f"| {key} | {row.get('error', '?')[:60]} |||||||")

@@ -304,15 +304,10 @@ class _Replay:
                     self.note(f"conditional {i.name}: which branch runs",
                               f"its first branch, {i.calls[0]}")
                 now, _ = self.run(i.calls[0], now)
-            elif i.opcode == "fusion-start" and _hlo.in_place_bytes(self.module, i, by_name):
-                # Newer XLA (JAX 0.11) starts an in-place update as an asynchronous
-                # fusion; it runs on the compute stream as it starts (an update's copy).
-                t = self._kernel_time(i, by_name)
-                self.compute += t
-                now += t
-            elif i.opcode.endswith("-start") and i.opcode != "async-start":
+            elif (i.opcode.endswith("-start") and i.opcode != "async-start" and not (
+                    i.opcode == "fusion-start" and _hlo.in_place_bytes(self.module, i, by_name))):
                 self.note(f"{i.opcode} {i.name}", "nothing: it costs no time")
-            else:
+            else:  # a kernel (newer XLA starts an in-place update as an async fusion-start)
                 t = self._kernel_time(i, by_name)
                 self.compute += t
                 now += t
