@@ -145,7 +145,7 @@ def _split(ring, a, axis, what):
     return tuple(piece(h) for h in range(ring.num_directions))
 
 
-def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=()):
+def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=(), first_outside=False):
     """All-gather `travelling` along `axis` round the ring, folding each piece into `carry`.
 
     `travelling`: an array, or a `_quantize.Quantized` (values and scales both travel).
@@ -154,7 +154,9 @@ def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=()):
     gathered operand this device holds, one per direction, and their segment indices
     (`Ring.gather_segment`), so a backend can handle a bidirectional step in one launch.
     `inputs`: the other arrays `step_fn` reads, so a rolled loop's carry is typed as
-    varying over every mesh axis its result will vary over.
+    varying over every mesh axis its result will vary over. `first_outside`: run step 0
+    before a rolled loop, for a carry whose step 0 changes its structure (a sum that
+    starts as None and becomes step 0's product).
     """
     ring = ring_for(cfg.axis_name, cfg.axis_size, cfg.bidirectional)
     me = lax.axis_index(cfg.axis_name)
@@ -178,8 +180,10 @@ def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=()):
     # After one ppermute a piece varies over the ring axis even if `travelling` did not,
     # and after the barrier that ties it to the carry (`_after`) over the carry's axes.
     pieces = jax.tree.map(lambda p: as_varying(p, axes), pieces)
-    state = (carry, pieces)
-    carry, pieces = _loop(cfg, 0, ring.num_transfers, step, state)
+    state, start = (carry, pieces), 0
+    if first_outside and ring.num_transfers:
+        state, start = step(0, state), 1
+    carry, pieces = _loop(cfg, start, ring.num_transfers, step, state)
     pieces, carry = _after(pieces, carry)
     return compute(ring.num_steps - 1, carry, pieces)
 
@@ -234,41 +238,44 @@ def ring_reduce_scatter(cfg, accumulate, out_len, axis):
 
 def gathered_buffer(cfg, own, axis, dtype):
     """The `dtype` buffer the pieces of `own` (an array, or a weight stored `Quantized`)
-    fill in, the gathered residual (all of it written).
+    fill in, the gathered residual: uninitialised (`lax.empty`), since the steps write
+    every segment of it (on CPU, `lax.empty` is zeros).
 
-    Its fill is zero times an element of `own`, not the constant 0 of the output's buffer
-    (`gather_out`): XLA merges equal constant broadcasts, and where two gathers update one
-    broadcast in place it copies the whole buffer (a read and a write) for the second.
-    Measured on an FSDP x TP block's training step compiled for v5e: 14.71 -> 14.53 ms
-    predicted, 0.38 ms fewer copies; on 8 x H100, ag_rows' forward and backward lose a
-    40 us copy. The output keeps its constant zeros: filled from an operand too, it cost
-    ag_cols and rs_cols up to 40 us more on v5e, and read from a weight that XLA
-    all-gathers (FSDP) it kept the TPU compiler from fusing that all-gather into the
-    matmuls beside it.
+    Before, it was zero-filled (a write of the whole buffer); a constant zero broadcast
+    besides was merged by XLA with the output's, and two gathers updating one broadcast
+    in place cost a copy of the whole buffer (`test_ring_gather_buffers_are_not_copied`).
     """
     values = _quantize.values_of(own)
     shape = list(values.shape)
     shape[axis] *= cfg.axis_size
-    if values.size == 0:
-        return jnp.zeros(shape, dtype)
-    return jnp.broadcast_to(values.reshape(-1)[0].astype(dtype) * 0, shape)
+    return lax.empty(tuple(shape), dtype)
 
 
-def gather_out(prim, cfg, x, w):
-    """The zero output an all-gather's steps fill in (`ag_contract` sums in f32)."""
-    dtype = cfg.out_dtype
-    if prim == prims.AG_CONTRACT:  # summed over the steps: keep it in f32 until the end
-        dtype = _definition.accumulation_dtype(x.dtype)
-    return jnp.zeros(prims.out_shape(prim, x.shape, w.shape, cfg.axis_size), dtype)
+def gather_out(prim, cfg, x, w, first_product_starts_sum=False):
+    """The output an all-gather's steps fill in: uninitialised (`lax.empty`) for ag_rows
+    and ag_cols, whose steps write every segment of it (a zero fill was one more write
+    of the whole output per op: on 8 x H100 a sequence-parallel MLP's step spent 50 us
+    on three); zeros for the `ag_contract` sum (in f32), or None where the step's
+    function starts the sum with step 0's product (`first_product_starts_sum`)."""
+    shape = prims.out_shape(prim, x.shape, w.shape, cfg.axis_size)
+    if prim != prims.AG_CONTRACT:
+        return lax.empty(shape, cfg.out_dtype)
+    if first_product_starts_sum:
+        return None
+    # Summed over the steps: keep it in f32 until the end.
+    return jnp.zeros(shape, _definition.accumulation_dtype(x.dtype))
 
 
-def run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered=False):
+def run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered=False,
+              first_product_starts_sum=False):
     """Run primitive `prim` on the ring with a backend's step functions.
 
     `gather_step(prim, cfg, x, w)` returns `step(out, pieces, segs) -> out`: one
     all-gather step, every direction's piece with its segment index (one launch for a
     bidirectional step, if the backend likes). `scatter_step(prim, cfg, x, w)` returns
     `accumulate(acc, seg, length) -> acc` (see `ring_reduce_scatter`).
+    `first_product_starts_sum`: an ag_contract step is given `out=None` at step 0 and
+    returns its product alone (in the accumulation dtype), rather than adding it to zeros.
     """
     axis = prims.GATHER_AXIS[prim]
     if prim not in prims.GATHERS:
@@ -292,8 +299,9 @@ def run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered=False)
         return step(out, pieces, segs), gathered
 
     gathered = gathered_buffer(cfg, own, axis, x.dtype) if return_gathered else None
-    out, gathered = ring_gather(cfg, travelling, axis, step_fn,
-                                (gather_out(prim, cfg, x, w), gathered), inputs=(x, w))
+    out = gather_out(prim, cfg, x, w, first_product_starts_sum)
+    out, gathered = ring_gather(cfg, travelling, axis, step_fn, (out, gathered),
+                                inputs=(x, w), first_outside=out is None)
     out = out.astype(cfg.out_dtype)
     return (out, gathered) if return_gathered else out
 
@@ -315,7 +323,9 @@ def gather_step(prim, cfg, x, w):
             elif prim == prims.AG_COLS:
                 out = put(out, _dot(cfg, x, piece), seg, 1)
             else:  # AG_CONTRACT: the piece is rows of w; multiply x's matching columns
-                out = out + _dot(cfg, segment(x, seg, piece.shape[0], 1), piece)
+                # The sum starts from the first product (`run_steps`): no zeros to add to.
+                part = _dot(cfg, segment(x, seg, piece.shape[0], 1), piece)
+                out = part if out is None else out + part
         return out
 
     return step
@@ -337,4 +347,5 @@ def scatter_step(prim, cfg, x, w):
 
 def run(prim, cfg, x, w, return_gathered=False):
     """Run primitive `prim` with the lax ring; see `_primitives.py` for shapes."""
-    return run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered)
+    return run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered,
+                     first_product_starts_sum=True)
