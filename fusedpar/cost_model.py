@@ -246,31 +246,30 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
         c = _step_time(hw, prim, step, dtype, out_b, extra, dirs)
         # The first step has no accumulator to read yet (nothing has arrived).
         first = _step_time(hw, prim, step, dtype, out_b, 0, dirs)
-        zeros = 0.0
         if n > 1:
-            c, first, zeros = _assembly(hw, prim, step, out_b, n, c, first)
+            c, first = _assembly(hw, prim, step, out_b, c, first)
         t = transfer + (latency if n > 1 else 0.0)
         overlapped = max(c, t) + (1.0 - hw.overlap) * min(c, t)
-        total = zeros + first + (n - 1) * overlapped
+        total = first + (n - 1) * overlapped
         result[name] = Breakdown(name, total, c, t, n, per_dir if n > 1 else 0, sent)
     return result
 
 
-def _assembly(hw, prim, step, out_b, n, c, first):
-    """The ring's memory traffic besides its step matmuls, `(c, first, zeros)`: a gather
-    along rows or columns writes each step's product into a zero-initialised output with
-    a dynamic-update-slice (one more read and write of the product, and the zeros: one
-    write of the whole output); XLA does not have the matmul write into the output in
-    place. (An ag_contract or reduce-scatter step's add is in the step model already.)
+def _assembly(hw, prim, step, out_b, c, first):
+    """The ring's memory traffic besides its step matmuls, `(c, first)`: a gather along
+    rows or columns writes each step's product into its output with a
+    dynamic-update-slice (one more read and write of the product); XLA does not have
+    the matmul write into the output in place. The output itself is not filled first
+    (`ring.gather_out`: every step writes its segment), and an ag_contract sum starts
+    from the first product; a reduce-scatter step's add is in the step model already.
     The Pallas estimate is given the same: the TPU kernels and the GPU step kernels write
     their blocks in place, but the presets keep the kernels' per-step costs the lax
     ring's until they are measured, as they do for the step latency on GPU."""
     if prim not in (prims.AG_ROWS, prims.AG_COLS):
-        return c, first, 0.0
+        return c, first
     m, _, cols = step[0]
     update = 2 * m * cols * out_b / hw.hbm_bandwidth
-    zeros = n * m * cols * out_b / hw.hbm_bandwidth
-    return c + update, first + update, zeros
+    return c + update, first + update
 
 
 def _step_time(hw, prim, step, dtype, out_b, extra, dirs):
