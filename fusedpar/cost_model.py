@@ -246,31 +246,53 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
         c = _step_time(hw, prim, step, dtype, out_b, extra, dirs)
         # The first step has no accumulator to read yet (nothing has arrived).
         first = _step_time(hw, prim, step, dtype, out_b, 0, dirs)
-        zeros = 0.0
         if n > 1:
-            c, first, zeros = _assembly(hw, prim, step, out_b, n, c, first)
+            c, first = _assembly(hw, prim, step, out_b, c, first)
         t = transfer + (latency if n > 1 else 0.0)
+        chunk = _folded_chunk(prim, x_shape, w_shape, n, dirs, comm_dtype)
+        if name == "ring" and chunk is not None:
+            # ring._folded_reduce_scatter: per direction two chunks half a step apart,
+            # each step's add in its matmul; two transfers (and step latencies) a step.
+            # Exposed: chunk a's first product and chunk b's last step.
+            ce = extra // (2 * dirs)
+            c = 2 * dirs * _matmul_time(hw, *chunk, dtype, out_b, ce)
+            first = dirs * (_matmul_time(hw, *chunk, dtype, out_b, 0)
+                            + _matmul_time(hw, *chunk, dtype, out_b, ce))
+            t = transfer + 2 * latency
         overlapped = max(c, t) + (1.0 - hw.overlap) * min(c, t)
-        total = zeros + first + (n - 1) * overlapped
+        total = first + (n - 1) * overlapped
         result[name] = Breakdown(name, total, c, t, n, per_dir if n > 1 else 0, sent)
     return result
 
 
-def _assembly(hw, prim, step, out_b, n, c, first):
-    """The ring's memory traffic besides its step matmuls, `(c, first, zeros)`: a gather
-    along rows or columns writes each step's product into a zero-initialised output with
-    a dynamic-update-slice (one more read and write of the product, and the zeros: one
-    write of the whole output); XLA does not have the matmul write into the output in
-    place. (An ag_contract or reduce-scatter step's add is in the step model already.)
+def _assembly(hw, prim, step, out_b, c, first):
+    """The ring's memory traffic besides its step matmuls, `(c, first)`: a gather along
+    rows or columns writes each step's product into its output with a
+    dynamic-update-slice (one more read and write of the product); XLA does not have
+    the matmul write into the output in place. The output itself is not filled first
+    (`ring.gather_out`: every step writes its segment), and an ag_contract sum starts
+    from the first product; a reduce-scatter step's add is in the step model already.
     The Pallas estimate is given the same: the TPU kernels and the GPU step kernels write
     their blocks in place, but the presets keep the kernels' per-step costs the lax
     ring's until they are measured, as they do for the step latency on GPU."""
     if prim not in (prims.AG_ROWS, prims.AG_COLS):
-        return c, first, 0.0
+        return c, first
     m, _, cols = step[0]
     update = 2 * m * cols * out_b / hw.hbm_bandwidth
-    zeros = n * m * cols * out_b / hw.hbm_bandwidth
-    return c + update, first + update, zeros
+    return c + update, first + update
+
+
+def _folded_chunk(prim, x_shape, w_shape, n, dirs, comm_dtype):
+    """The matmul `(m, k, n)` of one chunk of a reduce-scatter step the lax ring folds its
+    adds into (`ring._folded_reduce_scatter`: half a direction's segment), or None where
+    it does not (an all-gather, a ring of one, an odd segment, a `comm_dtype`)."""
+    if prim in prims.GATHERS or n < 2 or comm_dtype is not None:
+        return None
+    m, k, cols = prims.step_matmul(prim, x_shape, w_shape, n, dirs)
+    length = m if prim == prims.RS_ROWS else cols
+    if length % 2:
+        return None
+    return (m // 2, k, cols) if prim == prims.RS_ROWS else (m, k, cols // 2)
 
 
 def _step_time(hw, prim, step, dtype, out_b, extra, dirs):

@@ -57,7 +57,11 @@ def test_quantized_ring_transfers_carry_narrow_bytes(target, comm):
     for prim in PRIMS:
         n_base, bytes_base, laid_base, arrays_base = base[prim]
         n, nbytes, laid, arrays = got[prim]
-        assert n_base > 0 and n >= n_base, (prim, n_base, n)
+        # The unquantized lax ring sends a reduce-scatter's accumulators in two chunks a
+        # step (it folds the adds into the matmuls: ring._folded_reduce_scatter); a
+        # quantized accumulator travels whole, once a step.
+        chunks = 2 if prim.startswith("rs") else 1
+        assert n_base > 0 and chunks * n >= n_base, (prim, n_base, n)
         assert {d for d, _ in arrays_base} == {"bf16"}, (prim, arrays_base)
         # Values in the narrow dtype; everything else is a float32 scale (a dimension 1).
         assert (NARROW[comm], False) in arrays, (prim, arrays)

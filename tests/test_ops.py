@@ -112,8 +112,12 @@ def check(results, dtype, what):
             assert_close(g, w, dtype, f"{what} {label} {name}")
 
 
+# Ring sizes: 1 (no ring), 2 (both directions of a bidirectional ring reach the same
+# neighbour; one transfer, unrolled even when asked to roll) and 8 (the slices' size;
+# rolled loops, both directions apart). Rings of 4 run in the tests below (2 x 4 meshes,
+# check_vma=False, reduce_dtype, vector inputs, the TPU kernels out of order).
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [1, 2, 8])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_matches_definition(case, n, dtype):
     check(run_case(case, n, dtype, CONFIGS), dtype, f"{case.name} N={n}")

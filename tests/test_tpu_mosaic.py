@@ -7,7 +7,8 @@ what it refuses here it refuses on a TPU. Nothing runs.
 
 - every kernel (the five primitives, uni- and bidirectional, forward and backward) at a
   realistic size: per device x (1024, 4096) @ w (4096, 4096) bfloat16, the tiled HBM
-  path (v5e; v5p and v6e bidirectional; the rest marked slow);
+  path (v5e; v5p and v6e bidirectional, and one v5p unidirectional; the whole grid of
+  generations and directions: bench/test_tpu_compile_sweep.py);
 - the smallest windows `kernels/tpu/_layout.py` accepts — ring segments of 8 rows (float32
   and bfloat16: bfloat16's tile has 8 rows, not 16) and of 128 lanes, pipeline blocks of
   8 rows — compile on v4, v5e, v5p and v6e, all in VMEM and tiled from HBM: the rule is
@@ -18,9 +19,9 @@ what it refuses here it refuses on a TPU. Nothing runs.
   anything is compiled, naming the rule and the chip, and — with the package's check
   switched off — Mosaic refuses it too: the rule is not looser than Mosaic.
 
-Measured on 2 CPU cores shared with other jobs: a generation's ten realistic programs
-compile in 50-150 s, a small program in 0.2-8 s; the default run (`-m "not slow"`, 48
-tests) took 160 s, the slow rest (23) 150 s.
+Measured on 2 CPU cores shared with other jobs: a realistic program compiles in 5-18 s,
+a small one in 0.2-8 s; the whole file (60 tests) took 271 s, 541 s before the grid of
+realistic programs moved to bench/ (79 tests, the same loaded machine).
 """
 
 import functools
@@ -66,17 +67,19 @@ def _compile(program):
 # -- every kernel at a realistic size ------------------------------------------------------
 
 def _realistic_cases():
-    """v5e both directions; v5p and v6e bidirectional (what dispatch picks on a ring of 8);
-    their unidirectional programs and v4's marked slow (a generation's ten programs take
-    50-150 s on 2 shared cores). The default run also compiles every kernel on every
-    generation at small sizes (the tests below)."""
-    for generation in ("v5e", "v5p", "v6e", "v4"):
+    """v5e both directions; v5p and v6e bidirectional (what dispatch picks on a ring of 8),
+    and v5p unidirectional on one op (a unidirectional kernel split between two
+    TensorCores). The rest of the grid (v4, the other unidirectional programs: 50-150 s a
+    generation on 2 shared cores) is bench/test_tpu_compile_sweep.py; the default run also
+    compiles every kernel on every generation at small sizes (the tests below)."""
+    for generation in ("v5e", "v5p", "v6e"):
         for prim in PRIMS:
             for bidirectional in (False, True):
-                slow = generation == "v4" or (generation != "v5e" and not bidirectional)
+                if generation != "v5e" and not bidirectional and (generation, prim) != (
+                        "v5p", "rs_cols"):
+                    continue
                 yield pytest.param(generation, prim, bidirectional,
-                                   id=f"{generation}-{prim}-{'bi' if bidirectional else 'uni'}",
-                                   marks=[pytest.mark.slow] if slow else [])
+                                   id=f"{generation}-{prim}-{'bi' if bidirectional else 'uni'}")
 
 
 @pytest.mark.parametrize("generation,prim,bidirectional", list(_realistic_cases()))

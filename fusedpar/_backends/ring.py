@@ -12,7 +12,10 @@ primitives (`_primitives.py`) on these loops with a backend's two step functions
 A step sends the block it multiplies, so the transfer runs while the matmul does; the
 steps are chained through optimization barriers (`_after`) so that XLA can neither merge
 the step matmuls into one GEMM after the last transfer nor run the transfers ahead of
-them, and a reduce-scatter computes its partial product apart from the add of the
+them. A reduce-scatter must not make a step's matmul wait for the accumulator in flight:
+the lax ring runs two chunks of each block half a step apart and folds each add into the
+matmul beside the other chunk's transfer (`_folded_reduce_scatter`); other step functions
+(and quantized accumulators) compute the partial product apart from the add of the
 accumulator that arrives. The compiled 8 x H100 and TPU schedules this gives are checked
 in tests/test_overlap.py. The ring visits the devices in the order of the wires when the
 mesh's devices are known (`_schedule.ring_for`). `unroll=False` rolls the steps into a
@@ -145,7 +148,7 @@ def _split(ring, a, axis, what):
     return tuple(piece(h) for h in range(ring.num_directions))
 
 
-def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=()):
+def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=(), first_outside=False):
     """All-gather `travelling` along `axis` round the ring, folding each piece into `carry`.
 
     `travelling`: an array, or a `_quantize.Quantized` (values and scales both travel).
@@ -154,7 +157,9 @@ def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=()):
     gathered operand this device holds, one per direction, and their segment indices
     (`Ring.gather_segment`), so a backend can handle a bidirectional step in one launch.
     `inputs`: the other arrays `step_fn` reads, so a rolled loop's carry is typed as
-    varying over every mesh axis its result will vary over.
+    varying over every mesh axis its result will vary over. `first_outside`: run step 0
+    before a rolled loop, for a carry whose step 0 changes its structure (a sum that
+    starts as None and becomes step 0's product).
     """
     ring = ring_for(cfg.axis_name, cfg.axis_size, cfg.bidirectional)
     me = lax.axis_index(cfg.axis_name)
@@ -178,24 +183,30 @@ def ring_gather(cfg, travelling, axis, step_fn, carry, inputs=()):
     # After one ppermute a piece varies over the ring axis even if `travelling` did not,
     # and after the barrier that ties it to the carry (`_after`) over the carry's axes.
     pieces = jax.tree.map(lambda p: as_varying(p, axes), pieces)
-    state = (carry, pieces)
-    carry, pieces = _loop(cfg, 0, ring.num_transfers, step, state)
+    state, start = (carry, pieces), 0
+    if first_outside and ring.num_transfers:
+        state, start = step(0, state), 1
+    carry, pieces = _loop(cfg, start, ring.num_transfers, step, state)
     pieces, carry = _after(pieces, carry)
     return compute(ring.num_steps - 1, carry, pieces)
 
 
-def ring_reduce_scatter(cfg, accumulate, out_len, axis):
+def ring_reduce_scatter(cfg, accumulate, out_len, axis, fold_adds=False):
     """Reduce-scatter along `axis` round the ring: accumulators travel, devices add in.
 
     `accumulate(acc, seg, length)` returns `acc` plus this device's contribution to output
     segment `seg` (`length` rows or columns along `axis`), in `cfg.reduce_dtype`, or the
-    contribution alone when `acc` is None. The ring only ever asks for the contribution
-    alone and adds it to the accumulator that arrived itself (see `step`). Each device
-    adds into the accumulator it holds, for the segment that accumulator is bound for.
+    contribution alone when `acc` is None. Each device adds into the accumulator it
+    holds, for the segment that accumulator is bound for. Without `fold_adds` the ring
+    only asks for the contribution alone and adds it to the accumulator that arrived
+    itself (see `step`); with it (and an even block, no `comm_dtype`) it runs
+    `_folded_reduce_scatter`, whose steps add in the matmul.
     """
     ring = ring_for(cfg.axis_name, cfg.axis_size, cfg.bidirectional)
     me = lax.axis_index(cfg.axis_name)
     length = ring.split_size(out_len, "each output block")
+    if fold_adds and cfg.comm_dtype is None and length % 2 == 0 and ring.num_steps > 1:
+        return _folded_reduce_scatter(cfg, ring, me, accumulate, length, axis)
 
     def send(accs):
         if cfg.comm_dtype is None:
@@ -229,51 +240,111 @@ def ring_reduce_scatter(cfg, accumulate, out_len, axis):
     return jnp.concatenate(accs, axis=axis).astype(cfg.out_dtype)
 
 
+def _folded_reduce_scatter(cfg, ring, me, accumulate, length, axis):
+    """`ring_reduce_scatter` with each step's add in its matmul (`dot + acc`, one fusion
+    where the compiler folds it: a cuBLAS GEMM's epilogue, the TPU's output fusion), not
+    a separate f32 pass that reads the product and the accumulator and writes the sum.
+    Replayed for a sequence-parallel MLP's training step (`python -m fusedpar.aot
+    --program mlp --backend ring`): 8 x H100 with cuBLAS 1,586 -> 1,519 us (the adds
+    128 -> 33 us), v5e:2x4 6,088 -> 5,736 us; XLA's Triton GEMMs keep the add apart
+    (1,523 -> 1,501 us: the transfers that waited, 78 us, are hidden instead).
+
+    A matmul that adds the accumulator in must wait for it to arrive, so one stream of
+    accumulators could not overlap anything. Each direction's block is cut into two
+    chunks (a, b) whose rings run half a step apart: while chunk a's accumulator
+    travels, chunk b's step multiplies and adds the one that arrived while a's step ran,
+    and the other way round. Per step that is two transfers of half the bytes and two
+    matmuls of half the rows, each transfer beside a matmul; the first and last half
+    steps are the exposed ones (chunk a's first product, chunk b's last). Every slot's
+    inputs pass through one barrier with the previous slot's results (`_after`), so the
+    slots run in order and the matmuls stay apart.
+    """
+    half = length // 2
+
+    def chunk(i, c, incoming, segs):
+        """Chunk `c` of each direction's accumulator after step `i`: `incoming` (None at
+        step 0) plus this device's part, in one `accumulate`."""
+        incoming = (None,) * len(segs) if incoming is None else incoming
+        return tuple(accumulate(acc, 2 * seg + c, half) for acc, seg in zip(incoming, segs))
+
+    def segments(i):
+        return tuple(ring.scatter_segment(me, i, r) for r in ring.directions)
+
+    def slot(i, c, done, arrived, send=True):
+        """Send the chunk the previous slot finished (`done`) while this one adds the
+        accumulator that `arrived` for chunk `c` at step `i`."""
+        segs, (done, arrived) = lax.optimization_barrier((segments(i), (done, arrived)))
+        sent = _send(cfg, ring, done) if send else None
+        return chunk(i, c, arrived, segs), sent
+
+    def step(i, state):  # state: chunk b after step i - 1, chunk a's after i - 1 in flight
+        b, a_in = state
+        a, b_in = slot(i, 0, b, a_in)
+        return slot(i, 1, a, b_in)
+
+    segs = segments(0)
+    a = chunk(0, 0, None, segs)
+    state = slot(0, 1, a, None)
+    last = ring.num_steps - 1
+    state = _loop(cfg, 1, last, step, state)
+    b, a_in = state
+    a, b_in = slot(last, 0, b, a_in)
+    b, _ = slot(last, 1, a, b_in, send=False)
+    out = [part for pair in zip(a, b) for part in pair]  # each direction's a, then b
+    return jnp.concatenate(out, axis=axis).astype(cfg.out_dtype)
+
+
 # -- the five primitives on the loops, given a backend's step functions -------------------
 
 
 def gathered_buffer(cfg, own, axis, dtype):
     """The `dtype` buffer the pieces of `own` (an array, or a weight stored `Quantized`)
-    fill in, the gathered residual (all of it written).
+    fill in, the gathered residual: uninitialised (`lax.empty`), since the steps write
+    every segment of it (on CPU, `lax.empty` is zeros).
 
-    Its fill is zero times an element of `own`, not the constant 0 of the output's buffer
-    (`gather_out`): XLA merges equal constant broadcasts, and where two gathers update one
-    broadcast in place it copies the whole buffer (a read and a write) for the second.
-    Measured on an FSDP x TP block's training step compiled for v5e: 14.71 -> 14.53 ms
-    predicted, 0.38 ms fewer copies; on 8 x H100, ag_rows' forward and backward lose a
-    40 us copy. The output keeps its constant zeros: filled from an operand too, it cost
-    ag_cols and rs_cols up to 40 us more on v5e, and read from a weight that XLA
-    all-gathers (FSDP) it kept the TPU compiler from fusing that all-gather into the
-    matmuls beside it.
+    Before, it was zero-filled (a write of the whole buffer); a constant zero broadcast
+    besides was merged by XLA with the output's, and two gathers updating one broadcast
+    in place cost a copy of the whole buffer (`test_ring_gather_buffers_are_not_copied`).
     """
     values = _quantize.values_of(own)
     shape = list(values.shape)
     shape[axis] *= cfg.axis_size
-    if values.size == 0:
-        return jnp.zeros(shape, dtype)
-    return jnp.broadcast_to(values.reshape(-1)[0].astype(dtype) * 0, shape)
+    return lax.empty(tuple(shape), dtype)
 
 
-def gather_out(prim, cfg, x, w):
-    """The zero output an all-gather's steps fill in (`ag_contract` sums in f32)."""
-    dtype = cfg.out_dtype
-    if prim == prims.AG_CONTRACT:  # summed over the steps: keep it in f32 until the end
-        dtype = _definition.accumulation_dtype(x.dtype)
-    return jnp.zeros(prims.out_shape(prim, x.shape, w.shape, cfg.axis_size), dtype)
+def gather_out(prim, cfg, x, w, first_product_starts_sum=False):
+    """The output an all-gather's steps fill in: uninitialised (`lax.empty`) for ag_rows
+    and ag_cols, whose steps write every segment of it (a zero fill was one more write
+    of the whole output per op: on 8 x H100 a sequence-parallel MLP's step spent 50 us
+    on three); zeros for the `ag_contract` sum (in f32), or None where the step's
+    function starts the sum with step 0's product (`first_product_starts_sum`)."""
+    shape = prims.out_shape(prim, x.shape, w.shape, cfg.axis_size)
+    if prim != prims.AG_CONTRACT:
+        return lax.empty(shape, cfg.out_dtype)
+    if first_product_starts_sum:
+        return None
+    # Summed over the steps: keep it in f32 until the end.
+    return jnp.zeros(shape, _definition.accumulation_dtype(x.dtype))
 
 
-def run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered=False):
+def run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered=False,
+              first_product_starts_sum=False, fold_adds=False):
     """Run primitive `prim` on the ring with a backend's step functions.
 
     `gather_step(prim, cfg, x, w)` returns `step(out, pieces, segs) -> out`: one
     all-gather step, every direction's piece with its segment index (one launch for a
     bidirectional step, if the backend likes). `scatter_step(prim, cfg, x, w)` returns
     `accumulate(acc, seg, length) -> acc` (see `ring_reduce_scatter`).
+    `first_product_starts_sum`: an ag_contract step is given `out=None` at step 0 and
+    returns its product alone (in the accumulation dtype), rather than adding it to zeros.
+    `fold_adds`: a reduce-scatter's `accumulate` is asked for `acc + part` in one call
+    (`_folded_reduce_scatter`; its windows are half a direction's block).
     """
     axis = prims.GATHER_AXIS[prim]
     if prim not in prims.GATHERS:
         out_len = prims.out_shape(prim, x.shape, w.shape, cfg.axis_size)[axis]
-        return ring_reduce_scatter(cfg, scatter_step(prim, cfg, x, w), out_len, axis)
+        return ring_reduce_scatter(cfg, scatter_step(prim, cfg, x, w), out_len, axis,
+                                   fold_adds)
     own = x if prims.TRAVELLER[prim] == "x" else w
     step = gather_step(prim, cfg, x, w)
     travelling = own
@@ -292,8 +363,9 @@ def run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered=False)
         return step(out, pieces, segs), gathered
 
     gathered = gathered_buffer(cfg, own, axis, x.dtype) if return_gathered else None
-    out, gathered = ring_gather(cfg, travelling, axis, step_fn,
-                                (gather_out(prim, cfg, x, w), gathered), inputs=(x, w))
+    out = gather_out(prim, cfg, x, w, first_product_starts_sum)
+    out, gathered = ring_gather(cfg, travelling, axis, step_fn, (out, gathered),
+                                inputs=(x, w), first_outside=out is None)
     out = out.astype(cfg.out_dtype)
     return (out, gathered) if return_gathered else out
 
@@ -315,7 +387,9 @@ def gather_step(prim, cfg, x, w):
             elif prim == prims.AG_COLS:
                 out = put(out, _dot(cfg, x, piece), seg, 1)
             else:  # AG_CONTRACT: the piece is rows of w; multiply x's matching columns
-                out = out + _dot(cfg, segment(x, seg, piece.shape[0], 1), piece)
+                # The sum starts from the first product (`run_steps`): no zeros to add to.
+                part = _dot(cfg, segment(x, seg, piece.shape[0], 1), piece)
+                out = part if out is None else out + part
         return out
 
     return step
@@ -337,4 +411,5 @@ def scatter_step(prim, cfg, x, w):
 
 def run(prim, cfg, x, w, return_gathered=False):
     """Run primitive `prim` with the lax ring; see `_primitives.py` for shapes."""
-    return run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered)
+    return run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered,
+                     first_product_starts_sum=True, fold_adds=True)
