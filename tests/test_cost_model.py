@@ -168,12 +168,13 @@ def test_auto_counts_the_work_the_reference_collective_hides_behind():
     """In a backward pass the reference's reduce-scatter runs beside the other gradient's
     matmul (`Call.beside`): its estimate loses the collective time that work hides, so
     a ring that beat the bare reference may no longer pay."""
-    call = _call("rs_rows", (8192, 4096), (4096, 4096), 8, "gpu")
+    # A size where the ring beats the bare reference on 8 H100s (calibrated preset).
+    call = _call("rs_rows", (16384, 4096), (4096, 4096), 8, "gpu")
     est = cost_model.estimate_call(call, "h100_sxm")
     ref, ring = est["reference"], est["ring"]
     assert _dispatch.auto_choice(call)[0] == "ring"
-    # The other gradient of an 8-way ag_rows at this size: (4096, 8192) @ (8192, 4096).
-    beside = cost_model.matmul_seconds(4096, 8192, 4096, "bfloat16", "h100_sxm")
+    # The other gradient of an 8-way ag_rows at this size: (4096, 16384) @ (16384, 4096).
+    beside = cost_model.matmul_seconds(4096, 16384, 4096, "bfloat16", "h100_sxm")
     assert beside > ref.transfer_step  # enough to hide the whole collective
     name, reason = _dispatch.auto_choice(dataclasses.replace(call, beside=beside))
     assert ring.seconds > _dispatch.AUTO_MARGIN * ref.compute_step
