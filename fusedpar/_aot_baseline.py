@@ -36,6 +36,16 @@ LAYER_PROGRAMS = ("mlp", "block", "prefill", "decode")
 #   transfer runs beside a matmul. The windowed einsum is a rewrite of the SPMD
 #   partitioner, so it applies to the einsums it partitions: a `shard_map`'s explicit
 #   all_gather + dot (fusedpar's reference) stays as it is.
+#   It does not fire in a deviceless compile (jax 0.10.2's CUDA plugin), with any of
+#   these flags, through `compiler_options` or `XLA_FLAGS`, Shardy on or off: the GPU
+#   compiler caps a windowed loop's iterations at the size of the fast-interconnect
+#   (NVLink) domain it detects from the live devices (openxla/xla PR 26391:
+#   `max_windowed_einsum_iteration` = the compile options' `slice_size`). With no
+#   devices the size is 0, the partitioner logs "Set SPMD max windowed einsum iteration
+#   to 0" (TF_CPP_MAX_VLOG_LEVEL=1) and every windowed einsum, 8 partitions > 0
+#   iterations, is refused; no flag or compile option reachable from JAX sets it. So
+#   `xla (collective matmul)` on an `h100xN` target is XLA's default program with the
+#   latency-hiding scheduler: what XLA would do on 8 real H100s is not seen here.
 COLLECTIVE_MATMUL = {
     "tpu": (("xla_tpu_all_gather_collective_matmul_mode", "post_spmd_conservative"),
             ("xla_tpu_reduce_scatter_collective_matmul_mode", "post_spmd_conservative")),
