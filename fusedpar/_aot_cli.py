@@ -50,7 +50,8 @@ def _parser():
     p.add_argument("--cublas", action="store_true",
                    help="GPU: cuBLAS GEMMs instead of Triton ones")
     p.add_argument("--compare", action="store_true",
-                   help="compile the program (mlp, block, prefill or decode) as XLA "
+                   help="compile the program (mlp, block, prefill, decode, or each op of "
+                        "ops) as XLA "
                         "partitions it without fusedpar (with the platform's defaults and "
                         "with XLA's collective matmul) and with each fusedpar backend, and "
                         "print the predicted times side by side, on jax.make_mesh's mesh")
@@ -76,9 +77,9 @@ def _parse(argv):
     if args.compare:
         from ._aot_compare import PROGRAMS as COMPARED
 
-        if args.program not in COMPARED:
-            p.error(f"--compare: --program must be one of {', '.join(COMPARED)}, got "
-                    f"{args.program!r}")
+        if args.program not in COMPARED + ("ops",):
+            p.error(f"--compare: --program must be ops, or one of {', '.join(COMPARED)}, "
+                    f"got {args.program!r}")
         if args.mesh or args.axes:
             p.error("--compare builds jax.make_mesh's mesh of the program's axes: leave "
                     "out --mesh and --axes")
@@ -177,12 +178,17 @@ def _compare(args):
     """--compare: the table of `fusedpar._aot_compare`, and its rows as JSON."""
     from . import _aot_compare
 
-    rows = _aot_compare.compare(args.target, args.program, cublas=args.cublas)
-    gemm = " (cuBLAS GEMMs)" if args.cublas else ""
-    print(_aot_compare.markdown(rows, f"{args.target}{gemm}: {args.program}, XLA and "
-                                      "fusedpar (per device, replayed)"))
-    out = [dict(target=args.target, program=args.program, cublas=args.cublas,
-                **{k: v for k, v in vars(r).items()}) for r in rows]
+    from . import _primitives as prims
+
+    out = []
+    for program in prims.PRIMITIVES if args.program == "ops" else (args.program,):
+        rows = _aot_compare.compare(args.target, program, cublas=args.cublas)
+        gemm = " (cuBLAS GEMMs)" if args.cublas else ""
+        print(_aot_compare.markdown(rows, f"{args.target}{gemm}: {program}, XLA and "
+                                          "fusedpar (per device, replayed)"))
+        print()
+        out += [dict(target=args.target, program=program, cublas=args.cublas, **vars(r))
+                for r in rows]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -9,7 +9,7 @@ import dataclasses
 import time
 from typing import Optional
 
-from . import _aot_baseline as baseline
+from . import _aot_baseline as baseline, _primitives as prims
 
 DEFAULT, CM = "default", "collective matmul"
 # (backend, settings) of every row, in the table's order: "xla" is XLA's own partitioning
@@ -18,7 +18,9 @@ DEFAULT, CM = "default", "collective matmul"
 # collective-matmul settings (which, on TPU, decompose its all_gather + dot).
 ROWS = (("xla", DEFAULT), ("xla", CM), ("reference", DEFAULT), ("reference", CM),
         ("ring", DEFAULT), ("pallas", DEFAULT), ("auto", DEFAULT))
-PROGRAMS = baseline.LAYER_PROGRAMS
+# The layer programs, and each primitive alone (forward and backward, as `--program ops`
+# compiles it, on one axis "x").
+PROGRAMS = baseline.LAYER_PROGRAMS + prims.PRIMITIVES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +73,14 @@ def options(target: str, backend: str, settings: str, cublas: bool = False) -> d
 
 
 def mesh(target: str, program: str):
-    """`jax.make_mesh`'s mesh of the target's devices: ("tp",) for the MLP, ("fsdp",
-    "tp") of 2 x n/2 for the blocks."""
+    """`jax.make_mesh`'s mesh of the target's devices: ("tp",) for the MLP, ("x",) for
+    an op, ("fsdp", "tp") of 2 x n/2 for the blocks."""
     from . import _aot
 
     n = len(_aot.devices(target))
-    if program == "mlp":
-        return _aot.mesh(target, (n,), ("tp",), make_mesh=True)
+    if program == "mlp" or program in prims.PRIMITIVES:
+        axis = "tp" if program == "mlp" else "x"
+        return _aot.mesh(target, (n,), (axis,), make_mesh=True)
     return _aot.mesh(target, (2, n // 2), ("fsdp", "tp"), make_mesh=True)
 
 
@@ -85,6 +88,10 @@ def build(mesh_, program: str, backend: str, **sizes):
     """`(jitted, args)` of a row's program (`xla`: `_aot_baseline`'s)."""
     from . import _aot_programs as progs
 
+    if program in prims.PRIMITIVES:
+        if backend == "xla":
+            return baseline.op_program(mesh_, program, **sizes)
+        return progs.op_program(mesh_, program, backend, **sizes)
     if backend == "xla":
         return baseline.layer_program(mesh_, program, **sizes)
     if program == "mlp":

@@ -106,7 +106,7 @@ def test_compare_tpu_small():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--program", "ops"], "--compare: --program must be one of"),
+    (["--program", "demo"], "--compare: --program must be ops, or one of"),
     (["--program", "mlp", "--mesh", "8"], "leave out --mesh and --axes"),
 ])
 def test_compare_refuses_what_it_cannot_compare(argv, message, capsys):
