@@ -82,6 +82,33 @@ def table(cache) -> str:
     return "\n".join(lines)
 
 
+def summary(cache) -> str:
+    """Where auto stands against the best xla row, and where XLA's own collective matmul
+    of the reference (the peer `auto` could pick) beats fusedpar's decompositions."""
+    behind, peer, n = [], [], 0
+    for key, rows in cache.items():
+        by = {(r["backend"], r["settings"]): r for r in rows if not r["error"]}
+        auto = by.get(("auto", _aot_compare.DEFAULT))
+        if auto is None:
+            continue
+        n += 1
+        if auto["speedup"] < 0.98:
+            behind.append(f"{key.replace('|', ' ')} {auto['speedup']:.2f}x")
+        cm = by.get(("reference", _aot_compare.CM))
+        ours = [by[(b, _aot_compare.DEFAULT)]["seconds"] for b in ("ring", "pallas")
+                if (b, _aot_compare.DEFAULT) in by
+                and not by[(b, _aot_compare.DEFAULT)].get("floor")]
+        ref = by.get(("reference", _aot_compare.DEFAULT))
+        if cm and ref and ours and cm["seconds"] < min(min(ours), 0.99 * ref["seconds"]):
+            peer.append(key.replace("|", " "))
+    return (f"auto is within 2% of the best xla row (or faster) on {n - len(behind)} of {n} "
+            "programs" + (f"; behind on {', '.join(behind)}" if behind else "") + ". "
+            "XLA's collective matmul of the reference (the reference under the "
+            "collective-matmul settings, faster than without them) is predicted faster than "
+            "fusedpar's ring and (replayable) kernels on "
+            + (", ".join(peer) if peer else "none of them") + ".")
+
+
 def markdown(cache) -> str:
     return "\n".join([
         BEGIN, "## fusedpar against XLA's own partitioning",
@@ -107,7 +134,7 @@ def markdown(cache) -> str:
         "kernel, which the replay cannot see (a floor, not a prediction). mlp and block are training steps; prefill and decode the block's "
         "forward (2048 and 4 positions per tensor-parallel device).",
         "",
-        table(cache), END, ""])
+        table(cache), "", summary(cache), END, ""])
 
 
 def write(cache) -> None:
