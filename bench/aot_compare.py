@@ -64,7 +64,13 @@ def table(cache) -> str:
             "pallas | auto | auto vs best xla | bounds |")
     lines = [head, "|---|---|" + "---:|" * 8 + "---|"]
     order = [f"{b} ({s})" if s != _aot_compare.DEFAULT else b for b, s in _aot_compare.ROWS]
-    for key, rows in cache.items():
+    def order_of(key):
+        name, program = key.split("|")
+        return (TARGETS.index(name) if name in TARGETS else len(TARGETS), name,
+                _aot_compare.PROGRAMS.index(program))
+
+    for key in sorted(cache, key=order_of):
+        rows = cache[key]
         name, program = key.split("|")
         by = {}
         for r in rows:
