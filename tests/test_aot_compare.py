@@ -121,3 +121,19 @@ def test_collective_matmul_flags_name_the_platform():
         "gpu")
     with pytest.raises(ValueError, match="platform must be one of"):
         baseline.collective_matmul_flags("cuda")
+
+
+def test_prefill_and_decode_are_the_blocks_forward():
+    """prefill and decode: the block's forward alone (no target argument, no gradients),
+    its output laid out as its input; an unknown size names the valid ones."""
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tp"), devices=jax.devices("cpu")[:8],
+                         axis_types=(AxisType.Auto,) * 2)
+    for program in ("prefill", "decode"):
+        fn, args = progs.block_program(mesh, "reference", program=program, dim=32,
+                                       hidden=64, heads=4, seq=2)
+        assert len(args) == 2
+        with jax.set_mesh(mesh):
+            out = jax.eval_shape(fn.jitted, *args)
+        assert out.shape == args[1].shape == (2, 8, 32)
+    with pytest.raises(TypeError, match="valid: .*'tokens'"):
+        progs.mlp_program(mesh, "reference", seq=3)
