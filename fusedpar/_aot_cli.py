@@ -46,7 +46,8 @@ def _parser():
                         "for one axis name, 2 x n/2 for two)")
     p.add_argument("--axes", default=None,
                    help="mesh axis names, comma-separated (default: x for ops, tp for "
-                        "mlp, fsdp,tp for block, block-qkv, demo and your own program)")
+                        "mlp, fsdp,tp for block, block-qkv, prefill, decode, demo and your "
+                        "own program)")
     p.add_argument("--cublas", action="store_true",
                    help="GPU: cuBLAS GEMMs instead of Triton ones")
     p.add_argument("--compare", action="store_true",
