@@ -74,6 +74,7 @@ def _linear(layer, x, spec, constrain):
 
 
 def _mlp(mlp, x, batch, constrain):
+    """`_aot_programs._MLP` on global x (batch, seq, dim) -> (batch, seq, dim)."""
     # Column: the whole sequence, a shard of the hidden features; row: the sum
     # reduce-scattered back to a shard of the sequence.
     h = jax.nn.gelu(_linear(mlp.up, x, P(batch, None, "tp"), constrain))
@@ -81,7 +82,8 @@ def _mlp(mlp, x, batch, constrain):
 
 
 def _block(block, x, constrain):
-    """`_aot_programs._Block` on global arrays, the layouts stated as constraints."""
+    """`_aot_programs._Block` on global x (batch, seq, dim) -> (batch, seq, dim), the
+    layouts stated as constraints (batch over "fsdp"; seq or features over "tp")."""
     b, s, _ = x.shape
     heads = P("fsdp", None, "tp", None)
     q, k, v = (constrain(_linear(f, x, P("fsdp", None, "tp"), constrain)
