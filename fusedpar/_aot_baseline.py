@@ -147,17 +147,18 @@ def op_program(mesh, prim, *, rows=progs.ROWS, k=progs.K, cols=progs.COLS,
                dtype=jnp.bfloat16):
     """`(jitted, args)` of primitive `prim`'s forward and backward as `x @ w` under
     `jax.jit` on the mesh's one axis "x": the op's global shapes and layouts
-    (`_aot_programs._op`), the output constrained to the op's layout (an all-gathered
-    row block is replicated: XLA may gather the product instead), the backward's
-    cotangent `ct * y` as `_aot_programs.op_program`'s."""
+    (`_aot_programs._op`), the output constrained to the op's layout, the backward's
+    cotangent `ct * y` as `_aot_programs.op_program`'s. ag_rows' output is what the op's
+    `shard_map` returns, the n devices' copies of the whole product stacked (n * M, N),
+    so that each device's copy gets a cotangent of its own, as in fusedpar's program."""
     n = mesh.shape["x"]
     _, xs, ws, xspec, wspec, ospec = progs._op(prim)(n, rows, k, cols)
-    if wspec == P() and ospec == P("x"):  # ag_rows: every device holds the whole product
-        ospec = P()
     out = NamedSharding(mesh, ospec)
+    copies = n if prim == progs.prims.AG_ROWS else 1
 
     def fn(x, w):
-        return jax.lax.with_sharding_constraint(jnp.matmul(x, w), out)
+        return jax.lax.with_sharding_constraint(jnp.tile(jnp.matmul(x, w), (copies, 1)),
+                                                out)
 
     def body(x, w, ct):
         y, vjp = jax.vjp(fn, x, w)

@@ -141,8 +141,9 @@ def test_prefill_and_decode_are_the_blocks_forward():
 
 @pytest.mark.parametrize("prim", prims.PRIMITIVES)
 def test_xla_op_is_the_ops_math(prim):
-    """Each op's xla program (x @ w under jax.jit, the op's layouts) gives x @ w and the
-    vjp of the cotangent `ct * y`, on 8 CPU devices."""
+    """Each op's xla program (x @ w under jax.jit, the op's layouts) gives x @ w (ag_rows:
+    each of the 8 devices' copy of it, stacked) and the vjp of the cotangent `ct * y`, on
+    8 CPU devices."""
     mesh = jax.make_mesh((8,), ("x",), devices=jax.devices("cpu")[:8],
                          axis_types=(AxisType.Auto,))
     fn, specs = baseline.op_program(mesh, prim, rows=8, k=16, cols=16, dtype=jnp.float32)
@@ -151,6 +152,7 @@ def test_xla_op_is_the_ops_math(prim):
     with jax.set_mesh(mesh):
         y, dx, dw = fn.jitted(*(jax.device_put(a, s.sharding) for a, s in zip(arrays, specs)))
     x, w, ct = arrays
-    want, vjp = jax.vjp(jnp.matmul, x, w)
+    copies = 8 if prim == prims.AG_ROWS else 1
+    want, vjp = jax.vjp(lambda x, w: jnp.tile(x @ w, (copies, 1)), x, w)
     for got, ref in zip((y, dx, dw), (want,) + vjp(ct * want)):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
