@@ -6,7 +6,7 @@
 
 For each target (8 x H100 with Triton GEMMs and with cuBLAS, TPU v5e, v5p and v6e slices
 of 8 devices) and layer program (mlp, block, prefill, decode: `fusedpar._aot_programs.
-LAYER_SIZES`) it runs `python -m fusedpar.aot --compare`'s comparison
+LAYER_SIZES`) or op (`--programs ag_rows,...`) it runs `python -m fusedpar.aot --compare`'s comparison
 (`fusedpar._aot_compare`): the program written without fusedpar and partitioned by XLA
 (with the platform's defaults and with XLA's collective matmul), and fusedpar's
 reference (both settings), ring, pallas and auto, each replayed on `jax.make_mesh`'s
@@ -146,7 +146,7 @@ def markdown(cache) -> str:
         BEGIN, "## fusedpar against XLA's own partitioning",
         "",
         "Made by `python bench/aot_compare.py` (what `python -m fusedpar.aot --target T "
-        "--program P --compare` prints, for every target and layer program). Predicted "
+        "--program P --compare` prints, for every target, layer program and op). Predicted "
         "microseconds per device, replayed from each compiled program "
         "(`fusedpar.aot.predict`), all on the mesh `jax.make_mesh` builds. *xla*: the "
         "program written with `eqx.nn.Linear` under `jax.jit`, `NamedSharding`s and "
@@ -165,7 +165,10 @@ def markdown(cache) -> str:
         "on every row. *>=*: the fused TPU kernels move their blocks inside one Mosaic "
         "kernel, which the replay cannot see (a floor, not a prediction). mlp and block "
         "are training steps; prefill and decode the block's "
-        "forward (2048 and 4 positions per tensor-parallel device).",
+        "forward (2048 and 4 positions per tensor-parallel device); an op is its forward "
+        "and backward at the sizes of the tables below (xla: `x @ w` under `jax.jit` with "
+        "the op's layouts; for ag_rows, whose w is replicated, XLA multiplies each "
+        "device's rows and gathers the product, an eighth of the reference's FLOPs).",
         "",
         table(cache), "", summary(cache), END, ""])
 
