@@ -7,8 +7,9 @@
 For each target (8 x H100 with Triton GEMMs and with cuBLAS, TPU v5e, v5p and v6e slices
 of 8 devices) and layer program (mlp, block, prefill, decode: `fusedpar._aot_programs.
 LAYER_SIZES`) or op (`--programs ag_rows,...`) it runs `python -m fusedpar.aot
---compare`'s comparison (`fusedpar._aot_compare`): the program written without fusedpar and partitioned by XLA
-(with the platform's defaults and with XLA's collective matmul), and fusedpar's
+--compare`'s comparison (`fusedpar._aot_compare`): the program written without fusedpar
+and partitioned by XLA (with the platform's defaults and with XLA's collective matmul),
+and fusedpar's
 reference (both settings), ring, pallas and auto, each replayed on `jax.make_mesh`'s
 mesh. Rows are cached in `results-aot-compare.json` per (target, program) as they finish
 (a TPU block takes minutes to compile on 2 cores), and the table is written at the top
