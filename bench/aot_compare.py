@@ -82,6 +82,13 @@ def _us(v) -> str:
     return f"{v * 1e6:,.0f}"
 
 
+def _order(key):
+    """Targets in `TARGETS`' order, then programs in `_aot_compare.PROGRAMS`'."""
+    name, program = key.split("|")
+    return (TARGETS.index(name) if name in TARGETS else len(TARGETS), name,
+            _aot_compare.PROGRAMS.index(program))
+
+
 def table(cache) -> str:
     """One line per (target, program): each variant's predicted time, and auto's and the
     best fusedpar backend's speed-up over the best xla row."""
@@ -89,12 +96,7 @@ def table(cache) -> str:
             "pallas | auto | auto vs best xla | bounds |")
     lines = [head, "|---|---|" + "---:|" * 8 + "---|"]
     order = [_label(b, s) for b, s in _aot_compare.ROWS]
-    def order_of(key):
-        name, program = key.split("|")
-        return (TARGETS.index(name) if name in TARGETS else len(TARGETS), name,
-                _aot_compare.PROGRAMS.index(program))
-
-    for key in sorted(cache, key=order_of):
+    for key in sorted(cache, key=_order):
         rows = cache[key]
         name, program = key.split("|")
         by = {_label(r["backend"], r["settings"]): r for r in rows}
@@ -113,8 +115,8 @@ def summary(cache) -> str:
     """Where auto stands against the best xla row, and where XLA's own collective matmul
     of the reference (the peer `auto` could pick) beats fusedpar's decompositions."""
     behind, peer, floors, n = [], [], [], 0
-    for key, rows in cache.items():
-        by = {(r["backend"], r["settings"]): r for r in rows if not r["error"]}
+    for key in sorted(cache, key=_order):
+        by = {(r["backend"], r["settings"]): r for r in cache[key] if not r["error"]}
         auto = by.get(("auto", _aot_compare.DEFAULT))
         if auto is None:
             continue
