@@ -98,11 +98,13 @@ def devices(target: str) -> list:
     return list(topologies.get_topology_desc(name, "tpu", **options).devices)
 
 
-def mesh(target: str, shape: Optional[tuple] = None, axis_names: tuple = ("x",)):
+def mesh(target: str, shape: Optional[tuple] = None, axis_names: tuple = ("x",), *,
+         make_mesh: bool = False):
     """A `jax.sharding.Mesh` of `target`'s compile-only devices (Auto axes).
 
-    `shape` defaults to all devices on one axis; devices are taken in the topology's
-    order (`jax.make_mesh` would ask for devices it can run on).
+    `shape` defaults to all devices on one axis. Devices are taken in the topology's
+    order, or with `make_mesh` in the order `jax.make_mesh` puts them (on a TPU slice it
+    lays the mesh's axes along the torus: the mesh a user without fusedpar builds).
     """
     import jax
     import numpy as np
@@ -114,8 +116,11 @@ def mesh(target: str, shape: Optional[tuple] = None, axis_names: tuple = ("x",))
         raise ValueError(f"mesh: target {target!r} has {len(devs)} devices; shape {shape} "
                          f"with axis_names {tuple(axis_names)} must use all of them, one "
                          "name per axis.")
+    types = (AxisType.Auto,) * len(shape)
+    if make_mesh:
+        return jax.make_mesh(shape, tuple(axis_names), devices=devs, axis_types=types)
     return jax.sharding.Mesh(np.array(devs).reshape(shape), tuple(axis_names),
-                             axis_types=(AxisType.Auto,) * len(shape))
+                             axis_types=types)
 
 
 def gpu_compiler_options(cublas: bool = False) -> dict:

@@ -11,7 +11,7 @@ import os
 import re
 import time
 
-PROGRAMS = ("ops", "mlp", "block", "block-qkv", "demo")
+PROGRAMS = ("ops", "mlp", "block", "block-qkv", "prefill", "decode", "demo")
 BACKENDS = ("reference", "ring", "pallas", "auto")
 # The mesh axes a program gets without --axes: the built-in ones are written for these;
 # the blocks, the demo and your own program (FILE.py:FUNCTION) get ("fsdp", "tp").
@@ -34,6 +34,8 @@ def _parser():
                    help="ops (the five primitives, forward and backward), mlp (a "
                         "sequence-parallel MLP), block (an FSDP x TP transformer block), "
                         "block-qkv (the block with one q, k, v projection), "
+                        "prefill and decode (the block's forward at a longer sequence "
+                        "and at a few tokens per device), "
                         "demo (the demo's model), or your own: FILE.py:FUNCTION or "
                         "module:FUNCTION, a function (mesh, backend) -> (jitted, args), "
                         "lowered under jax.set_mesh(mesh) (docs/aot.md)")
@@ -44,9 +46,16 @@ def _parser():
                         "for one axis name, 2 x n/2 for two)")
     p.add_argument("--axes", default=None,
                    help="mesh axis names, comma-separated (default: x for ops, tp for "
-                        "mlp, fsdp,tp for block, block-qkv, demo and your own program)")
+                        "mlp, fsdp,tp for block, block-qkv, prefill, decode, demo and your "
+                        "own program)")
     p.add_argument("--cublas", action="store_true",
                    help="GPU: cuBLAS GEMMs instead of Triton ones")
+    p.add_argument("--compare", action="store_true",
+                   help="compile the program (mlp, block, prefill, decode, or each op of "
+                        "ops) as XLA "
+                        "partitions it without fusedpar (with the platform's defaults and "
+                        "with XLA's collective matmul) and with each fusedpar backend, and "
+                        "print the predicted times side by side, on jax.make_mesh's mesh")
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
     return p
 
@@ -66,6 +75,15 @@ def _parse(argv):
         p.error(f"--program: {args.program!r} is neither one of {', '.join(PROGRAMS)} nor "
                 "FILE.py:FUNCTION / module:FUNCTION")
     _check_mesh(p, args)
+    if args.compare:
+        from ._aot_compare import PROGRAMS as COMPARED
+
+        if args.program not in COMPARED + ("ops",):
+            p.error(f"--compare: --program must be ops, or one of {', '.join(COMPARED)}, "
+                    f"got {args.program!r}")
+        if args.mesh or args.axes:
+            p.error("--compare builds jax.make_mesh's mesh of the program's axes: leave "
+                    "out --mesh and --axes")
     return args
 
 
@@ -150,9 +168,32 @@ def _programs(args):
     build = {"mlp": progs.mlp_program, "block": progs.block_program,
              "demo": progs.demo_program,
              "block-qkv": functools.partial(progs.block_program, fused_qkv=True),
+             "prefill": functools.partial(progs.block_program, program="prefill"),
+             "decode": functools.partial(progs.block_program, program="decode"),
              }.get(args.program)
     fn, a = (build or _user_program(args.program))(mesh, backend)
     yield args.program, mesh, fn, a
+
+
+def _compare(args):
+    """--compare: the table of `fusedpar._aot_compare`, and its rows as JSON."""
+    from . import _aot_compare
+
+    from . import _primitives as prims
+
+    out = []
+    for program in prims.PRIMITIVES if args.program == "ops" else (args.program,):
+        rows = _aot_compare.compare(args.target, program, cublas=args.cublas)
+        gemm = " (cuBLAS GEMMs)" if args.cublas else ""
+        print(_aot_compare.markdown(rows, f"{args.target}{gemm}: {program}, XLA and "
+                                          "fusedpar (per device, replayed)"))
+        print()
+        out += [dict(target=args.target, program=program, cublas=args.cublas, **vars(r))
+                for r in rows]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
 
 
 def main(argv=None):
@@ -160,6 +201,9 @@ def main(argv=None):
     import jax
 
     from . import _aot as aot
+
+    if args.compare:
+        return _compare(args)
 
     options = aot.compiler_options(args.target, args.cublas)
     rows = []

@@ -218,12 +218,20 @@ def _is_array(a) -> bool:
     return isinstance(a, (jax.Array, jax.ShapeDtypeStruct))
 
 
-def _layer_program(mesh, model, plan, backend, x_shape, x_spec, dtype):
-    """A training step's forward and backward on global arrays under `jax.set_mesh`: the
-    mean squared error against a target argument (a real, non-constant cotangent)."""
+def _layer_program(mesh, model, plan, backend, x_shape, x_spec, dtype, *, train=True):
+    """`model` made by `parallelize(model, plan, backend=backend)` (`plan` None: as it
+    is), its parameters laid out by `param_specs`: see `step_program`."""
     if plan is not None:
         model = parallelize(model, plan, backend=backend)
-    specs = param_specs(model)
+    return step_program(mesh, model, param_specs(model), lambda m, x: m(x), x_shape,
+                        x_spec, dtype, train=train)
+
+
+def step_program(mesh, model, specs, apply, x_shape, x_spec, dtype, *, train=True):
+    """`apply(model, x)` on global arrays under `jax.set_mesh`, the model's arrays laid
+    out by `specs` (a PartitionSpec tree of them): with `train`, a training step's
+    forward and backward (the mean squared error against a target argument: a real,
+    non-constant cotangent); otherwise the forward alone (a prefill or decode step)."""
     params = jax.tree.map(lambda a, s: _struct(mesh, a.shape, a.dtype, s),
                           eqx.filter(model, _is_array), specs, is_leaf=_is_array)
     static = eqx.filter(model, _is_array, inverse=True)
@@ -231,11 +239,14 @@ def _layer_program(mesh, model, plan, backend, x_shape, x_spec, dtype):
 
     def step(params, x, y):
         def loss(params):
-            out = eqx.combine(params, static)(x)
+            out = apply(eqx.combine(params, static), x)
             return jnp.mean(jnp.square((out - y).astype(jnp.float32)))
 
         return jax.value_and_grad(loss)(params)
 
+    if not train:
+        return _under_mesh(mesh, jax.jit(lambda params, x: apply(
+            eqx.combine(params, static), x))), [params, x]
     return _under_mesh(mesh, jax.jit(step)), [params, x, x]
 
 
@@ -252,10 +263,22 @@ class _under_mesh:
             return self.jitted.trace(*args).lower()
 
 
-def mlp_program(mesh, backend="ring", *, dim=4096, hidden=4096 * 4, tokens=1024,
-                dtype=jnp.bfloat16):
+# The layer programs' sizes, in one place (`fusedpar._aot_baseline` builds XLA's own
+# versions from them): `tokens` and `seq` are sequence positions per tensor-parallel
+# device (batch 1 per FSDP device). `prefill` and `decode` are forward passes of the block.
+LAYER_SIZES = {
+    "mlp": dict(dim=4096, hidden=4096 * 4, tokens=1024),
+    "block": dict(dim=4096, hidden=4096 * 4, heads=32, seq=1024),
+    "prefill": dict(dim=4096, hidden=4096 * 4, heads=32, seq=2048),
+    "decode": dict(dim=4096, hidden=4096 * 4, heads=32, seq=4),
+}
+BLOCK_PROGRAMS = {"block": True, "prefill": False, "decode": False}  # name -> training
+
+
+def mlp_program(mesh, backend="ring", *, dtype=jnp.bfloat16, **sizes):
     """A sequence-parallel MLP made by `parallelize` over the mesh's axis "tp": `tokens`
-    sequence positions per device, batch 1."""
+    sequence positions per device, batch 1 (`LAYER_SIZES["mlp"]` unless given)."""
+    dim, hidden, tokens = _sizes("mlp", sizes, "dim", "hidden", "tokens")
     n = mesh.shape["tp"]
     model = eqx.filter_eval_shape(_MLP, dim, hidden, dtype, jax.random.key(0))
     plan = {"up": Column(sequence_parallel=True), "down": Row(sequence_parallel=True)}
@@ -263,20 +286,38 @@ def mlp_program(mesh, backend="ring", *, dim=4096, hidden=4096 * 4, tokens=1024,
                           P(None, "tp", None), dtype)
 
 
-def block_program(mesh, backend="ring", *, dim=4096, hidden=4096 * 4, heads=32,
-                  seq=1024, dtype=jnp.bfloat16, fused_qkv=False):
-    """An FSDP x TP transformer block (sequence parallel) over the axes ("fsdp", "tp"):
-    `seq` positions per tensor-parallel device, one sequence per FSDP device; with
-    `fused_qkv`, one q, k, v projection instead of three."""
-    f, t = mesh.shape["fsdp"], mesh.shape["tp"]
+def _sizes(program, given, *names):
+    sizes = {**LAYER_SIZES[program], **given}
+    unknown = set(given) - set(LAYER_SIZES[program])
+    if unknown:
+        raise TypeError(f"{program} program: unknown sizes {sorted(unknown)}; valid: "
+                        f"{sorted(LAYER_SIZES[program])}")
+    return tuple(sizes[n] for n in names)
+
+
+def block_model(program, dtype=jnp.bfloat16, fused_qkv=False, **sizes):
+    """`(model of eqx.nn.Linear layers, x's global shape as a function of the mesh's
+    ("fsdp", "tp") sizes, training or not)` of a block program."""
+    dim, hidden, heads, seq = _sizes(program, sizes, "dim", "hidden", "heads", "seq")
     block = _FusedQKVBlock if fused_qkv else _Block
     model = eqx.filter_eval_shape(block, dim, hidden, heads, dtype, jax.random.key(0))
+    return model, lambda f, t: (f, t * seq, dim), BLOCK_PROGRAMS[program]
+
+
+def block_program(mesh, backend="ring", *, program="block", dtype=jnp.bfloat16,
+                  fused_qkv=False, **sizes):
+    """An FSDP x TP transformer block (sequence parallel) over the axes ("fsdp", "tp"):
+    `seq` positions per tensor-parallel device, one sequence per FSDP device; with
+    `fused_qkv`, one q, k, v projection instead of three. `program`: "block" (a training
+    step), "prefill" or "decode" (forward only; `LAYER_SIZES` gives each one's sizes)."""
+    model, x_shape, train = block_model(program, dtype, fused_qkv, **sizes)
     plan = {"qkv" if fused_qkv else "[qkv]": Column(sequence_parallel=True),
             "out": Row(sequence_parallel=True),
             "mlp.up": Column(sequence_parallel=True),
             "mlp.down": Row(sequence_parallel=True), "*": FSDP()}
-    return _layer_program(mesh, model, plan, backend, (f, t * seq, dim),
-                          P("fsdp", "tp", None), dtype)
+    return _layer_program(mesh, model, plan, backend,
+                          x_shape(mesh.shape["fsdp"], mesh.shape["tp"]),
+                          P("fsdp", "tp", None), dtype, train=train)
 
 
 def demo_program(mesh, backend="ring"):

@@ -40,11 +40,11 @@ def test_the_documented_program_compiles_through_the_cli(tmp_path):
 def test_help_states_the_default_mesh_each_program_gets():
     text = _aot_cli._parser().format_help().replace("\n", " ")
     text = " ".join(text.split())
-    assert ("default: x for ops, tp for mlp, fsdp,tp for block, block-qkv, demo and your "
-            "own program") in text
+    assert ("default: x for ops, tp for mlp, fsdp,tp for block, block-qkv, prefill, decode, "
+            "demo and your own program") in text
     assert "default: all devices on one axis for one axis name, 2 x n/2 for two" in text
     for program, axes in (("ops", ("x",)), ("mlp", ("tp",)), ("block", ("fsdp", "tp")),
-                          ("my.py:step", ("fsdp", "tp"))):
+                          ("decode", ("fsdp", "tp")), ("my.py:step", ("fsdp", "tp"))):
         args = _aot_cli._parse(["--target", "h100x8", "--program", program])
         assert _aot_cli._axes(args) == axes, program
 

@@ -1,0 +1,210 @@
+"""XLA's own partitioning against fusedpar's backends, per target and layer program.
+
+    python bench/aot_compare.py                      # every target and program
+    python bench/aot_compare.py --targets v5e:2x4 --programs mlp
+    python bench/aot_compare.py --markdown-only      # the table again from the cache
+
+For each target (8 x H100 with Triton GEMMs and with cuBLAS, TPU v5e, v5p and v6e slices
+of 8 devices) and layer program (mlp, block, prefill, decode: `fusedpar._aot_programs.
+LAYER_SIZES`) or op (`--programs ag_rows,...`) it runs `python -m fusedpar.aot
+--compare`'s comparison (`fusedpar._aot_compare`): the program written without fusedpar
+and partitioned by XLA (with the platform's defaults and with XLA's collective matmul),
+and fusedpar's
+reference (both settings), ring, pallas and auto, each replayed on `jax.make_mesh`'s
+mesh. Rows are cached in `results-aot-compare.json` per (target, program) as they finish
+(a TPU block takes minutes to compile on 2 cores), and the table is written at the top
+of `RESULTS-aot.md`, between the markers below. Needs the aot extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from fusedpar import aot  # noqa: E402,F401  (sets the environment before JAX starts)
+from fusedpar import _aot_compare  # noqa: E402
+
+TARGETS = ("h100x8", "h100x8 cublas", "v5e:2x4", "v5p:2x2x2", "v6e:2x4")
+CACHE = HERE / "results-aot-compare.json"
+RESULTS = HERE / "RESULTS-aot.md"
+BEGIN, END = "<!-- aot-compare: begin -->", "<!-- aot-compare: end -->"
+
+
+def _load() -> dict:
+    return json.loads(CACHE.read_text()) if CACHE.exists() else {}
+
+
+def run(targets, programs, force=False, only=None) -> dict:
+    """Compile what the cache lacks (everything with `force`); `only`, a set of row
+    labels ("auto", "xla (collective matmul)", ...), recompiles just those rows of the
+    cached programs and keeps the others."""
+    cache = _load()
+    for name in targets:
+        target, _, variant = name.partition(" ")
+        for program in programs:
+            key = f"{name}|{program}"
+            if key in cache and not force and not only:
+                continue
+            rows = _aot_compare.ROWS
+            if only and key in cache:
+                rows = tuple(r for r in rows if _label(*r) in only)
+            new = [vars(r) | {"unread": list(r.unread)} for r in _aot_compare.compare(
+                target, program, cublas=variant == "cublas", rows=rows)]
+            if only and key in cache:
+                fresh = {_label(r["backend"], r["settings"]): r for r in new}
+                new = [fresh.get(_label(r["backend"], r["settings"]), r)
+                       for r in cache[key]]
+            cache[key] = _speedups(new)
+            CACHE.write_text(json.dumps(cache, indent=1))
+            print(f"{name}: {program}: " + ", ".join(
+                f"{_label(r['backend'], r['settings'])} {_us(r['seconds'])}"
+                for r in cache[key]), flush=True)
+    return cache
+
+
+def _label(backend, settings) -> str:
+    return backend + (f" ({settings})" if settings != _aot_compare.DEFAULT else "")
+
+
+def _speedups(rows) -> list:
+    xla = [r["seconds"] for r in rows if r["backend"] == "xla" and not r["error"]]
+    best = min(xla) if xla else 0.0
+    return [r | {"speedup": best / r["seconds"] if r["seconds"] and best else 0.0}
+            for r in rows]
+
+
+def _us(v) -> str:
+    return f"{v * 1e6:,.0f}"
+
+
+def _order(key):
+    """Targets in `TARGETS`' order, then programs in `_aot_compare.PROGRAMS`'."""
+    name, program = key.split("|")
+    return (TARGETS.index(name) if name in TARGETS else len(TARGETS), name,
+            _aot_compare.PROGRAMS.index(program))
+
+
+def table(cache) -> str:
+    """One line per (target, program): each variant's predicted time, and auto's and the
+    best fusedpar backend's speed-up over the best xla row."""
+    head = ("| target | program | xla | xla (CM) | reference | reference (CM) | ring | "
+            "pallas | auto | auto vs best xla | bounds |")
+    lines = [head, "|---|---|" + "---:|" * 8 + "---|"]
+    order = [_label(b, s) for b, s in _aot_compare.ROWS]
+    for key in sorted(cache, key=_order):
+        rows = cache[key]
+        name, program = key.split("|")
+        by = {_label(r["backend"], r["settings"]): r for r in rows}
+        cells = [("-" if k not in by or by[k]["error"] else
+                  (">= " if by[k].get("floor", k == "pallas" and ":" in name) else "")
+                  + _us(by[k]["seconds"])) for k in order]
+        auto = by.get("auto", {})
+        bounds = all(r["bounds"] for r in rows if not r["error"])
+        lines.append(f"| {name} | {program} | " + " | ".join(cells)
+                     + f" | {auto.get('speedup', 0):.2f}x | "
+                     + ("hold" if bounds else "BROKEN") + " |")
+    return "\n".join(lines)
+
+
+def summary(cache) -> str:
+    """Where auto stands against the best xla row, and where XLA's own collective matmul
+    of the reference (the peer `auto` could pick) beats fusedpar's decompositions."""
+    behind, peer, floors, n = [], [], [], 0
+    for key in sorted(cache, key=_order):
+        by = {(r["backend"], r["settings"]): r for r in cache[key] if not r["error"]}
+        auto = by.get(("auto", _aot_compare.DEFAULT))
+        if auto is None:
+            continue
+        if auto.get("floor"):  # its fused kernels' transfers are not seen: no verdict
+            floors.append(key.replace("|", " "))
+            continue
+        n += 1
+        if auto["speedup"] < 0.98:
+            behind.append(f"{key.replace('|', ' ')} {auto['speedup']:.2f}x")
+        cm = by.get(("reference", _aot_compare.CM))
+        ours = [by[(b, _aot_compare.DEFAULT)]["seconds"] for b in ("ring", "pallas")
+                if (b, _aot_compare.DEFAULT) in by
+                and not by[(b, _aot_compare.DEFAULT)].get("floor", b == "pallas"
+                                                          and ":" in key)]
+        ref = by.get(("reference", _aot_compare.DEFAULT))
+        if cm and ref and ours and cm["seconds"] < min(min(ours), 0.99 * ref["seconds"]):
+            peer.append(key.replace("|", " "))
+    return (f"auto is within 2% of the best xla row (or faster) on {n - len(behind)} of "
+            f"{n} programs" + (f"; behind on {', '.join(behind)}" if behind else "") + ". "
+            + (f"On {', '.join(floors)} auto runs fused TPU kernels: its time is a floor, "
+               "so no verdict. " if floors else "")
+            + "XLA's collective matmul of the reference (the reference under the "
+            "collective-matmul settings, faster than without them) is predicted faster than "
+            "fusedpar's ring and (replayable) kernels on "
+            + (", ".join(peer) if peer else "none of them") + ".")
+
+
+def markdown(cache) -> str:
+    return "\n".join([
+        BEGIN, "## fusedpar against XLA's own partitioning",
+        "",
+        "Made by `python bench/aot_compare.py` (what `python -m fusedpar.aot --target T "
+        "--program P --compare` prints, for every target, layer program and op). Predicted "
+        "microseconds per device, replayed from each compiled program "
+        "(`fusedpar.aot.predict`), all on the mesh `jax.make_mesh` builds. *xla*: the "
+        "program written with `eqx.nn.Linear` under `jax.jit`, `NamedSharding`s and "
+        "`with_sharding_constraint` (Megatron-style sequence parallelism), no fusedpar, "
+        "compiled with the platform's defaults; *(CM)*: with XLA's collective-matmul "
+        "settings (TPU: `xla_tpu_all_gather_collective_matmul_mode` and "
+        "`xla_tpu_reduce_scatter_collective_matmul_mode` = `post_spmd_conservative`; GPU: "
+        "`xla_gpu_threshold_for_windowed_einsum_mib=0`, "
+        "`xla_gpu_multi_streamed_windowed_einsum`, the latency-hiding scheduler). On GPU "
+        "the windowed einsum cannot fire in a deviceless compile (`fusedpar/"
+        "_aot_baseline.py` says why), so both xla rows are the same program there. "
+        "fusedpar's rows are compiled with `fusedpar.set_overlap_flags()`'s flags. "
+        "*auto vs best xla*: the best xla row's time over auto's (above 1: auto is "
+        "faster). *bounds*: the replay's compute and communication are at least the "
+        "program's dot FLOPs at the peak rate and its collectives' bytes over all links, "
+        "on every row. *>=*: the fused TPU kernels move their blocks inside one Mosaic "
+        "kernel, which the replay cannot see (a floor, not a prediction). mlp and block "
+        "are training steps; prefill and decode the block's "
+        "forward (2048 and 4 positions per tensor-parallel device); an op is its forward "
+        "and backward at the sizes of the tables below (xla: `x @ w` under `jax.jit` with "
+        "the op's layouts; for ag_rows, whose w is replicated, XLA multiplies each "
+        "device's rows and gathers the product, an eighth of the reference's FLOPs).",
+        "",
+        table(cache), "", summary(cache), END, ""])
+
+
+def write(cache) -> None:
+    text = RESULTS.read_text()
+    block = markdown(cache)
+    if BEGIN in text:
+        start, end = text.index(BEGIN), text.index(END) + len(END) + 1
+        text = text[:start] + block + text[end:]
+    else:  # after the title and the paragraph that follows it
+        head, _, rest = text.partition("\n\n")
+        intro, _, rest = rest.partition("\n\n")
+        text = f"{head}\n\n{intro}\n\n{block}\n{rest}"
+    RESULTS.write_text(text)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--targets", default=",".join(TARGETS),
+                   help="comma-separated; 'h100x8 cublas' for cuBLAS GEMMs")
+    p.add_argument("--programs", default=",".join(_aot_compare.PROGRAMS))
+    p.add_argument("--force", action="store_true", help="recompile cached rows")
+    p.add_argument("--rows", default=None,
+                   help="recompile only these rows of cached programs, comma-separated "
+                        "labels: " + ", ".join(_label(*r) for r in _aot_compare.ROWS))
+    p.add_argument("--markdown-only", action="store_true")
+    args = p.parse_args(argv)
+    cache = _load() if args.markdown_only else run(
+        args.targets.split(","), args.programs.split(","), args.force,
+        set(args.rows.split(",")) if args.rows else None)
+    write(cache)
+
+
+if __name__ == "__main__":
+    main()
