@@ -36,7 +36,7 @@ from typing import Mapping, Optional, Union
 
 import numpy as np
 
-from . import _primitives as prims, _quantize, _registry, _validate
+from . import _primitives as prims, _quantize, _registry, _schedule, _validate
 from ._hardware import Hardware
 
 # -- hardware --------------------------------------------------------------------------
@@ -249,7 +249,7 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
         if n > 1:
             c, first = _assembly(hw, prim, step, out_b, c, first)
         t = transfer + (latency if n > 1 else 0.0)
-        chunk = _folded_chunk(prim, x_shape, w_shape, n, dirs, comm_dtype)
+        chunk = _folded_chunk(prim, x_shape, w_shape, n, dirs, comm_dtype, _platform(hw))
         if name == "ring" and chunk is not None:
             # ring._folded_reduce_scatter: per direction two chunks half a step apart,
             # each step's add in its matmul; two transfers (and step latencies) a step.
@@ -282,7 +282,12 @@ def _assembly(hw, prim, step, out_b, c, first):
     return c + update, first + update
 
 
-def _folded_chunk(prim, x_shape, w_shape, n, dirs, comm_dtype):
+def _platform(hw) -> str:
+    """The platform of the registry entry whose numbers `hw` are ("" for others)."""
+    return next((k.platform for k in _registry.kinds() if k.hardware == hw), "")
+
+
+def _folded_chunk(prim, x_shape, w_shape, n, dirs, comm_dtype, platform):
     """The matmul `(m, k, n)` of one chunk of a reduce-scatter step the lax ring folds its
     adds into (`ring._folded_reduce_scatter`: half a direction's segment), or None where
     it does not (an all-gather, a ring of one, an odd segment, a `comm_dtype`)."""
@@ -290,7 +295,7 @@ def _folded_chunk(prim, x_shape, w_shape, n, dirs, comm_dtype):
         return None
     m, k, cols = prims.step_matmul(prim, x_shape, w_shape, n, dirs)
     length = m if prim == prims.RS_ROWS else cols
-    if length % 2:
+    if length % 2 or not _schedule.folds(length // 2, platform):
         return None
     return (m // 2, k, cols) if prim == prims.RS_ROWS else (m, k, cols // 2)
 

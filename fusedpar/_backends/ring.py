@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import _definition, _primitives as prims, _quantize
-from .._schedule import mesh_coordinates, ring_for
+from .._schedule import folds, mesh_coordinates, ring_for
 from .._vma import as_varying, axis_names, varying_axes
 
 DESCRIPTION = "ppermute ring schedules in lax, uni- or bidirectional, unrolled or rolled"
@@ -205,7 +205,8 @@ def ring_reduce_scatter(cfg, accumulate, out_len, axis, fold_adds=False):
     ring = ring_for(cfg.axis_name, cfg.axis_size, cfg.bidirectional)
     me = lax.axis_index(cfg.axis_name)
     length = ring.split_size(out_len, "each output block")
-    if fold_adds and cfg.comm_dtype is None and length % 2 == 0 and ring.num_steps > 1:
+    if (fold_adds and cfg.comm_dtype is None and length % 2 == 0 and ring.num_steps > 1
+            and folds(length // 2, cfg.on.platform)):
         return _folded_reduce_scatter(cfg, ring, me, accumulate, length, axis)
 
     def send(accs):
