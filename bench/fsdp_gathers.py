@@ -2,12 +2,15 @@
 long, per target and backend (a deviceless compile; the replay of `fusedpar.aot.predict`).
 
     python bench/fsdp_gathers.py --targets h100x8 v5e:2x4 --backends ring auto reference
+    python bench/fsdp_gathers.py --targets v5e:2x4 --without-generation-flags   # before
 
 Prints per program: the predicted time, the seconds the compute stream waited on
 transfers, the compiled step's temporary memory (`memory_analysis().temp_size_in_bytes`)
 and every collective outside the fusedpar ops' rings ("other": the FSDP gathers and their
 gradients' reduce-scatters) with its bytes, its replayed time in flight and whether a
-matmul runs while it is in flight. Needs the aot extra.
+matmul runs while it is in flight. TPU slices are compiled with the flags
+`fusedpar.tpu_overlap_flags(generation)` gives their generation (`fusedpar.aot`'s
+`compiler_options` has those of every generation only). Needs the aot extra.
 """
 
 from __future__ import annotations
@@ -46,7 +49,19 @@ def _waits() -> dict:
 _WAITS = None
 
 
-def measure(target: str, backend: str, program: str = "block", cublas: bool = False) -> dict:
+def options(target: str, mesh, generation_flags: bool = True) -> dict:
+    """The compiler options: `aot.compiler_options(target)` and, with `generation_flags`,
+    the flags `fusedpar.tpu_overlap_flags(generation)` adds for the slice's generation."""
+    from fusedpar import _aot, _target, _xla_flags
+
+    found = _target.of_mesh(mesh)
+    generation = found.tpu_generation if found.platform == "tpu" else None
+    extra = _xla_flags._TPU_GENERATION_FLAGS.get(generation, ()) if generation_flags else ()
+    return dict(aot.compiler_options(target), **_aot._options(extra))
+
+
+def measure(target: str, backend: str, program: str = "block",
+            generation_flags: bool = True) -> dict:
     """Compile `program` ("block" or "block-qkv") for `target` with `backend`; the row."""
     import functools
 
@@ -61,7 +76,7 @@ def measure(target: str, backend: str, program: str = "block", cublas: bool = Fa
     start = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = fn.lower(*args).compile(
-            compiler_options=aot.compiler_options(target, cublas) or None)
+            compiler_options=options(target, mesh, generation_flags) or None)
     seconds = time.perf_counter() - start
     global _WAITS
     _WAITS = _waits() if _WAITS is None else _WAITS
@@ -77,7 +92,8 @@ def measure(target: str, backend: str, program: str = "block", cublas: bool = Fa
                            hidden=t.hidden, hideable=t.hideable,
                            in_flight_us=round(c.seconds * 1e6, 1) if c else None,
                            waited_us=round(_WAITS.get(t.name, 0.0) * 1e6, 1)))
-    return dict(target=target, program=program, backend=backend, compile_s=round(seconds, 1),
+    return dict(target=target, program=program, backend=backend,
+                generation_flags=generation_flags, compile_s=round(seconds, 1),
                 predicted_us=round(predicted.seconds * 1e6, 1),
                 compute_us=round(predicted.compute * 1e6, 1),
                 exposed_us=round(predicted.exposed * 1e6, 1),
@@ -92,13 +108,18 @@ def main(argv=None):
     p.add_argument("--backends", nargs="+", default=["ring", "auto", "reference"])
     p.add_argument("--program", default="block", choices=("block", "block-qkv"))
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--without-generation-flags", action="store_true",
+                   help="compile with the flags every TPU generation takes only (before "
+                        "fusedpar.tpu_overlap_flags(generation))")
     args = p.parse_args(argv)
     rows = []
     for target in args.targets:
         for backend in args.backends:
-            row = measure(target, backend, args.program)
+            row = measure(target, backend, args.program,
+                          generation_flags=not args.without_generation_flags)
             rows.append(row)
-            print(f"{target} {args.program} {backend}: {row['predicted_us']:,.0f} us "
+            print(f"{target} {args.program} {backend}"
+                  f"{'' if row['generation_flags'] else ' (without generation flags)'}: {row['predicted_us']:,.0f} us "
                   f"(compute {row['compute_us']:,.0f}, waiting {row['exposed_us']:,.0f}, on the "
                   f"FSDP and other collectives {row['other_waited_us']:,.0f}), "
                   f"temp {row['temp_bytes'] / 2**20:,.0f} MiB, {row['hidden']}/"
