@@ -118,8 +118,8 @@ def main(argv=None):
             row = measure(target, backend, args.program,
                           generation_flags=not args.without_generation_flags)
             rows.append(row)
-            print(f"{target} {args.program} {backend}"
-                  f"{'' if row['generation_flags'] else ' (without generation flags)'}: {row['predicted_us']:,.0f} us "
+            before = "" if row["generation_flags"] else " (without generation flags)"
+            print(f"{target} {args.program} {backend}{before}: {row['predicted_us']:,.0f} us "
                   f"(compute {row['compute_us']:,.0f}, waiting {row['exposed_us']:,.0f}, on the "
                   f"FSDP and other collectives {row['other_waited_us']:,.0f}), "
                   f"temp {row['temp_bytes'] / 2**20:,.0f} MiB, {row['hidden']}/"
