@@ -53,7 +53,10 @@ _TPU_FLAGS = (
 # on v5e:2x4 the step waited 640 us for its FSDP collectives, 520 us of them the weight
 # gradients' reduce-scatters; with these flags they run beside the backward's matmuls,
 # 14.70 -> 14.26 ms predicted with the ring, 14.73 -> 14.31 with auto, 14.12 -> 13.88
-# with the reference (temporary memory 859 -> 900 MiB with the ring). Not for the other
+# with the reference (temporary memory 859 -> 900 MiB with the ring); the block with one
+# q, k, v projection 14.28 -> 13.98 ms (794 -> 693 MiB), the MLP 6.34 -> 6.33. Only one
+# weight gradient's reduce-scatter (the MLP's, 34 MB) goes asynchronous, and none at the
+# smaller sizes of the tests (dim 1024 or 2048), so no test shows it. Not for the other
 # generations: v5p gains nothing (5.89 -> 5.90 ms), v6e 0.6% (5.72 -> 5.68), and v4 runs
 # out of VMEM (16 MiB, all of it) with the fusion at any limit.
 _TPU_GENERATION_FLAGS = {
