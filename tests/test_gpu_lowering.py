@@ -159,6 +159,30 @@ def test_set_overlap_flags_sets_both_platforms(monkeypatch):
     assert os.environ["LIBTPU_INIT_ARGS"] == env["LIBTPU_INIT_ARGS"]
 
 
+def test_tpu_overlap_flags_per_generation(monkeypatch):
+    from fusedpar import _xla_flags
+
+    common = fusedpar.tpu_overlap_flags().split()
+    v5e = fusedpar.tpu_overlap_flags("v5e").split()
+    assert v5e[:len(common)] == common
+    assert v5e[len(common):] == [
+        "--xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter=true",
+        "--xla_enable_async_reduce_scatter_fusion=true",
+        "--xla_tpu_scoped_vmem_limit_kib=32768"]
+    for generation in ("v4", "v5p", "v6e"):  # measured not to help, or not to compile (v4)
+        assert fusedpar.tpu_overlap_flags(generation).split() == common
+    with pytest.raises(ValueError, match="v5e, v5p, v6e or None, got 'v5E'"):
+        fusedpar.tpu_overlap_flags("v5E")
+    monkeypatch.setattr(_xla_flags, "_backends_started", lambda: False)
+    monkeypatch.setenv("XLA_FLAGS", "")  # restored after the test, as both are
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_scoped_vmem_limit_kib=65536")
+    env = fusedpar.set_overlap_flags(tpu_generation="v5e")
+    assert env["LIBTPU_INIT_ARGS"].split() == (
+        ["--xla_tpu_scoped_vmem_limit_kib=65536"] + v5e[:-1])  # yours win
+    with pytest.raises(ValueError, match="generation must be one of"):
+        fusedpar.set_overlap_flags(tpu_generation="v9")
+
+
 def test_set_gpu_overlap_flags_too_late():
     jax.devices()  # the test session's backends are up: XLA has read its flags
     with pytest.raises(RuntimeError, match="before JAX starts its backends"):
