@@ -252,13 +252,16 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
         chunk = _folded_chunk(prim, x_shape, w_shape, n, dirs, comm_dtype, _platform(hw))
         if name == "ring" and chunk is not None:
             # ring._folded_reduce_scatter: per direction two chunks half a step apart,
-            # each step's add in its matmul; two transfers (and step latencies) a step.
+            # each step's add in its matmul; two transfers of half the bytes a step, whose
+            # latencies pipeline behind each other's chunk matmul (one latency a step, as
+            # the replay of the compiled ring shows: counting two made a bidirectional
+            # unfolded ring look faster on 8 H100s, 1,598 us replayed against 1,517).
             # Exposed: chunk a's first product and chunk b's last step.
             ce = extra // (2 * dirs)
             c = 2 * dirs * _matmul_time(hw, *chunk, dtype, out_b, ce)
             first = dirs * (_matmul_time(hw, *chunk, dtype, out_b, 0)
                             + _matmul_time(hw, *chunk, dtype, out_b, ce))
-            t = transfer + 2 * latency
+            t = transfer + latency
         overlapped = max(c, t) + (1.0 - hw.overlap) * min(c, t)
         total = first + (n - 1) * overlapped
         result[name] = Breakdown(name, total, c, t, n, per_dir if n > 1 else 0, sent)
