@@ -285,7 +285,14 @@ def main(argv=None):
     # bench/comm_bytes.py's section (its own programs, its own command) is kept as it is.
     old = path.read_text() if path.exists() else ""
     kept = old[old.index(COMM_SECTION):] if COMM_SECTION in old else ""
-    path.write_text(markdown(rows) + "\n" + ("\n" + kept if kept else ""))
+    # bench/aot_compare.py's comparison (between its markers, after the title) too.
+    begin, end = "<!-- aot-compare: begin -->", "<!-- aot-compare: end -->"
+    compare = old[old.index(begin):old.index(end) + len(end)] if end in old else ""
+    new = markdown(rows)
+    if compare:
+        title, _, rest = new.partition("\n\n## ")
+        new = f"{title}\n\n{compare}\n\n## {rest}"
+    path.write_text(new + "\n" + ("\n" + kept if kept else ""))
     print(markdown(rows))
 
 
