@@ -9,7 +9,7 @@ import os
 import re
 from typing import Optional
 
-from . import _hlo, _platforms, _registry
+from . import _hlo, _platforms, _primitives as prims, _registry
 
 # Two processes may load libtpu at once (a test run beside a compile): libtpu refuses
 # unless told it may. And JAX's CUDA plugin registers itself only after checking the
@@ -156,13 +156,12 @@ def _options(flags) -> dict:
 
 # -- what overlaps ------------------------------------------------------------------------
 
-_SCOPE = re.compile(r"fusedpar\.(\w+)\.(\w+)(?:\.(bi|uni)directional)?")
 
 
 def _op_of(op_name: str) -> tuple[str, str, str]:
     """`(primitive, backend, pass)` of an instruction from its `op_name` scope (the
     backend with " bidirectional" for a bidirectional ring)."""
-    scopes = _SCOPE.findall(op_name)
+    scopes = prims.SCOPE.findall(op_name)
     pass_ = "backward" if "transpose(" in op_name else "forward"
     if not scopes:
         return "other", "", pass_
@@ -323,9 +322,11 @@ def overlap(program) -> Report:
                     seen.append(i.name)
                 key = _op_of(i.op_name)
                 if i.opcode == "custom-call" and i.target == "tpu_custom_call":
-                    if key[0] == "other":  # Mosaic kernels carry no op_name: their name
-                        name = re.sub(r"\.\d+$", "", i.name)
-                        key = (fused.get(name, name), "pallas_tpu", "fused kernel")
+                    # A Pallas TPU kernel: the primitive its name scope says, else the
+                    # one its kernel name says (a kernel traced outside the ops).
+                    name = re.sub(r"\.\d+$", "", i.name)
+                    prim = key[0] if key[0] != "other" else fused.get(name, name)
+                    key = (prim, "pallas_tpu", "fused kernel")
                     kernels.append(key)
                 matmuls.append((key, not open_))
         for start, kind, seen in open_.values():  # done in another computation

@@ -170,11 +170,16 @@ def _acc_dtype(dtype):
     return np.promote_types(np.dtype(dtype), np.float32)
 
 
-def _matmul_time(hw: Hardware, m, k, n, dtype, out_bytes_per_elem, extra_bytes=0) -> float:
-    """Roofline time of one (m, k) @ (k, n) kernel, plus its launch overhead."""
+def _roofline(hw: Hardware, m, k, n, dtype, out_bytes_per_elem, extra_bytes=0) -> float:
+    """Roofline time of one (m, k) @ (k, n) product."""
     flops = 2.0 * m * k * n
     nbytes = (m * k + k * n) * _itemsize(dtype) + m * n * out_bytes_per_elem + extra_bytes
-    return max(flops / hw.matmul_flops(dtype), nbytes / hw.hbm_bandwidth) + hw.launch_overhead
+    return max(flops / hw.matmul_flops(dtype), nbytes / hw.hbm_bandwidth)
+
+
+def _matmul_time(hw: Hardware, m, k, n, dtype, out_bytes_per_elem, extra_bytes=0) -> float:
+    """Roofline time of one (m, k) @ (k, n) kernel, plus its launch overhead."""
+    return _roofline(hw, m, k, n, dtype, out_bytes_per_elem, extra_bytes) + hw.launch_overhead
 
 
 def _problem(prim, x_shape, w_shape, n, dtype, reduce_dtype, comm_dtype=None):
@@ -242,6 +247,16 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
     for name, latency in (("ring", hw.step_latency), ("pallas", hw.kernel_step_latency)):
         if name not in backends:
             continue
+        if name == "pallas" and n > 1 and _platform(hw) == "tpu":
+            # One fused kernel (`fusedpar.kernels.tpu`): one launch, each step's whole
+            # block (both halves of a bidirectional one) multiplied in place with its DMA
+            # beside it -- what the replay reads from a compiled kernel's plan
+            # (`fusedpar._hlo_ring_kernel`).
+            c = _roofline(hw, *step[0], dtype, out_b, extra)
+            t = transfer + latency
+            result[name] = Breakdown(name, hw.ring_kernel_seconds(n, c, t), c, t, n,
+                                     per_dir, sent)
+            continue
         # Each direction runs its own half-size matmul per step: more launches, same flops.
         c = _step_time(hw, prim, step, dtype, out_b, extra, dirs)
         # The first step has no accumulator to read yet (nothing has arrived).
@@ -262,8 +277,7 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
             first = dirs * (_matmul_time(hw, *chunk, dtype, out_b, 0)
                             + _matmul_time(hw, *chunk, dtype, out_b, ce))
             t = transfer + latency
-        overlapped = max(c, t) + (1.0 - hw.overlap) * min(c, t)
-        total = first + (n - 1) * overlapped
+        total = first + (n - 1) * hw.overlapped(c, t)
         result[name] = Breakdown(name, total, c, t, n, per_dir if n > 1 else 0, sent)
     return result
 
