@@ -202,12 +202,10 @@ def test_explain_and_auto_choice():
 
 
 def test_explicit_backend_that_cannot_run_raises(monkeypatch):
-    import types
-
     from fusedpar import _backends
 
-    monkeypatch.setitem(_backends.TABLE, "never", types.SimpleNamespace(
-        unavailable=lambda call: "it is a test double"))
+    monkeypatch.setitem(_backends.TABLE, "never", _backends.Backend(
+        "never", "a test double", run=None, unavailable=lambda call: "it is a test double"))
     x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
     w = jax.ShapeDtypeStruct((4, 4), jnp.float32)
     with pytest.raises(NotImplementedError, match="'never' cannot run.*test double"):

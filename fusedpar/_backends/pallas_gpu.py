@@ -3,8 +3,8 @@ step kernels.
 
 The ring loops, and which block is where at each step (`fusedpar._schedule.Ring`), are
 the ones the lax ring (`ring.py`) runs too: `lax.ppermute` moves the blocks, so XLA runs
-the transfers on its collective stream and overlaps them with the kernels. Only each step's compute is a
-kernel (`fusedpar.kernels.gpu`):
+the transfers on its collective stream and overlaps them with the kernels. Only each
+step's compute is a kernel (`fusedpar.kernels.gpu`):
 
 | primitive     | step                                               | kernel         |
 |---------------|----------------------------------------------------|----------------|
