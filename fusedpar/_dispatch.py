@@ -23,7 +23,8 @@ from ._primitives import Call
 
 logger = logging.getLogger("fusedpar")
 
-REFERENCE, RING, AUTO = "reference", "ring", "auto"
+REFERENCE, RING = "reference", "ring"
+AUTO = _backends.AUTO
 
 # Largest ring an unrolled schedule is used for by default: beyond it the rolled
 # fori_loop keeps trace/compile time flat (see bench/test_compile_cost.py).
