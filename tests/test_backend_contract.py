@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import fusedpar
 from fusedpar import _backends, _primitives as prims, cost_model
-from helpers import assert_close, mesh, normal
+from helpers import assert_close, mesh, normal, same_kernels_as
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -123,26 +123,17 @@ CASES = [
 ]
 
 
-def _explain(backend, case, n):
-    x, w = (jax.ShapeDtypeStruct(s, jnp.float32) for s in case.shapes(n))
-    return fusedpar.explain(case.op, x, w, n, backend=backend, platform="cpu", **case.kwargs)
-
-
 def _skip_unless_runs(backend, case, n):
     """Skip with the backend's own reason where it cannot run `case` here, and where it
-    runs the very kernels a backend after it in the table runs (`explain` says which:
-    here "pallas" runs pallas_tpu's interpreted kernels), which that one's tests cover."""
+    runs the very kernels a backend after it in the table runs (here "pallas" runs
+    pallas_tpu's interpreted kernels), which that one's tests cover."""
+    x, w = (jax.ShapeDtypeStruct(s, jnp.float32) for s in case.shapes(n))
     try:
-        kernels = _explain(backend, case, n).kernels
+        other = same_kernels_as(backend, case.op, x, w, n, platform="cpu", **case.kwargs)
     except NotImplementedError as e:
         pytest.skip(str(e)[:300])
-    for other in _backends.names()[_backends.names().index(backend) + 1:]:
-        try:
-            same = kernels and _explain(other, case, n).kernels == kernels
-        except NotImplementedError:
-            continue
-        if same:
-            pytest.skip(f"{backend} runs {other}'s kernels here, tested as {other}")
+    if other is not None:
+        pytest.skip(f"{backend} runs {other}'s kernels here, tested as {other}")
 
 
 def _program(backend, case, n, batched=False):
