@@ -13,6 +13,7 @@ from .. import _definition, _primitives as prims
 from ._backend import Backend
 from ._ring_loop import Steps, put, run_steps, segment
 
+
 def _dot(cfg, a, b):
     return _definition.matmul(a, b, precision=cfg.precision)
 
