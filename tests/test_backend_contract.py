@@ -231,6 +231,8 @@ def test_a_registered_backend_is_seen_through_its_record():
         assert est["toy"].seconds == est["reference"].seconds > 0
         auto = fusedpar.explain("all_gather_matmul", x, w, 8, platform="gpu")
         assert auto.backend != "toy" and "toy" not in auto.reason
+        assert set(cost_model.estimate("all_gather_matmul", x.shape, w.shape, 8)) == {
+            b.name for b in _backends.candidates()} == {"reference", "ring", "pallas"}
         with pytest.raises(ValueError, match="'toy' is registered already"):
             _backends.register(TOY)
     finally:
@@ -243,3 +245,20 @@ def test_a_registered_backend_is_seen_through_its_record():
     with pytest.raises(ValueError, match="name must be"):
         _backends.register(dataclasses.replace(TOY, name="auto"))
     assert np.all([b.name != "toy" for b in _backends.TABLE.values()])
+
+
+def test_auto_weighs_a_registered_candidate():
+    """A candidate is estimated by its cost family and weighed by `auto` beside the
+    built-ins (here it ties with the lax ring, which, registered first, keeps the pick)."""
+    x = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    before = fusedpar.explain("all_gather_matmul", x, w, 8, platform="tpu")
+    _backends.register(dataclasses.replace(TOY, name="toy_ring", cost="ring", candidate=True))
+    try:
+        auto = fusedpar.explain("all_gather_matmul", x, w, 8, platform="tpu")
+        est = cost_model.estimate("all_gather_matmul", x.shape, w.shape, 8, "bfloat16",
+                                  "tpu_v5e")
+    finally:
+        _backends.unregister("toy_ring")
+    assert est["toy_ring"] == est["ring"]
+    assert "toy_ring" in auto.reason and auto.backend == before.backend != "toy_ring"
