@@ -29,6 +29,7 @@ tensor cores.
 """
 
 import functools
+import importlib
 import os
 import sys
 
@@ -39,8 +40,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
-from fusedpar import _backends, _primitives as prims
-from fusedpar._backends import ring as ring_backend
+from fusedpar import _primitives as prims
+from fusedpar._backends import _ring_loop
 from fusedpar._primitives import Config
 
 SIZES = os.environ.get("FUSEDPAR_BENCH_SIZES", "cpu")  # validated in bench/conftest.py
@@ -251,7 +252,8 @@ def _decomposed(prim, backend, n, bidirectional, dtype, s):
         family = backend.rstrip(")").split(" (")[1]
         _skip_unless_runs(family)
         name, options = "pallas_gpu", _options(family)
-    module = _backends.get(name)
+    # The backend's step provider (`_ring_loop.Steps`): what its ring runs at each step.
+    steps = importlib.import_module(f"fusedpar._backends.{name}").STEPS
     cfg = Config(backend=name, axis_name="x", axis_size=n, bidirectional=bidirectional,
                  unroll=True, out_dtype=np.dtype(dtype), reduce_dtype=np.dtype(jnp.float32),
                  options=tuple(sorted(options.items())))
@@ -263,8 +265,8 @@ def _decomposed(prim, backend, n, bidirectional, dtype, s):
         (w,) = _inputs(s, dtype, (s, s))
 
         def program(pieces, w):
-            step = module.gather_step(prim, cfg, pieces[0], w)
-            out = ring_backend.gather_out(prim, cfg, jnp.zeros((s // n, s), dtype), w)
+            step = steps.gather(prim, cfg, pieces[0], w)
+            out = _ring_loop.gather_out(prim, cfg, jnp.zeros((s // n, s), dtype), w)
             for i in range(n):
                 segs = tuple(ring.gather_segment(me, i, r) for r in ring.directions)
                 out = step(out, tuple(pieces[g] for g in segs),
@@ -280,7 +282,7 @@ def _decomposed(prim, backend, n, bidirectional, dtype, s):
     length = s // n // ring.num_directions
 
     def program(x, w):
-        accumulate = module.scatter_step(prim, cfg, x, w)
+        accumulate = steps.scatter(prim, cfg, x, w)
         accs = [None] * ring.num_directions
         for i in range(n):
             accs = [accumulate(acc, jnp.int32(ring.scatter_segment(me, i, r)), length)

@@ -9,7 +9,7 @@ import os
 import re
 from typing import Optional
 
-from . import _hlo, _platforms, _primitives as prims, _registry
+from . import _backends, _hlo, _platforms, _primitives as prims, _registry
 
 # Two processes may load libtpu at once (a test run beside a compile): libtpu refuses
 # unless told it may. And JAX's CUDA plugin registers itself only after checking the
@@ -224,11 +224,12 @@ class OpSummary:
         unhideable = self.transfers - self.hideable
         if self.hideable == 0:
             return "nothing to overlap: every matmul feeds or waits for these transfers"
-        if self.hidden == self.hideable and backend not in ("reference", ""):
+        one_collective = backend == "" or _backends.runs_one_collective(backend)
+        if self.hidden == self.hideable and not one_collective:
             return (f"overlapped: every transfer that can be hidden has a matmul in flight "
                     f"({unhideable} have no matmul independent of them)")
-        if backend in ("reference", ""):
-            kind = "collective" if backend == "reference" else "transfer"
+        if one_collective:
+            kind = "collective" if backend else "transfer"
             return (f"not overlapped: {self.transfers - self.hidden} of {self.transfers} "
                     f"{kind}s run with no matmul in flight")
         if self.hidden == 0:
@@ -322,11 +323,12 @@ def overlap(program) -> Report:
                     seen.append(i.name)
                 key = _op_of(i.op_name)
                 if i.opcode == "custom-call" and i.target == "tpu_custom_call":
-                    # A Pallas TPU kernel: the primitive its name scope says, else the
-                    # one its kernel name says (a kernel traced outside the ops).
+                    # A Pallas TPU kernel: named by its kernel name (the backend whose
+                    # fused kernel it is), its primitive from its name scope where it
+                    # has one (a kernel traced outside the ops has none).
                     name = re.sub(r"\.\d+$", "", i.name)
-                    prim = key[0] if key[0] != "other" else fused.get(name, name)
-                    key = (prim, "pallas_tpu", "fused kernel")
+                    prim, backend = fused.get(name, (name, "pallas_tpu"))
+                    key = (prim if key[0] == "other" else key[0], backend, "fused kernel")
                     kernels.append(key)
                 matmuls.append((key, not open_))
         for start, kind, seen in open_.values():  # done in another computation
@@ -347,14 +349,20 @@ def overlap(program) -> Report:
 
 
 def _fused_kernel_names() -> dict:
-    """`{a fused TPU kernel's name in a program: its primitive}`, so the report names it
-    `ag_rows` as it names every other op (empty when the kernels do not import)."""
-    from ._backends import pallas_tpu
-
-    try:
-        return pallas_tpu.kernel_names()
-    except ImportError:  # pragma: no cover - a JAX without Pallas TPU
-        return {}
+    """`{a fused kernel's name in a program: (its primitive, its backend)}` of every
+    backend that has fused kernels (`_backends.Backend.fused_kernels`), so the report
+    names it `ag_rows` as it names every other op (without a backend's whose kernels do
+    not import)."""
+    names = {}
+    for backend in _backends.TABLE.values():
+        if backend.fused_kernels is None:
+            continue
+        try:
+            names.update((kernel, (prim, backend.name))
+                         for kernel, prim in backend.fused_kernels().items())
+        except ImportError:  # pragma: no cover - a JAX without Pallas TPU
+            pass
+    return names
 
 
 def _hideable(instructions, multiplying):

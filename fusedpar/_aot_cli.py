@@ -11,8 +11,11 @@ import os
 import re
 import time
 
+from . import _backends  # imported with fusedpar already
+
 PROGRAMS = ("ops", "mlp", "block", "block-qkv", "prefill", "decode", "demo")
-BACKENDS = ("reference", "ring", "pallas", "auto")
+# What `--backend` takes: the backends `auto` weighs (reference, ring, pallas), and auto.
+BACKENDS = tuple(b.name for b in _backends.candidates()) + (_backends.AUTO,)
 # The mesh axes a program gets without --axes: the built-in ones are written for these;
 # the blocks, the demo and your own program (FILE.py:FUNCTION) get ("fsdp", "tp").
 AXES = {"ops": ("x",), "mlp": ("tp",)}

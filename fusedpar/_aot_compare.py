@@ -9,15 +9,19 @@ import dataclasses
 import time
 from typing import Optional
 
-from . import _aot_baseline as baseline, _hlo_ring_kernel, _primitives as prims
+from . import _aot_baseline as baseline, _backends, _hlo_ring_kernel, _primitives as prims
 
 DEFAULT, CM = "default", "collective matmul"
 # (backend, settings) of every row, in the table's order: "xla" is XLA's own partitioning
 # of the plain program; the others are fusedpar's backends, compiled with the flags
 # `fusedpar.set_overlap_flags()` sets, and the reference also with XLA's
 # collective-matmul settings (which, on TPU, decompose its all_gather + dot).
-ROWS = (("xla", DEFAULT), ("xla", CM), ("reference", DEFAULT), ("reference", CM),
-        ("ring", DEFAULT), ("pallas", DEFAULT), ("auto", DEFAULT))
+# fusedpar's rows are the backends `auto` weighs (`_backends.candidates()`: reference,
+# ring, pallas), a "reference"-family one also with the collective-matmul settings.
+ROWS = ((("xla", DEFAULT), ("xla", CM))
+        + tuple((b.name, settings) for b in _backends.candidates()
+                for settings in ((DEFAULT, CM) if b.cost == "reference" else (DEFAULT,)))
+        + (("auto", DEFAULT),))
 # The layer programs, and each primitive alone (forward and backward, as `--program ops`
 # compiles it, on one axis "x").
 PROGRAMS = baseline.LAYER_PROGRAMS + prims.PRIMITIVES

@@ -37,8 +37,8 @@ def scope(prim: str, cfg) -> str:
     `fusedpar.ag_rows.ring.bidirectional`: compiled programs carry it in each
     instruction's `op_name`, so `fusedpar.aot` can say which op a transfer belongs to
     (a backward pass's runs sit under `transpose(...)`)."""
-    if cfg.backend == "reference":
-        return f"fusedpar.{prim}.reference"
+    if _backends.runs_one_collective(cfg.backend):  # no ring: no direction to name
+        return f"fusedpar.{prim}.{cfg.backend}"
     ring = "bidirectional" if cfg.bidirectional else "unidirectional"
     return f"fusedpar.{prim}.{cfg.backend}.{ring}"
 

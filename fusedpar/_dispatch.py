@@ -4,7 +4,9 @@
 that cannot run raises `NotImplementedError` with the reason, and `"auto"` returns its
 choice with a reason a person can read (`fusedpar.explain` shows it; it is also logged
 at DEBUG level on the `"fusedpar"` logger). The `"auto"` policy asks the cost model
-(`cost_model.py`); the backends themselves are a static table (`_backends`).
+(`cost_model.py`) about the backends that declare themselves candidates; the backends
+themselves are a registry of `Backend` records (`_backends`), which this module reads
+for what a backend declares (its ring, its kernels, its `check_vma`) instead of naming it.
 
 What the layers need to know about a backend (`check_vma`, `check_backend_name`) is
 asked here too, so that no layer reads the table or a backend's name.
@@ -21,7 +23,8 @@ from ._primitives import Call
 
 logger = logging.getLogger("fusedpar")
 
-REFERENCE, RING, PALLAS, AUTO = "reference", "ring", "pallas", "auto"
+REFERENCE, RING = "reference", "ring"
+AUTO = _backends.AUTO
 
 # Largest ring an unrolled schedule is used for by default: beyond it the rolled
 # fori_loop keeps trace/compile time flat (see bench/test_compile_cost.py).
@@ -50,10 +53,15 @@ class Choice:
     target: object = None
     kernels: str = ""  # a kernel backend's: which kernels, compiled for what or interpreted
 
+    @property
+    def runs_ring(self) -> bool:
+        """Whether the backend runs ring steps (its ring shape and device order apply)."""
+        return not _backends.runs_one_collective(self.backend)
+
     def __str__(self):
         ring = "bidirectional" if self.bidirectional else "unidirectional"
         loop = "unrolled" if self.unroll else "rolled (fori_loop)"
-        extra = "" if self.backend == REFERENCE else f", {ring}, {loop}"
+        extra = f", {ring}, {loop}" if self.runs_ring else ""
         extra += f" ({self.kernels})" if self.kernels else ""
         where = "" if self.target is None else f" [target: {self.target}]"
         return f"{self.backend}{extra}: {self.reason}{where}"
@@ -76,11 +84,11 @@ def check_vma(backend: str, platform: str) -> bool:
     """The `check_vma` of a `shard_map` whose body runs ops on `backend` on `platform`.
 
     Collective Pallas kernels need `check_vma=False`, so a backend that is one, or that
-    may become one (`"auto"` off CPU), gets it.
+    may become one (`"auto"` off CPU, where it may pick any candidate), gets it.
     """
     if backend == AUTO:
-        return platform == "cpu"
-    return _backends.get(backend).CHECK_VMA
+        return platform == "cpu" or all(b.check_vma for b in _backends.candidates())
+    return _backends.get(backend).check_vma
 
 
 def check_options(op: str, options, requested: str, chosen: str, platform: str) -> None:
@@ -108,9 +116,10 @@ def ring_shape(call: Call, unroll: Optional[bool]) -> tuple[bool, bool]:
     return bool(call.runs_bidirectional), bool(unroll)
 
 
-def _pallas_why_not(call: Call) -> Optional[str]:
+def _why_not(backend, call: Call) -> Optional[str]:
+    """Why `backend` (a `_backends.Backend`) cannot run `call`, or None, for `auto`."""
     try:
-        return _backends.get(PALLAS).unavailable(call)
+        return backend.unavailable(call)
     except Exception as e:  # kernels that fail to import cannot be chosen
         return f"{type(e).__name__}: {e}"
 
@@ -159,17 +168,28 @@ def auto_choice(call: Call) -> tuple[str, str]:
         r = est[REFERENCE]
         exposed = max(r.transfer_step - call.beside, 0.0)
         est[REFERENCE] = dataclasses.replace(r, seconds=r.compute_step + exposed)
-    candidates = [RING]
-    why_not = _pallas_why_not(call)
-    if why_not is None:
-        candidates.append(PALLAS)
-    # Simplest first: a kernel backend must beat the lax ring by KERNEL_MARGIN too.
-    best = RING
-    if PALLAS in candidates and est[PALLAS].seconds < KERNEL_MARGIN * est[RING].seconds:
-        best = PALLAS
-    summary = f"{hw.name}: {cost_model.describe({n: est[n] for n in [REFERENCE] + candidates})}"
-    if why_not:
-        summary += f"; pallas cannot run it: {why_not}"
+    candidates, why_not = [], {}
+    for backend in _backends.candidates():
+        if backend.name == REFERENCE:
+            continue
+        why = _why_not(backend, call)
+        if why is None:
+            candidates.append(backend)
+        else:
+            why_not[backend.name] = why
+    # Simplest first (table order): a kernel backend must beat the best before it (the
+    # lax ring) by KERNEL_MARGIN too.
+    best = None
+    for backend in candidates:
+        margin = KERNEL_MARGIN if backend.cost == "kernel" else 1.0
+        if best is None or est[backend.name].seconds < margin * est[best].seconds:
+            best = backend.name
+    names_ = [REFERENCE] + [b.name for b in candidates]
+    summary = f"{hw.name}: {cost_model.describe({n: est[n] for n in names_})}"
+    for name, why in why_not.items():
+        summary += f"; {name} cannot run it: {why}"
+    if best is None:
+        return REFERENCE, f"no ring backend can run it; {summary}"
     if call.beside > 0:
         summary += (f"; the reference's collective can hide behind "
                     f"{call.beside * 1e6:.3g} us of other matmuls")
@@ -195,7 +215,7 @@ def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
     if why_not is not None:
         raise NotImplementedError(f"{call.op}: backend {name!r} cannot run this call: {why_not}")
     bidirectional, unroll = ring_shape(call, unroll)
-    describe = getattr(_backends.get(name), "kernels", None)
+    describe = _backends.get(name).kernels
     choice = Choice(name, reason, bidirectional, unroll, call.target,
                     describe(call) if describe else "")
     logger.debug("fusedpar: %s %s x%s w%s %s over %d devices -> %s", call.op, call.prim,

@@ -63,21 +63,22 @@ def setup_threads(devices: int | None = None) -> bool:
 def check_threads(op: str, backend: str, options, target) -> None:
     """Raise before tracing an interpreted TPU kernel that the thread pool cannot run.
 
-    `options`: the op's backend options (`interpret=False` compiles with Mosaic instead);
-    `target`: the `fusedpar._target.Target` of the mesh (interpreted on CPU devices).
+    `backend`: the backend's name; whether it interprets collective kernels here is its
+    own to say (`_backends.Backend.interprets`). `options`: the op's backend options
+    (`interpret=False` compiles with Mosaic instead); `target`: the
+    `fusedpar._target.Target` of the mesh (interpreted on CPU devices).
     """
     import jax
 
-    options = dict(options or {})
-    tpu_kernels = backend == "pallas_tpu" or (backend == "pallas" and target.platform != "gpu")
-    if not tpu_kernels or options.get("interpret") is False:
+    # Imported here: this module runs when fusedpar is imported, before anything else.
+    from . import _backends
+
+    if not _backends.get(backend).interprets(target, options):
         return
-    interpreted = (options.get("interpret") or options.get("interpret_params") is not None
-                   or target.interpret)
     mesh = jax.sharding.get_abstract_mesh()
     devices = mesh.size if not mesh.empty else jax.device_count()
     var, threads = _threads()
-    if not interpreted or devices < 2 or threads >= devices + 1:
+    if devices < 2 or threads >= devices + 1:
         return
     have = (f"{var}={os.environ[var]}" if var else
             f"neither PJRT_NPROC nor NPROC is set, so it has {threads} threads (the cores)")

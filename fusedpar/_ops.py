@@ -74,7 +74,7 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     missing = _missing_flags(where.platform, choice)
     if missing:  # XLA reads them once: say so, rather than set them behind your back
         choice = dataclasses.replace(choice, reason=f"{choice.reason}; {missing}")
-    if (where.platform == "tpu" and axis_size > 2 and choice.backend != "reference"
+    if (where.platform == "tpu" and axis_size > 2 and choice.runs_ring
             and not _devices_known(target)):
         choice = dataclasses.replace(choice,
                                      reason=f"{choice.reason}; {_schedule.INDEX_ORDER_HINT}")
@@ -93,7 +93,7 @@ def _devices_known(target) -> bool:
 def _missing_flags(platform: str, choice: Choice) -> str:
     """What `explain` says of the overlap flags (`fusedpar.set_overlap_flags`) this
     process's environment lacks on `platform`, or ""."""
-    if platform == "gpu" and choice.backend != "reference":
+    if platform == "gpu" and choice.runs_ring:
         missing = _xla_flags.missing_overlap_flags("gpu", choice.bidirectional)
         why = "which a GPU ring needs for its transfers to overlap"
     elif platform == "tpu":

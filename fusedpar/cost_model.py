@@ -1,11 +1,14 @@
 """A small analytic model of how long each backend takes for one op, used by `"auto"`.
 
-The model follows one device through a ring of `N` devices (`_schedule.Ring`):
+The model follows one device through a ring of `N` devices (`_schedule.Ring`). Each
+backend declares which of three families estimates it (`_backends.Backend.cost`):
+"reference" (the `reference` backend), "ring" (`ring`) or "kernel" (`pallas`,
+`pallas_tpu`, `pallas_gpu`):
 
 - **reference**: the whole collective, then the whole matmul (nothing overlaps). The
   collective moves `N - 1` blocks over the faster of the device's ring links (collective
   libraries use both directions where the topology has separate links).
-- **ring** / **pallas**: `N` compute steps, each multiplying one block, and `N - 1`
+- **ring** / **kernel**: `N` compute steps, each multiplying one block, and `N - 1`
   transfers, each running while a step computes. A step lasts `max(compute, transfer)`
   when the two overlap fully; `Hardware.overlap` < 1 adds back the part that does not
   hide. One step is always exposed: an all-gather's last step computes with nothing left
@@ -36,7 +39,7 @@ from typing import Mapping, Optional, Union
 
 import numpy as np
 
-from . import _primitives as prims, _quantize, _registry, _schedule, _validate
+from . import _backends, _primitives as prims, _quantize, _registry, _schedule, _validate
 from ._hardware import Hardware
 
 # -- hardware --------------------------------------------------------------------------
@@ -212,10 +215,12 @@ def _problem(prim, x_shape, w_shape, n, dtype, reduce_dtype, comm_dtype=None):
 def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
               hardware: Union[str, Hardware, None] = None, *,
               bidirectional: bool = False, reduce_dtype=None,
-              backends=("reference", "ring", "pallas"),
-              comm_dtype=None) -> dict[str, Breakdown]:
+              backends=None, comm_dtype=None) -> dict[str, Breakdown]:
     """The model for one primitive (`_primitives.py`) on canonical 2-D local shapes.
 
+    `backends`: the backend names to estimate (default: those `"auto"` weighs, the
+    registry's candidates: "reference", "ring", "pallas"); each is estimated by the cost
+    family it declares (`_backends.Backend.cost`); names without one are left out.
     `comm_dtype`: the narrow dtype the travelling block is sent in (its values, plus
     float32 scales), None for the inputs' own.
     """
@@ -230,8 +235,9 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
     step = ((m, k, cols),
             tuple(max(v, 1) for v in prims.step_matmul(prim, x_shape, w_shape, n, 2)))
     sent = (n - 1) * block_bytes
+    families = _families(backends)
     result = {}
-    if "reference" in backends:
+    for name in (name for name, family in families.items() if family == "reference"):
         # One matmul over the whole problem, and one collective before (all-gathers) or
         # after it (reduce-scatters) that uses every link the device has to ring neighbours.
         whole = _matmul_time(hw, *_full(prim, x_shape, w_shape, n), dtype, out_b)
@@ -239,15 +245,15 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
         if n > 1:
             collective = (hw.launch_overhead + (n - 1) * hw.hop_latency
                           + sent / max(hw.send_bandwidth(1), 2 * hw.send_bandwidth(2)))
-        result["reference"] = Breakdown("reference", whole + collective, whole, collective,
-                                        1, sent, sent)
+        result[name] = Breakdown(name, whole + collective, whole, collective, 1, sent, sent)
     dirs = 2 if bidirectional and n > 1 else 1
     per_dir = block_bytes // dirs
     transfer = per_dir / hw.send_bandwidth(dirs) if n > 1 else 0.0
-    for name, latency in (("ring", hw.step_latency), ("pallas", hw.kernel_step_latency)):
-        if name not in backends:
+    for name, family in families.items():
+        if family not in _STEP_LATENCY:
             continue
-        if name == "pallas" and n > 1 and _platform(hw) == "tpu":
+        latency = getattr(hw, _STEP_LATENCY[family])
+        if family == "kernel" and n > 1 and _platform(hw) == "tpu":
             # One fused kernel (`fusedpar.kernels.tpu`): one launch, each step's whole
             # block (both halves of a bidirectional one) multiplied in place with its DMA
             # beside it -- what the replay reads from a compiled kernel's plan
@@ -265,7 +271,7 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
             c, first = _assembly(hw, prim, step, out_b, c, first)
         t = transfer + (latency if n > 1 else 0.0)
         chunk = _folded_chunk(prim, x_shape, w_shape, n, dirs, comm_dtype, _platform(hw))
-        if name == "ring" and chunk is not None:
+        if family == "ring" and chunk is not None:
             # ring._folded_reduce_scatter: per direction two chunks half a step apart,
             # each step's add in its matmul; two transfers of half the bytes a step, whose
             # latencies pipeline behind each other's chunk matmul (one latency a step, as
@@ -280,6 +286,24 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
         total = first + (n - 1) * hw.overlapped(c, t)
         result[name] = Breakdown(name, total, c, t, n, per_dir if n > 1 else 0, sent)
     return result
+
+
+# The per-step latency of each ring family: XLA's (a lax step, its ppermute) or a kernel's.
+_STEP_LATENCY = {"ring": "step_latency", "kernel": "kernel_step_latency"}
+
+
+def _family(name: str):
+    """The cost family backend `name` declares, or None (not registered, not modelled)."""
+    backend = _backends.TABLE.get(name)
+    return None if backend is None else backend.cost
+
+
+def _families(backends) -> dict:
+    """`{name: cost family}` of the backends to estimate, in the order asked (default:
+    `auto`'s candidates); names the registry does not model are left out."""
+    if backends is None:
+        return {b.name: b.cost for b in _backends.candidates()}
+    return {name: _family(name) for name in backends if _family(name) is not None}
 
 
 def _assembly(hw, prim, step, out_b, c, first):
@@ -400,16 +424,16 @@ def bytes_sent(op: str, x_shape, w_shape, ring_size: int, dtype="float32", *, ga
                dim=0, reduce_dtype=None, comm_dtype=None) -> int:
     """Bytes one device sends in one call of `op` (any backend, either ring direction);
     `comm_dtype` as for `estimate`."""
-    return estimate(op, x_shape, w_shape, ring_size, dtype, "cpu", gather=gather, dim=dim,
-                    reduce_dtype=reduce_dtype, comm_dtype=comm_dtype,
-                    details=True)["ring"].bytes_sent
+    result = estimate(op, x_shape, w_shape, ring_size, dtype, "cpu", gather=gather, dim=dim,
+                      reduce_dtype=reduce_dtype, comm_dtype=comm_dtype, details=True)
+    return next(iter(result.values())).bytes_sent  # every backend sends the same bytes
 
 
 def describe(result: Mapping[str, Breakdown]) -> str:
     """A one-line summary of a `breakdown` for people: time per backend, and why."""
     parts = []
     for name, b in result.items():
-        if name == "reference":
+        if _family(name) == "reference":
             parts.append(f"reference {_fmt(b.seconds)}")
         else:
             parts.append(f"{name} {_fmt(b.seconds)} ({b.steps} steps of "

@@ -40,11 +40,18 @@ import time
 # Options whose defaults a run with interpreted TPU kernels replaces (when not given).
 DEFAULTS = dict(mesh="2x4", blocks=2, steps=8)
 INTERPRETER = dict(blocks=1, steps=4)
-# Backends that run the TPU kernels in TPU interpret mode on simulated CPU devices.
-INTERPRETED = ("pallas", "pallas_tpu")
 # A step of interpreted kernels takes about a second here; one that has run this long has
 # stopped (see _fit_the_interpreter), and the demo ends with a message instead of hanging.
 STEP_LIMIT_S = 300
+
+
+def _interpreted(backends) -> list:
+    """The backends among `backends` that run collective kernels in TPU interpret mode
+    on simulated CPU devices (what each declares: `_backends.Backend.interprets`)."""
+    from . import _backends, _target
+
+    cpu = _target.of_platform("cpu")
+    return [b for b in backends if b in _backends.TABLE and _backends.get(b).interprets(cpu, {})]
 
 
 def _parser():
@@ -146,7 +153,7 @@ def _fit_the_interpreter(args, platform: str):
     way, hence the step limit too (`STEP_LIMIT_S`). The interpreter's cost (about a second
     a step) sets the smaller default work.
     """
-    interpreted = [b for b in args.backends if b in INTERPRETED]
+    interpreted = _interpreted(args.backends)
     if platform != "cpu" or not interpreted:
         return None
     names = ", ".join(interpreted)
@@ -373,7 +380,7 @@ def main(argv=None) -> list[dict]:
             profile = (os.path.join(args.profile_dir, backend) if args.profile_dir else None)
             model, losses, times = _train(
                 backend, args, model, jax.device_put(x, act), jax.device_put(y, act),
-                args.quiet, profile, STEP_LIMIT_S if note and backend in INTERPRETED else None)
+                args.quiet, profile, STEP_LIMIT_S if note and _interpreted([backend]) else None)
         rows.append(dict(backend=backend, step_s=float(np.median(times[1:] or times)),
                          final_loss=losses[-1], max_diff=_max_diff(model, dense),
                          bytes_per_step=sent))

@@ -71,3 +71,26 @@ RING_CONFIGS = [
     ("ring", dict(bidirectional=True, unroll=True, keep_gathered=False)),
     ("ring", dict(bidirectional=False, unroll=False, keep_gathered=False)),
 ]
+
+
+def same_kernels_as(backend, op, x, w, axis_size, **kwargs):
+    """The backend after `backend` in the registry that runs the very kernels `backend`
+    runs for this call (`fusedpar.explain` names them; on CPU "pallas" is pallas_tpu's
+    interpreted kernels), or None: a test over the registry tests those once. `x`, `w`:
+    local `jax.ShapeDtypeStruct`s. Raises NotImplementedError where `backend` cannot run
+    the call (with its reason)."""
+    import fusedpar
+    from fusedpar import _backends
+
+    def kernels(name):
+        return fusedpar.explain(op, x, w, axis_size, backend=name, **kwargs).kernels
+
+    mine = kernels(backend)
+    names = _backends.names()
+    for other in names[names.index(backend) + 1:] if mine else ():
+        try:
+            if kernels(other) == mine:
+                return other
+        except NotImplementedError:
+            continue
+    return None

@@ -203,9 +203,10 @@ def test_explain_prints_the_estimate():
 
 
 def _fake_pallas(monkeypatch, why_not):
-    from fusedpar._backends import pallas
+    from fusedpar import _backends
 
-    monkeypatch.setattr(pallas, "unavailable", lambda call: why_not)
+    record = dataclasses.replace(_backends.get("pallas"), unavailable=lambda call: why_not)
+    monkeypatch.setitem(_backends.TABLE, "pallas", record)
 
 
 def test_auto_picks_pallas_only_when_it_can_run_and_the_model_says_so(monkeypatch):

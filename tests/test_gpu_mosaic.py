@@ -204,7 +204,7 @@ def _backend_config(prim, n, bidirectional):
 def test_gather_steps_of_a_ring(prim, n):
     """Device 0's steps of a bidirectional ring: the pieces it holds at each step (both
     directions' in one launch), into one output."""
-    from fusedpar._backends import pallas_gpu, ring as ring_backend
+    from fusedpar._backends import _ring_loop, pallas_gpu
 
     dt, bidirectional = jnp.bfloat16, True
     ring = fusedpar.Ring(n, bidirectional)
@@ -222,7 +222,7 @@ def test_gather_steps_of_a_ring(prim, n):
     @jax.jit
     def steps(travelling, local_x, local_w):
         step = pallas_gpu.gather_step(prim, cfg, local_x, local_w)
-        out = ring_backend.gather_out(prim, cfg, local_x, local_w)
+        out = _ring_loop.gather_out(prim, cfg, local_x, local_w)
         for s in range(n):
             segs = [ring.gather_segment(0, s, r) for r in ring.directions]
             pieces = tuple(lax.slice_in_dim(travelling, g * length, (g + 1) * length,

@@ -38,7 +38,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
-from helpers import mesh
+from fusedpar import _backends
+from helpers import mesh, same_kernels_as
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,19 +73,21 @@ KERNEL_CASES = ("ag_cols", "ag_contract", "rs_rows")
 
 
 def _params():
-    """(case, backend) pytest params: every case on every backend that can run it here."""
+    """(case, backend) pytest params: every case on every registered backend that can run
+    it here (one that runs another's very kernels is tested as that one)."""
     out = []
-    for name in ("reference", "ring", "pallas_tpu", "pallas_gpu"):
-        kernel = name.startswith("pallas")
+    for name in _backends.names():
+        kernel = _backends.get(name).kernels is not None
         for case in CASES:
             if kernel and case[0] not in KERNEL_CASES:
                 continue
             _, op, kw, xs, _, ws, _, _ = case
             marks = [pytest.mark.slow] if kernel else []
             try:
-                fusedpar.explain(op, jax.ShapeDtypeStruct(xs, jnp.bfloat16),
-                                 jax.ShapeDtypeStruct(ws, jnp.bfloat16), N, backend=name,
-                                 **kw)
+                other = same_kernels_as(name, op, jax.ShapeDtypeStruct(xs, jnp.bfloat16),
+                                        jax.ShapeDtypeStruct(ws, jnp.bfloat16), N, **kw)
+                if other is not None:
+                    marks.append(pytest.mark.skip(reason=f"runs {other}'s kernels here"))
             except NotImplementedError as e:
                 marks.append(pytest.mark.skip(reason=str(e)))
             except Exception:  # noqa: BLE001 - e.g. a kernel package that fails to import:

@@ -202,12 +202,10 @@ def test_explain_and_auto_choice():
 
 
 def test_explicit_backend_that_cannot_run_raises(monkeypatch):
-    import types
-
     from fusedpar import _backends
 
-    monkeypatch.setitem(_backends.TABLE, "never", types.SimpleNamespace(
-        unavailable=lambda call: "it is a test double"))
+    monkeypatch.setitem(_backends.TABLE, "never", _backends.Backend(
+        "never", "a test double", run=None, unavailable=lambda call: "it is a test double"))
     x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
     w = jax.ShapeDtypeStruct((4, 4), jnp.float32)
     with pytest.raises(NotImplementedError, match="'never' cannot run.*test double"):
@@ -270,13 +268,13 @@ ORDER_8 = (0, 2, 4, 6, 7, 5, 3, 1)
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_ring_in_physical_order(case, monkeypatch):
-    from fusedpar._backends import ring
+    from fusedpar._backends import _ring_loop
     from fusedpar._schedule import Ring
 
     def ordered(axis_name, size, bidirectional=False):
         return Ring(size, bidirectional, ORDER_8 if size == 8 else None)
 
-    monkeypatch.setattr(ring, "ring_for", ordered)
+    monkeypatch.setattr(_ring_loop, "ring_for", ordered)
     check(run_case(case, 8, jnp.float32, CONFIGS[1:]), jnp.float32,
           f"{case.name} ring order {ORDER_8}")
 

@@ -8,15 +8,12 @@ is the target's (`fusedpar._target`: the mesh's devices), not the tracing machin
 from __future__ import annotations
 
 from . import pallas_gpu, pallas_tpu
-
-DESCRIPTION = ("the Pallas kernels for the target's platform: pallas_gpu on GPU, pallas_tpu "
-               "on TPU and CPU")
-CHECK_VMA = pallas_gpu.CHECK_VMA and pallas_tpu.CHECK_VMA
+from ._backend import Backend
 
 
-def for_platform(platform: str):
-    """The backend module `"pallas"` stands for on `platform`."""
-    return pallas_gpu if platform == "gpu" else pallas_tpu
+def for_platform(platform: str) -> Backend:
+    """The backend `"pallas"` stands for on `platform`."""
+    return pallas_gpu.BACKEND if platform == "gpu" else pallas_tpu.BACKEND
 
 
 def options(platform: str) -> frozenset:
@@ -33,3 +30,16 @@ def kernels(call) -> str:
 
 def run(prim, cfg, x, w, return_gathered=False):
     return for_platform(cfg.on.platform).run(prim, cfg, x, w, return_gathered)
+
+
+def interprets(target, options) -> bool:
+    return for_platform(target.platform).interprets(target, options)
+
+
+BACKEND = Backend(
+    name="pallas",
+    description=("the Pallas kernels for the target's platform: pallas_gpu on GPU, "
+                 "pallas_tpu on TPU and CPU"),
+    run=run, unavailable=unavailable, options=options, kernels=kernels,
+    check_vma=pallas_gpu.BACKEND.check_vma and pallas_tpu.BACKEND.check_vma,
+    cost="kernel", candidate=True, interprets=interprets)

@@ -1,9 +1,10 @@
-"""The `"pallas_gpu"` backend: the lax ring (`ring.py`) with Pallas GPU step kernels.
+"""The `"pallas_gpu"` backend: the shared ring loops (`_ring_loop.py`) with Pallas GPU
+step kernels.
 
-The ring loops, and which block is where at each step (`fusedpar._schedule.Ring`), are the
-lax ring's own: `lax.ppermute` moves the blocks, so XLA runs the transfers on its
-collective stream and overlaps them with the kernels. Only each step's compute is a
-kernel (`fusedpar.kernels.gpu`):
+The ring loops, and which block is where at each step (`fusedpar._schedule.Ring`), are
+the ones the lax ring (`ring.py`) runs too: `lax.ppermute` moves the blocks, so XLA runs
+the transfers on its collective stream and overlaps them with the kernels. Only each
+step's compute is a kernel (`fusedpar.kernels.gpu`):
 
 | primitive     | step                                               | kernel         |
 |---------------|----------------------------------------------------|----------------|
@@ -14,7 +15,7 @@ kernel (`fusedpar.kernels.gpu`):
 | `rs_cols`     | `acc += x @ w[:, cols of seg]`                     | `matmul_acc` ¹ |
 
 ¹ The ring asks for the product alone (`acc=None`) and adds the accumulator that
-arrived itself: a kernel that read it would wait for the transfer (`ring.py`).
+arrived itself: a kernel that read it would wait for the transfer (`_ring_loop.py`).
 
 Two kernel families compute these steps (option `kernels`): `"mosaic"` (Mosaic GPU:
 TMA, wgmma, warp specialisation), the default on Hopper (compute capability 9.0);
@@ -34,12 +35,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from .. import _batching, _primitives as prims, _registry
-from . import ring
+from ._backend import Backend
+from ._ring_loop import Steps, run_steps
 
-DESCRIPTION = "a lax ppermute ring whose per-step compute is Pallas GPU kernels"
-# The kernels type their results for shard_map's varying-axes check, but a layer wraps
-# every Pallas backend in shard_map(check_vma=False), as it always has.
-CHECK_VMA = False
 MOSAIC, TRITON = "mosaic", "triton"
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -232,11 +230,24 @@ def scatter_step(prim, cfg, x, w):
     return accumulate
 
 
+STEPS = Steps(gather_step, scatter_step)
+
+
 def _run(prim, cfg, x, w, return_gathered=False):
-    """Run primitive `prim` (`_primitives.py`) on the lax ring with GPU step kernels."""
-    return ring.run_steps(gather_step, scatter_step, prim, cfg, x, w, return_gathered)
+    """Run primitive `prim` (`_primitives.py`) on the ring loops with GPU step kernels."""
+    return run_steps(STEPS, prim, cfg, x, w, return_gathered)
 
 
 # pallas_call cannot be batched by jax.vmap on these 2-D layouts: fold the mapped
 # dimension into the problem instead (see _batching.py).
 run = _batching.vmappable(_run)
+
+# check_vma: the kernels type their results for shard_map's varying-axes check, but a
+# layer wraps every Pallas backend in shard_map(check_vma=False), as it always has.
+# Interpreted on CPU its kernels are per-device (the ring is lax's), so no thread pool
+# hazard: `interprets` stays False.
+BACKEND = Backend(
+    name="pallas_gpu",
+    description="a lax ppermute ring whose per-step compute is Pallas GPU kernels",
+    run=run, unavailable=unavailable, options=options, check_vma=False, kernels=kernels,
+    cost="kernel")

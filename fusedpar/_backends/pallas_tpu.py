@@ -41,9 +41,8 @@ import jax
 from .. import _batching, _primitives as prims, _quantize, _registry, _target, _vma
 from .._hardware import TPU_KERNELS
 from .._schedule import Ring, ring_for
+from ._backend import Backend
 
-DESCRIPTION = "one fused Pallas TPU kernel per op: the ring runs inside it with remote DMAs"
-CHECK_VMA = False
 _DTYPES = ("float32", "bfloat16")
 _OPTIONS = frozenset({"block_m", "block_n", "block_k", "vmem", "chip", "cores", "interpret",
                       "interpret_params", "_broken"})
@@ -328,3 +327,21 @@ def kernel_names() -> dict:
 # pallas_call cannot be batched by jax.vmap on these 2-D layouts: fold the mapped
 # dimension into the problem instead (see _batching.py).
 run = _batching.vmappable(_run)
+
+
+def interprets(target, options) -> bool:
+    """Whether the kernels run in TPU interpret mode on `target` with the op's `options`:
+    as `interpret` says, else with `interpret_params`, else on a CPU mesh."""
+    options = dict(options or {})
+    if options.get("interpret") is False:
+        return False
+    return bool(options.get("interpret") or options.get("interpret_params") is not None
+                or target.interpret)
+
+
+# check_vma: collective kernels, which JAX's varying-axes check cannot type.
+BACKEND = Backend(
+    name="pallas_tpu",
+    description="one fused Pallas TPU kernel per op: the ring runs inside it with remote DMAs",
+    run=run, unavailable=unavailable, options=options, check_vma=False, kernels=kernels,
+    cost="kernel", interprets=interprets, fused_kernels=kernel_names)

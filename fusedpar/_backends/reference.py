@@ -25,21 +25,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import _definition, _primitives as prims, _quantize
-
-DESCRIPTION = "the pure-lax expression: all_gather then dot; dot then psum_scatter"
-CHECK_VMA = True
+from ._backend import Backend
 
 # (gather side, dim) of each all-gather primitive in the public op's terms.
 _GATHER = {prims.AG_ROWS: ("lhs", 0), prims.AG_COLS: ("rhs", 1),
            prims.AG_CONTRACT: ("rhs", 0)}
-
-
-def options(platform: str) -> frozenset:
-    return frozenset()
-
-
-def unavailable(call) -> None:
-    return None  # the lax expression runs everywhere
 
 
 def run(prim, cfg, x, w, return_gathered=False):
@@ -91,3 +81,10 @@ def _quantized_reduce_scatter(prim, cfg, x, w):
     own = lax.dynamic_index_in_dim(parts, me, 0, keepdims=True)
     mine = jnp.arange(n).reshape(n, 1, 1) == me
     return jnp.sum(jnp.where(mine, own, received), axis=0).astype(cfg.out_dtype)
+
+
+# The lax expression runs everywhere and reads no options (the record's defaults).
+BACKEND = Backend(
+    name="reference",
+    description="the pure-lax expression: all_gather then dot; dot then psum_scatter",
+    run=run, check_vma=True, cost="reference", candidate=True, ring=False)
