@@ -323,9 +323,8 @@ def overlap(program) -> Report:
                     seen.append(i.name)
                 key = _op_of(i.op_name)
                 if i.opcode == "custom-call" and i.target == "tpu_custom_call":
-                    # A Pallas TPU kernel: named by its kernel name (the backend whose
-                    # fused kernel it is), its primitive from its name scope where it
-                    # has one (a kernel traced outside the ops has none).
+                    # A Pallas TPU kernel: its backend from its kernel name, its
+                    # primitive from its name scope if it has one, else from that name.
                     name = re.sub(r"\.\d+$", "", i.name)
                     prim, backend = fused.get(name, (name, "pallas_tpu"))
                     key = (prim if key[0] == "other" else key[0], backend, "fused kernel")
@@ -334,10 +333,7 @@ def overlap(program) -> Report:
         for start, kind, seen in open_.values():  # done in another computation
             transfers.append(_transfer(module, start, kind, by_name, comp, tuple(seen),
                                        hideable(start.name, start.name)))
-    keys = []
-    for key in [t.op for t in transfers] + [m[0] for m in matmuls]:
-        if key not in keys:
-            keys.append(key)
+    keys = list(dict.fromkeys([t.op for t in transfers] + [m[0] for m in matmuls]))
     ops = []
     for key in keys:
         mine = [t for t in transfers if t.op == key]

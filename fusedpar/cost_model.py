@@ -292,18 +292,12 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
 _STEP_LATENCY = {"ring": "step_latency", "kernel": "kernel_step_latency"}
 
 
-def _family(name: str):
-    """The cost family backend `name` declares, or None (not registered, not modelled)."""
-    backend = _backends.TABLE.get(name)
-    return None if backend is None else backend.cost
-
-
 def _families(backends) -> dict:
     """`{name: cost family}` of the backends to estimate, in the order asked (default:
     `auto`'s candidates); names the registry does not model are left out."""
-    if backends is None:
-        return {b.name: b.cost for b in _backends.candidates()}
-    return {name: _family(name) for name in backends if _family(name) is not None}
+    chosen = _backends.candidates() if backends is None else [
+        _backends.TABLE[name] for name in backends if name in _backends.TABLE]
+    return {b.name: b.cost for b in chosen if b.cost is not None}
 
 
 def _assembly(hw, prim, step, out_b, c, first):
@@ -313,9 +307,8 @@ def _assembly(hw, prim, step, out_b, c, first):
     the matmul write into the output in place. The output itself is not filled first
     (`ring.gather_out`: every step writes its segment), and an ag_contract sum starts
     from the first product; a reduce-scatter step's add is in the step model already.
-    The Pallas estimate is given the same: the TPU kernels and the GPU step kernels write
-    their blocks in place, but the presets keep the kernels' per-step costs the lax
-    ring's until they are measured, as they do for the step latency on GPU."""
+    The GPU step kernels are given the same (they write in place, but keep the lax
+    ring's costs until measured); the fused TPU kernels are modelled whole."""
     if prim not in (prims.AG_ROWS, prims.AG_COLS):
         return c, first
     m, _, cols = step[0]
@@ -433,7 +426,7 @@ def describe(result: Mapping[str, Breakdown]) -> str:
     """A one-line summary of a `breakdown` for people: time per backend, and why."""
     parts = []
     for name, b in result.items():
-        if _family(name) == "reference":
+        if _families([name]).get(name) == "reference":
             parts.append(f"reference {_fmt(b.seconds)}")
         else:
             parts.append(f"{name} {_fmt(b.seconds)} ({b.steps} steps of "
