@@ -9,7 +9,7 @@ import os
 import re
 from typing import Optional
 
-from . import _backends, _hlo, _platforms, _registry
+from . import _backends, _hlo, _platforms, _primitives as prims, _registry
 
 # Two processes may load libtpu at once (a test run beside a compile): libtpu refuses
 # unless told it may. And JAX's CUDA plugin registers itself only after checking the
@@ -156,13 +156,12 @@ def _options(flags) -> dict:
 
 # -- what overlaps ------------------------------------------------------------------------
 
-_SCOPE = re.compile(r"fusedpar\.(\w+)\.(\w+)(?:\.(bi|uni)directional)?")
 
 
 def _op_of(op_name: str) -> tuple[str, str, str]:
     """`(primitive, backend, pass)` of an instruction from its `op_name` scope (the
     backend with " bidirectional" for a bidirectional ring)."""
-    scopes = _SCOPE.findall(op_name)
+    scopes = prims.SCOPE.findall(op_name)
     pass_ = "backward" if "transpose(" in op_name else "forward"
     if not scopes:
         return "other", "", pass_
@@ -324,19 +323,17 @@ def overlap(program) -> Report:
                     seen.append(i.name)
                 key = _op_of(i.op_name)
                 if i.opcode == "custom-call" and i.target == "tpu_custom_call":
-                    if key[0] == "other":  # Mosaic kernels carry no op_name: their name
-                        name = re.sub(r"\.\d+$", "", i.name)
-                        # (an unknown Mosaic kernel is still a TPU custom call)
-                        key = fused.get(name, (name, "pallas_tpu")) + ("fused kernel",)
+                    # A Pallas TPU kernel: its backend from its kernel name, its
+                    # primitive from its name scope if it has one, else from that name.
+                    name = re.sub(r"\.\d+$", "", i.name)
+                    prim, backend = fused.get(name, (name, "pallas_tpu"))
+                    key = (prim if key[0] == "other" else key[0], backend, "fused kernel")
                     kernels.append(key)
                 matmuls.append((key, not open_))
         for start, kind, seen in open_.values():  # done in another computation
             transfers.append(_transfer(module, start, kind, by_name, comp, tuple(seen),
                                        hideable(start.name, start.name)))
-    keys = []
-    for key in [t.op for t in transfers] + [m[0] for m in matmuls]:
-        if key not in keys:
-            keys.append(key)
+    keys = list(dict.fromkeys([t.op for t in transfers] + [m[0] for m in matmuls]))
     ops = []
     for key in keys:
         mine = [t for t in transfers if t.op == key]

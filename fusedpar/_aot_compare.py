@@ -9,7 +9,7 @@ import dataclasses
 import time
 from typing import Optional
 
-from . import _aot_baseline as baseline, _backends, _primitives as prims
+from . import _aot_baseline as baseline, _backends, _hlo_ring_kernel, _primitives as prims
 
 DEFAULT, CM = "default", "collective matmul"
 # (backend, settings) of every row, in the table's order: "xla" is XLA's own partitioning
@@ -34,8 +34,8 @@ class Row:
     `speedup`: the best `xla` row's seconds over this row's (above 1: faster than what
     XLA does alone); `bounds`: whether the replay's compute and communication are at
     least the program's own lower bounds (`Prediction.min_compute_s`, `min_comm_s`);
-    `floor`: the program runs fused TPU kernels, whose transfers XLA (and so the replay)
-    cannot see: its time is a floor, not a prediction; `error`: why the row did not
+    `floor`: the program runs a kernel that sends bytes itself whose plan the replay
+    could not read (`_hlo_ring_kernel`): its time is a floor, not a prediction; `error`: why the row did not
     compile (its numbers are then 0)."""
 
     backend: str
@@ -129,7 +129,7 @@ def _row(target, mesh_, program, backend, settings, cublas, sizes, texts) -> Row
               and p.communication >= p.min_comm_s * (1 - 1e-9))
     return Row(backend, settings, p.seconds, p.compute, p.communication, p.exposed,
                report.hidden, report.total, seconds, unread=tuple(p.unread), bounds=bounds,
-               floor=any(o.op[2] == "fused kernel" for o in report.ops))
+               floor=any(_hlo_ring_kernel.UNREAD in u for u in p.unread))
 
 
 def compare(target: str, program: str, *, cublas: bool = False, rows=ROWS,
@@ -164,8 +164,8 @@ def markdown(rows, title: str = "") -> str:
                      f"{r.hidden} / {r.transfers} | {r.speedup:.2f}x | "
                      f"{'hold' if r.bounds else 'BROKEN'} | {r.compile_s:.1f} |")
     if any(r.floor for r in rows):
-        lines += ["", ">= : fused TPU kernels move their blocks inside one Mosaic kernel, "
-                      "which the replay cannot see: a floor, not a prediction."]
+        lines += ["", ">= : a kernel sends blocks itself and the replay could not read its "
+                      "plan: a floor, not a prediction."]
     unread = sorted({u for r in rows for u in r.unread})
     if unread:
         lines += ["", "Not read by the replay: " + "; ".join(unread)]

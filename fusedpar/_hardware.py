@@ -74,6 +74,17 @@ class Hardware:
         name = np.dtype(dtype).name
         return self.flops.get(name, self.flops["float32"]) * self.efficiency
 
+    def overlapped(self, compute: float, transfer: float) -> float:
+        """One ring step's time when its matmul and its transfer run at once: the longer
+        of the two, plus the part of the shorter that `overlap` says does not hide."""
+        return max(compute, transfer) + (1.0 - self.overlap) * min(compute, transfer)
+
+    def ring_kernel_seconds(self, steps: int, compute: float, transfer: float) -> float:
+        """A ring run inside one kernel (the fused TPU kernels): one launch, the first
+        step's matmul with nothing in flight, then `steps - 1` steps whose matmul and
+        transfer overlap."""
+        return self.launch_overhead + compute + (steps - 1) * self.overlapped(compute, transfer)
+
     def send_bandwidth(self, directions: int) -> float:
         """Bytes/s per direction when sending to `directions` neighbours at once."""
         return min(self.link_bandwidth, self.egress_bandwidth / directions)

@@ -7,7 +7,9 @@ import re
 from typing import Optional
 
 from ._hlo_kinds import is_collective
-from ._hlo_parse import Instruction, Module
+from ._hlo_parse import Instruction, Module, array_shapes, shape_bytes
+
+_SLICE = re.compile(r"\bslice=\{([^{}]*)\}")
 
 
 def in_place_bytes(module: Module, i: Instruction, by_name: dict) -> Optional[int]:
@@ -102,3 +104,30 @@ def written_bytes(module: Module, i: Instruction) -> int:
         return sum(inner[o].bytes for o in root.operands if o in inner
                    and inner[o].opcode != "parameter" and not is_collective(inner[o]))
     return i.bytes
+
+
+def operand_bytes(i: Instruction, by_name: dict) -> int:
+    """Bytes of `i`'s first operand (of its own first array when the operand is not in
+    `by_name`): what a collective sends per device."""
+    operand = by_name.get(i.operands[0]) if i.operands else None
+    if operand is not None:
+        return operand.bytes
+    arrays = array_shapes(i.shape)
+    if not arrays:
+        return 0
+    dtype, dims = arrays[0]
+    return shape_bytes(f"{dtype}[{','.join(map(str, dims))}]")
+
+
+def dma_bytes(i: Instruction, by_name: dict) -> int:
+    """Bytes an asynchronous copy or slice moves: its operand, or the slice's window."""
+    operand = by_name.get(i.operands[0]) if i.operands else None
+    arrays = array_shapes(operand.shape if operand is not None else i.shape)
+    if not arrays:
+        return 0
+    dtype, dims = arrays[0]
+    window = _SLICE.search(i.line) if i.opcode == "slice-start" else None
+    if window:
+        ranges = re.findall(r"\[(\d+):(\d+)(?::(\d+))?\]", window.group(1))
+        dims = [-(-(int(hi) - int(lo)) // int(step or 1)) for lo, hi, step in ranges]
+    return shape_bytes(f"{dtype}[{','.join(map(str, dims))}]")

@@ -182,7 +182,8 @@ def parse_instruction(line: str) -> Optional[Instruction]:
 def parse(text: str) -> Module:
     """Parse a scheduled HLO module's text."""
     computations, roots, entry, current, devices = {}, {}, None, None, 1
-    for line in text.splitlines():
+    lines = iter(text.splitlines())
+    for line in lines:
         if line.startswith("HloModule "):
             for count in _DEVICE_COUNTS.findall(line):
                 devices *= int(count)
@@ -198,6 +199,13 @@ def parse(text: str) -> Module:
         if line.strip() == "}":
             current = None
             continue
+        # An attribute can hold line breaks (a Pallas TPU call's `kernel_metadata`): the
+        # instruction goes on until its braces close.
+        while line.count("{") > line.count("}"):
+            more = next(lines, None)
+            if more is None:
+                break
+            line += " " + more.strip()
         instruction = parse_instruction(line)
         if instruction is not None:
             computations[current].append(instruction)

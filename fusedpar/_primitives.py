@@ -19,6 +19,7 @@ per device inside `shard_map` over a ring of `N` devices:
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable, Hashable, Optional
 
 import jax.numpy as jnp
@@ -34,6 +35,11 @@ AG_ROWS, AG_COLS, AG_CONTRACT, RS_ROWS, RS_COLS = (
     "ag_rows", "ag_cols", "ag_contract", "rs_rows", "rs_cols")
 PRIMITIVES = (AG_ROWS, AG_COLS, AG_CONTRACT, RS_ROWS, RS_COLS)
 GATHERS = (AG_ROWS, AG_COLS, AG_CONTRACT)
+
+# The name scope every run of a primitive is traced in (`_autodiff.scope`), which compiled
+# programs keep in each instruction's `op_name`: the primitive, the backend and, for a
+# ring, its shape (`fusedpar.aot` and the replay read them back).
+SCOPE = re.compile(r"fusedpar\.(\w+)\.(\w+)(?:\.(bi|uni)directional)?")
 
 # Which operand travels for an all-gather primitive ("x" or "w"), and the axis of that
 # operand (all-gathers) or of the output (reduce-scatters) that is cut into ring blocks.

@@ -25,6 +25,9 @@ device, per-hop latency, launch overhead — each preset cites its spec sheet):
   of `N - 1` hops over the device's links, both directions; the TPU compiler's
   reduce-scatter wrapped in a fusion too; a GPU collective XLA marks `is_sync`) blocks
   the compute stream for its duration;
+- a fused ring kernel (a Pallas TPU call that sends with remote DMAs itself) runs its
+  ring inside the compute stream, step matmuls beside step DMAs, from the plan its call
+  carries (`fusedpar._hlo_ring_kernel`);
 - asynchronous copies and slices (`copy-start` / `slice-start`: the TPU's DMAs between
   HBM and its on-chip memories) run beside the compute stream at HBM bandwidth;
 - a `while` loop runs its body as many times as XLA knows it iterates, or as its
@@ -46,7 +49,7 @@ import dataclasses
 import re
 from typing import Optional
 
-from . import _flops, _hlo, _links
+from . import _flops, _hlo, _hlo_ring_kernel, _links
 
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant",
          "after-all", "partition-id", "replica-id", "opt-barrier",
@@ -60,7 +63,6 @@ _DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "
                 "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2"}
 _SYNC = re.compile(r'"is_sync":\s*true')
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
-_SLICE = re.compile(r"\bslice=\{([^{}]*)\}")
 _DMAS = ("copy-start", "slice-start")
 
 
@@ -242,7 +244,7 @@ class _Replay:
     def _dma(self, i, by_name, now) -> tuple:
         key = (i.name, self.serial)
         self.serial += 1
-        self.network.start(key, _dma_bytes(i, by_name), self.hw.hbm_bandwidth, 0.0,
+        self.network.start(key, _hlo.dma_bytes(i, by_name), self.hw.hbm_bandwidth, 0.0,
                            {("hbm",): 1}, now)
         self.started[key] = (now, None)
         return key
@@ -287,14 +289,14 @@ class _Replay:
             channel = _CHANNEL.search(i.line)
             channel = channel.group(1) if channel else ""
             if i.opcode == "send":
-                key = self._start(i, "collective-permute", _operand_bytes(i, by_name), now)
+                key = self._start(i, "collective-permute", _hlo.operand_bytes(i, by_name), now)
                 in_flight[i.name] = self.sends[channel] = key
             elif i.opcode == "recv-done":  # the data arrives when the send on its channel does
                 now = self._finish(self.sends.pop(channel, None), now)
             elif kind is not None and _hlo.is_async_start(i) and not _SYNC.search(i.line):
-                in_flight[i.name] = self._start(i, kind, _operand_bytes(i, by_name), now)
+                in_flight[i.name] = self._start(i, kind, _hlo.operand_bytes(i, by_name), now)
             elif kind is not None:  # synchronous: the compute stream waits for it
-                now = self._finish(self._start(i, kind, _operand_bytes(i, by_name), now), now)
+                now = self._finish(self._start(i, kind, _hlo.operand_bytes(i, by_name), now), now)
             elif i.opcode in _DMAS:
                 in_flight[i.name] = self._dma(i, by_name, now)
             elif i.opcode == "while":
@@ -308,6 +310,13 @@ class _Replay:
                     i.opcode == "fusion-start" and _hlo.in_place_bytes(self.module, i, by_name))):
                 self.note(f"{i.opcode} {i.name}", "nothing: it costs no time")
             else:  # a kernel (newer XLA starts an in-place update as an async fusion-start)
+                kernel, why = _hlo_ring_kernel.read(self.module, i, by_name)
+                if kernel is not None:
+                    now = self._ring_kernel(i, kernel, now)
+                    continue
+                if why:
+                    self.note(f"custom-call {i.name}: {_hlo_ring_kernel.UNREAD} ({why})",
+                              "its matmul's time, its transfers hidden")
                 t = self._kernel_time(i, by_name)
                 self.compute += t
                 now += t
@@ -321,6 +330,17 @@ class _Replay:
         for key in list(in_flight.values()) + list(carried.values()) + list(after_loop.values()):
             now = self._finish(key, now)
         return now, out
+
+    def _ring_kernel(self, i, kernel, now) -> float:
+        """A fused ring kernel (`_hlo_ring_kernel`) from `now`: the compute stream is busy
+        for all of it; what its matmuls do not cover is waiting on its DMAs."""
+        total, compute, comm = kernel.seconds(self.hw, self.peak(kernel.dtype))
+        self.compute, self.communication = self.compute + compute, self.communication + comm
+        self.exposed += total - compute
+        cost = self.costs.setdefault(i.name, ["ring kernel", kernel.dma_bytes, 0, 0.0,
+                                              kernel.links, 1])
+        cost[2], cost[3] = cost[2] + kernel.dmas, cost[3] + comm
+        return now + total
 
     def _element(self, i, by_name, carried, after_loop):
         """The flow in flight in the tuple element `i` reads, if any: an element of the
@@ -383,43 +403,21 @@ class _Replay:
                                                          kind is None and i.calls):
                 inner = [(i.calls[0], 1)]
             elif i.opcode == "send":
-                comm += times * self.alone(i, "collective-permute", _operand_bytes(i, by_name))
+                comm += times * self.alone(i, "collective-permute", _hlo.operand_bytes(i, by_name))
             elif kind is not None:
-                comm += times * self.alone(i, kind, _operand_bytes(i, by_name))
+                comm += times * self.alone(i, kind, _hlo.operand_bytes(i, by_name))
             elif _hlo.is_matmul(i, self.multiplying):
                 f, dtype = _flops.matmul_flops(self.module, i, by_name)
                 flops += times * f
                 compute += times * f / self.peak(dtype)
+                kernel, _ = _hlo_ring_kernel.read(self.module, i, by_name)
+                if kernel is not None:
+                    comm += times * kernel.remote_bytes / self.hw.egress_bandwidth
             for c, trips in inner:
                 if c and c not in seen:
                     f, t, m = self.census(c, times * trips, seen + (c,))
                     flops, compute, comm = flops + f, compute + t, comm + m
         return flops, compute, comm
-
-
-def _operand_bytes(i, by_name) -> int:
-    operand = by_name.get(i.operands[0]) if i.operands else None
-    if operand is not None:
-        return operand.bytes
-    arrays = _hlo.array_shapes(i.shape)
-    if not arrays:
-        return 0
-    dtype, dims = arrays[0]
-    return _hlo.shape_bytes(f"{dtype}[{','.join(map(str, dims))}]")
-
-
-def _dma_bytes(i, by_name) -> int:
-    """Bytes an asynchronous copy or slice moves: its operand, or the slice's window."""
-    operand = by_name.get(i.operands[0]) if i.operands else None
-    arrays = _hlo.array_shapes(operand.shape if operand is not None else i.shape)
-    if not arrays:
-        return 0
-    dtype, dims = arrays[0]
-    window = _SLICE.search(i.line) if i.opcode == "slice-start" else None
-    if window:
-        ranges = re.findall(r"\[(\d+):(\d+)(?::(\d+))?\]", window.group(1))
-        dims = [-(-(int(hi) - int(lo)) // int(step or 1)) for lo, hi, step in ranges]
-    return _hlo.shape_bytes(f"{dtype}[{','.join(map(str, dims))}]")
 
 
 def predict(text: str, hardware, coords: Optional[list] = None,

@@ -173,11 +173,16 @@ def _acc_dtype(dtype):
     return np.promote_types(np.dtype(dtype), np.float32)
 
 
-def _matmul_time(hw: Hardware, m, k, n, dtype, out_bytes_per_elem, extra_bytes=0) -> float:
-    """Roofline time of one (m, k) @ (k, n) kernel, plus its launch overhead."""
+def _roofline(hw: Hardware, m, k, n, dtype, out_bytes_per_elem, extra_bytes=0) -> float:
+    """Roofline time of one (m, k) @ (k, n) product."""
     flops = 2.0 * m * k * n
     nbytes = (m * k + k * n) * _itemsize(dtype) + m * n * out_bytes_per_elem + extra_bytes
-    return max(flops / hw.matmul_flops(dtype), nbytes / hw.hbm_bandwidth) + hw.launch_overhead
+    return max(flops / hw.matmul_flops(dtype), nbytes / hw.hbm_bandwidth)
+
+
+def _matmul_time(hw: Hardware, m, k, n, dtype, out_bytes_per_elem, extra_bytes=0) -> float:
+    """Roofline time of one (m, k) @ (k, n) kernel, plus its launch overhead."""
+    return _roofline(hw, m, k, n, dtype, out_bytes_per_elem, extra_bytes) + hw.launch_overhead
 
 
 def _problem(prim, x_shape, w_shape, n, dtype, reduce_dtype, comm_dtype=None):
@@ -248,6 +253,16 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
         if family not in _STEP_LATENCY:
             continue
         latency = getattr(hw, _STEP_LATENCY[family])
+        if family == "kernel" and n > 1 and _platform(hw) == "tpu":
+            # One fused kernel (`fusedpar.kernels.tpu`): one launch, each step's whole
+            # block (both halves of a bidirectional one) multiplied in place with its DMA
+            # beside it -- what the replay reads from a compiled kernel's plan
+            # (`fusedpar._hlo_ring_kernel`).
+            c = _roofline(hw, *step[0], dtype, out_b, extra)
+            t = transfer + latency
+            result[name] = Breakdown(name, hw.ring_kernel_seconds(n, c, t), c, t, n,
+                                     per_dir, sent)
+            continue
         # Each direction runs its own half-size matmul per step: more launches, same flops.
         c = _step_time(hw, prim, step, dtype, out_b, extra, dirs)
         # The first step has no accumulator to read yet (nothing has arrived).
@@ -268,8 +283,7 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
             first = dirs * (_matmul_time(hw, *chunk, dtype, out_b, 0)
                             + _matmul_time(hw, *chunk, dtype, out_b, ce))
             t = transfer + latency
-        overlapped = max(c, t) + (1.0 - hw.overlap) * min(c, t)
-        total = first + (n - 1) * overlapped
+        total = first + (n - 1) * hw.overlapped(c, t)
         result[name] = Breakdown(name, total, c, t, n, per_dir if n > 1 else 0, sent)
     return result
 
@@ -278,18 +292,12 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
 _STEP_LATENCY = {"ring": "step_latency", "kernel": "kernel_step_latency"}
 
 
-def _family(name: str):
-    """The cost family backend `name` declares, or None (not registered, not modelled)."""
-    backend = _backends.TABLE.get(name)
-    return None if backend is None else backend.cost
-
-
 def _families(backends) -> dict:
     """`{name: cost family}` of the backends to estimate, in the order asked (default:
     `auto`'s candidates); names the registry does not model are left out."""
-    if backends is None:
-        return {b.name: b.cost for b in _backends.candidates()}
-    return {name: _family(name) for name in backends if _family(name) is not None}
+    chosen = _backends.candidates() if backends is None else [
+        _backends.TABLE[name] for name in backends if name in _backends.TABLE]
+    return {b.name: b.cost for b in chosen if b.cost is not None}
 
 
 def _assembly(hw, prim, step, out_b, c, first):
@@ -299,9 +307,8 @@ def _assembly(hw, prim, step, out_b, c, first):
     the matmul write into the output in place. The output itself is not filled first
     (`ring.gather_out`: every step writes its segment), and an ag_contract sum starts
     from the first product; a reduce-scatter step's add is in the step model already.
-    The Pallas estimate is given the same: the TPU kernels and the GPU step kernels write
-    their blocks in place, but the presets keep the kernels' per-step costs the lax
-    ring's until they are measured, as they do for the step latency on GPU."""
+    The GPU step kernels are given the same (they write in place, but keep the lax
+    ring's costs until measured); the fused TPU kernels are modelled whole."""
     if prim not in (prims.AG_ROWS, prims.AG_COLS):
         return c, first
     m, _, cols = step[0]
@@ -419,7 +426,7 @@ def describe(result: Mapping[str, Breakdown]) -> str:
     """A one-line summary of a `breakdown` for people: time per backend, and why."""
     parts = []
     for name, b in result.items():
-        if _family(name) == "reference":
+        if _families([name]).get(name) == "reference":
             parts.append(f"reference {_fmt(b.seconds)}")
         else:
             parts.append(f"{name} {_fmt(b.seconds)} ({b.steps} steps of "

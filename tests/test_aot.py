@@ -103,6 +103,12 @@ def test_layer_programs_compile(target, layers, backend):
     if backend == "pallas" and platform == "tpu":
         fused = {s.op[0] for s in report.ops if s.op[1:] == ("pallas_tpu", "fused kernel")}
         assert {"ag_rows", "rs_rows"} <= fused, report.markdown()
+        # The replay reads each kernel's plan (ring, directions, step work): its DMAs are
+        # transfers it times, not a floor.
+        p = aot.predict(compiled, mesh)
+        kernels = [t for t in p.transfers if t.kind == "ring kernel"]
+        assert len(kernels) >= 2 and not p.unread, p.unread
+        assert p.communication >= p.min_comm_s > 0
     if backend == "pallas":
         assert KERNELS[platform] in compiled.as_text()
 

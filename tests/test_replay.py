@@ -451,11 +451,72 @@ def test_what_it_cannot_read_is_listed():
         "bandwidth")
 
 
+def _ring_kernel(scope, rows=1024, k=4096, cols=4096, n=8):
+    """A fused TPU ring kernel as the compiler prints it: an all-gather of x's row blocks
+    and a matmul with w in one `tpu_custom_call`, its cost estimate the kernel's own
+    (`kernels/_cost.matmul_cost`: the whole product's flops and bytes, the blocks its
+    DMAs send), its `kernel_metadata` over three lines."""
+    from fusedpar.kernels._cost import matmul_cost
+
+    cost = matmul_cost([(n * rows, cols, k)], jnp.bfloat16, jnp.bfloat16,
+                       remote_bytes=(n - 1) * rows * k * 2)
+    estimate = ('"flops":"%d","transcendentals":"0","bytes_accessed":"%d",'
+                '"remote_bytes_transferred":"%d"' % (
+                    cost.flops, cost.bytes_accessed, cost.remote_bytes_transferred))
+    x, w, out = f"bf16[{rows},{k}]", f"bf16[{k},{cols}]", f"bf16[{n * rows},{cols}]"
+    return (
+        f"HloModule kernel, is_scheduled=true, num_partitions={n}\n\n"
+        f"ENTRY %main (x: {x}, w: {w}) -> {out} {{\n"
+        f"  %x = {x}{B} parameter(0)\n"
+        f"  %w = {w}{B} parameter(1)\n"
+        f"  %kernel = ({out}{B}, bf16[2,{rows},{k}]{B}) custom-call(%x, %w), "
+        'custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={\n'
+        '"mesh_axes":"[\\"x\\"]"\n'
+        f'}}}}, metadata={{op_name="jit(f)/shard_map/{scope}/all_gather_matmul_rows/'
+        'pallas_call"}, backend_config={"custom_call_config":{"cost_estimate":{'
+        + estimate + "}}}\n"
+        f"  ROOT %out = {out}{B} get-tuple-element(%kernel), index=0\n"
+        "}\n")
+
+
+@pytest.mark.parametrize("directions", (1, 2))
+def test_a_fused_ring_kernel_is_replayed_from_its_plan(directions):
+    """The kernel's ring (8, from its operand and result rows), directions (its name
+    scope), step matmuls and DMAs (its cost estimate): one step with nothing in flight,
+    then 7 steps of matmul beside DMA, as the analytic model times the fused kernels."""
+    way = "bidirectional" if directions == 2 else "unidirectional"
+    p = _simulate.predict(_ring_kernel(f"fusedpar.ag_rows.pallas_tpu.{way}"), V5E)
+    n, rows, k, cols = 8, 1024, 4096, 4096
+    step = max(2 * rows * k * cols / V5E.matmul_flops("bfloat16"),
+               ((rows * k + k * cols / n + rows * cols) * 2) / V5E.hbm_bandwidth)
+    dma = rows * k * 2 / directions / V5E.send_bandwidth(directions) + V5E.kernel_step_latency
+    want = V5E.launch_overhead + step + (n - 1) * max(step, dma)
+    assert p.seconds == pytest.approx(want, rel=1e-6)
+    assert p.communication == pytest.approx((n - 1) * dma, rel=1e-6)
+    assert p.exposed == pytest.approx(max(0.0, dma - step) * (n - 1), rel=1e-6)
+    kernel, = p.transfers
+    assert (kernel.kind, kernel.runs, kernel.bytes) == (
+        "ring kernel", (n - 1) * directions, rows * k * 2 // directions)
+    assert p.unread == () and p.min_comm_s > 0
+    model = cost_model.breakdown("ag_rows", (rows, k), (k, cols), n, "bfloat16", V5E,
+                                 bidirectional=directions == 2, backends=("pallas",))
+    assert p.seconds == pytest.approx(model["pallas"].seconds, rel=0.02)
+
+
+def test_a_kernel_that_sends_without_a_plan_is_listed():
+    """A kernel that sends bytes itself but carries no fusedpar scope: its matmul is
+    timed, its transfers cannot be, and the replay says so (a floor)."""
+    p = _simulate.predict(_ring_kernel("someone.elses_kernel"), V5E)
+    assert p.communication == 0.0
+    assert len(p.unread) == 1 and "a kernel that sends bytes itself" in p.unread[0]
+
+
 @pytest.mark.parametrize("text,hw,coords", [
     (GPU_PIPELINED, H100, None), (TPU_PIPELINED, V5E, SQUARE), (TPU_WIDE, V5E, None),
     (GPU_SEND_RECV, H100, None),
     (TPU_ASYNC_SLICE, V5E, None), (_all_gather("mesh['x'=2,'y'=4] {'y'}"), H100, None),
-    (_permutes("{{0,2}}", "{{1,2}}"), V5E, LINE)])
+    (_permutes("{{0,2}}", "{{1,2}}"), V5E, LINE),
+    (_ring_kernel("fusedpar.ag_rows.pallas_tpu.bidirectional"), V5E, None)])
 def test_the_bounds_hold(text, hw, coords):
     p = _simulate.predict(text, hw, coords)
     assert p.compute >= p.min_compute_s * (1 - 1e-9)
