@@ -80,9 +80,13 @@ def kernel_product(i, by_name):
     columns (a step of a reduce-scatter multiplies the rows, or the columns, it sends).
     An exact contraction wins over a window, then the larger product; `count` is the
     number of operands of the left's (or the right's) shape, whichever is more (a
-    bidirectional step's two pieces)."""
+    bidirectional step's two pieces). A TPU kernel (fusedpar's runs a whole ring: every
+    step, its transfers by remote DMA) multiplies for the whole result, and the whole
+    contraction: the larger of each pair of sizes (a reduce-scatter's kernel multiplies
+    every device's rows, and keeps its own)."""
     shapes = _pieces(i, by_name)
     out = [s for s in _hlo.array_shapes(i.shape) if len(s[1]) == 2]
+    whole = i.target == "tpu_custom_call" and bool(out)
     rows, cols = out[0][1] if out else (math.inf, math.inf)
     best = None
     for a in shapes:
@@ -93,7 +97,8 @@ def kernel_product(i, by_name):
                 continue
             same = [sum(s[1] == piece[1] for s in shapes) for piece in (a, b)]
             count = same[0] - 1 if a[1] == b[1] else max(same)
-            m, n, k = min(a[1][0], rows), min(b[1][1], cols), min(ka, kb)
+            m, n, k = ((max(a[1][0], rows), max(b[1][1], cols), max(ka, kb)) if whole
+                       else (min(a[1][0], rows), min(b[1][1], cols), min(ka, kb)))
             dtype = a[0] if a[0] == b[0] or not a[0][1:].startswith("8") else b[0]
             key = (ka == kb, m * n * k * count)
             if best is None or key > best[0]:
