@@ -99,6 +99,7 @@ def kernel_product(i, by_name):
             count = same[0] - 1 if a[1] == b[1] else max(same)
             m, n, k = ((max(a[1][0], rows), max(b[1][1], cols), max(ka, kb)) if whole
                        else (min(a[1][0], rows), min(b[1][1], cols), min(ka, kb)))
+            # An 8-bit piece (a quantized block) is multiplied in the other's dtype.
             dtype = a[0] if a[0] == b[0] or not a[0][1:].startswith("8") else b[0]
             key = (ka == kb, m * n * k * count)
             if best is None or key > best[0]:
@@ -110,8 +111,8 @@ def aliased_kernel_bytes(i, by_name):
     """The bytes a Pallas kernel moves when its result aliases an operand (a step that
     writes its product into a slice of the output, or adds it to an accumulator): its
     other operands, and its product read and written (an accumulator once, however
-    many pieces add into it); None for any other instruction
-    (its bytes are its operands' and its result's)."""
+    many pieces add into it); None for any other instruction (its bytes are its
+    operands' and its result's)."""
     if i.opcode != "custom-call" or not _aliased_operands(i.line):
         return None
     found = kernel_product(i, by_name)
@@ -127,7 +128,9 @@ def aliased_kernel_bytes(i, by_name):
     return read + 2 * min(m * n * count * size, _hlo.shape_bytes(i.shape))
 
 
-_ALIASING = re.compile(r"output_to_operand_aliasing=\{((?:\{[\d,]*\}:\s*\(\d+,\s*\{[\d,]*\}\),?\s*)*)\}")
+# `output_to_operand_aliasing={{}: (3, {})}` (or `{{0}: (3, {}), {1}: (4, {})}`).
+_ALIASING = re.compile(
+    r"output_to_operand_aliasing=\{((?:\{[\d,]*\}:\s*\(\d+,\s*\{[\d,]*\}\),?\s*)*)\}")
 
 
 def _aliased_operands(line: str) -> set:
