@@ -93,8 +93,9 @@ def table(cache) -> str:
     """One line per (target, program): each variant's predicted time, and auto's and the
     best fusedpar backend's speed-up over the best xla row."""
     head = ("| target | program | xla | xla (CM) | reference | reference (CM) | ring | "
-            "pallas | auto | auto vs best xla | bounds |")
-    lines = [head, "|---|---|" + "---:|" * 8 + "---|"]
+            "pallas | auto | auto vs best xla | bounds | temp MiB: best xla / ring / auto "
+            "| auto temp / best xla |")
+    lines = [head, "|---|---|" + "---:|" * 8 + "---|---:|---:|"]
     order = [_label(b, s) for b, s in _aot_compare.ROWS]
     for key in sorted(cache, key=_order):
         rows = cache[key]
@@ -105,10 +106,22 @@ def table(cache) -> str:
                   + _us(by[k]["seconds"])) for k in order]
         auto = by.get("auto", {})
         bounds = all(r["bounds"] for r in rows if not r["error"])
+        memory, ratio = _memory(rows, by)
         lines.append(f"| {name} | {program} | " + " | ".join(cells)
                      + f" | {auto.get('speedup', 0):.2f}x | "
-                     + ("hold" if bounds else "BROKEN") + " |")
+                     + ("hold" if bounds else "BROKEN") + f" | {memory} | {ratio} |")
     return "\n".join(lines)
+
+
+def _memory(rows, by) -> tuple:
+    """The temporary memory (MiB) of the fastest xla row, the ring and auto ("-" where the
+    cache has none: rows compiled before it was recorded), and auto's over that xla row's."""
+    xla = [r for r in rows if r["backend"] == "xla" and not r["error"]]
+    best = min(xla, key=lambda r: r["seconds"]) if xla else {}
+    cells = [_aot_compare.mib(r.get("temp_mib")) for r in (best, by.get("ring", {}),
+                                                           by.get("auto", {}))]
+    auto, base = by.get("auto", {}).get("temp_mib"), best.get("temp_mib")
+    return " / ".join(cells), f"{auto / base:.2f}" if auto and base else "-"
 
 
 def summary(cache) -> str:
@@ -165,7 +178,10 @@ def markdown(cache) -> str:
         "*auto vs best xla*: the best xla row's time over auto's (above 1: auto is "
         "faster). *bounds*: the replay's compute and communication are at least the "
         "program's dot FLOPs at the peak rate and its collectives' bytes over all links, "
-        "on every row. *>=*: the fused TPU kernels move their blocks inside one Mosaic "
+        "on every row. *temp MiB*: each compiled program's temporary memory per device "
+        "(`compiled.memory_analysis()`) for the fastest xla row, the ring and auto, and "
+        "auto's over that xla row's ('-': compiled before it was recorded). "
+        "*>=*: the fused TPU kernels move their blocks inside one Mosaic "
         "kernel, which the replay cannot see (a floor, not a prediction). mlp and block "
         "are training steps; prefill and decode the block's "
         "forward (2048 and 4 positions per tensor-parallel device); an op is its forward "

@@ -184,9 +184,10 @@ def markdown(rows) -> str:
                 "than the reference here, and is faster where a ring pays (v5p rs_cols "
                 "1.23x, v5e rs_cols 1.04x, v5p ag_rows 1.04x, v5e and v6e ag_rows 1.01x); on "
                 "TPU it gives ag_cols' forward to the fused kernel, which the replay can "
-                "only floor (1.26-1.36x). TPU programs are compiled with "
-                "`fusedpar.tpu_overlap_flags()`, GPU ones with `gpu_overlap_flags()` (what "
-                "`fusedpar.set_overlap_flags()` sets for a program that runs). Forward "
+                "only floor (the whole ring's matmul, its transfers unseen). TPU programs "
+                "are compiled with `fusedpar.tpu_overlap_flags(generation)`, GPU ones with "
+                "`gpu_overlap_flags()` (what `fusedpar.set_overlap_flags()` sets for a "
+                "program that runs). Forward "
                 "passes alone are in [RESULTS-aot-forward.md](RESULTS-aot-forward.md) (8 x "
                 "H100).",
                 ""]

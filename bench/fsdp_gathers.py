@@ -52,12 +52,13 @@ _WAITS = None
 def options(target: str, mesh, generation_flags: bool = True) -> dict:
     """The compiler options: `aot.compiler_options(target)` and, with `generation_flags`,
     the flags `fusedpar.tpu_overlap_flags(generation)` adds for the slice's generation."""
-    from fusedpar import _aot, _target, _xla_flags
+    from fusedpar import _target, _xla_flags
 
+    options = aot.compiler_options(target)  # the generation's flags included
     found = _target.of_mesh(mesh)
     generation = found.tpu_generation if found.platform == "tpu" else None
-    extra = _xla_flags._TPU_GENERATION_FLAGS.get(generation, ()) if generation_flags else ()
-    return dict(aot.compiler_options(target), **_aot._options(extra))
+    extra = {n for n, _ in _xla_flags._TPU_GENERATION_FLAGS.get(generation, ())}
+    return {k: v for k, v in options.items() if generation_flags or k not in extra}
 
 
 def measure(target: str, backend: str, program: str = "block",

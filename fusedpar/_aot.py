@@ -139,12 +139,14 @@ def compiler_options(target: str, cublas: bool = False) -> dict:
     """The `compiler_options` this package compiles `target`'s programs with, what
     `fusedpar.set_overlap_flags()` sets for a program run on it: the GPU flags
     (`gpu_compiler_options(cublas)`) for a GPU target, the TPU flags
-    (`fusedpar.tpu_overlap_flags()`) for a TPU slice."""
-    from ._xla_flags import _TPU_FLAGS
+    (`fusedpar.tpu_overlap_flags(generation)`, with the slice's generation) for a TPU
+    slice."""
+    from ._xla_flags import tpu_flag_pairs
 
-    if _check_target(target)[0].platform == "gpu":
+    kind = _check_target(target)[0]
+    if kind.platform == "gpu":
         return gpu_compiler_options(cublas)
-    return _options(_TPU_FLAGS)
+    return _options(tpu_flag_pairs(kind.generation))
 
 
 def _options(flags) -> dict:

@@ -35,8 +35,10 @@ class Row:
     XLA does alone); `bounds`: whether the replay's compute and communication are at
     least the program's own lower bounds (`Prediction.min_compute_s`, `min_comm_s`);
     `floor`: the program runs a kernel that sends bytes itself whose plan the replay
-    could not read (`_hlo_ring_kernel`): its time is a floor, not a prediction; `error`: why the row did not
-    compile (its numbers are then 0)."""
+    could not read (`_hlo_ring_kernel`): its time is a floor, not a prediction;
+    `temp_mib`: the compiled program's temporary memory per device
+    (`compiled.memory_analysis()`, MiB; None where the compiler does not say); `error`:
+    why the row did not compile (its numbers are then 0)."""
 
     backend: str
     settings: str
@@ -51,6 +53,7 @@ class Row:
     unread: tuple = ()
     bounds: bool = True
     floor: bool = False
+    temp_mib: Optional[float] = None
     error: str = ""
 
     @property
@@ -125,11 +128,13 @@ def _row(target, mesh_, program, backend, settings, cublas, sizes, texts) -> Row
         texts[(backend, settings)] = text
     report = _aot.overlap(text)
     p = _aot.predict(text, mesh_)
+    memory = compiled.memory_analysis()
     bounds = (p.compute >= p.min_compute_s * (1 - 1e-9)
               and p.communication >= p.min_comm_s * (1 - 1e-9))
     return Row(backend, settings, p.seconds, p.compute, p.communication, p.exposed,
                report.hidden, report.total, seconds, unread=tuple(p.unread), bounds=bounds,
-               floor=any(_hlo_ring_kernel.UNREAD in u for u in p.unread))
+               floor=any(_hlo_ring_kernel.UNREAD in u for u in p.unread),
+               temp_mib=None if memory is None else memory.temp_size_in_bytes / 2**20)
 
 
 def compare(target: str, program: str, *, cublas: bool = False, rows=ROWS,
@@ -148,21 +153,27 @@ def compare(target: str, program: str, *, cublas: bool = False, rows=ROWS,
             for r in out]
 
 
+def mib(value) -> str:
+    """Temporary memory in MiB for a table ("-" where unknown)."""
+    return "-" if value is None else f"{value:,.0f}"
+
+
 def markdown(rows, title: str = "") -> str:
     """The comparison as a markdown table (times in microseconds per device)."""
     lines = [f"### {title}", ""] if title else []
     lines += ["| variant | predicted (us) | compute (us) | communication (us) | waiting (us) "
-              "| transfers hidden | vs best xla | bounds | compiled (s) |",
-              "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+              "| transfers hidden | vs best xla | bounds | temp memory (MiB) | compiled (s) |",
+              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in rows:
         if r.error:
-            lines.append(f"| {r.label} | - | - | - | - | - | - | - | {r.error} |")
+            lines.append(f"| {r.label} | - | - | - | - | - | - | - | - | {r.error} |")
             continue
         lines.append(f"| {r.label} | {'>= ' if r.floor else ''}{r.seconds * 1e6:,.0f} | "
                      f"{r.compute * 1e6:,.0f} | "
                      f"{r.communication * 1e6:,.0f} | {r.exposed * 1e6:,.0f} | "
                      f"{r.hidden} / {r.transfers} | {r.speedup:.2f}x | "
-                     f"{'hold' if r.bounds else 'BROKEN'} | {r.compile_s:.1f} |")
+                     f"{'hold' if r.bounds else 'BROKEN'} | {mib(r.temp_mib)} | "
+                     f"{r.compile_s:.1f} |")
     if any(r.floor for r in rows):
         lines += ["", ">= : a kernel sends blocks itself and the replay could not read its "
                       "plan: a floor, not a prediction."]

@@ -50,26 +50,93 @@ def matmul_flops(module, i, by_name) -> tuple[float, str]:
 
 def _guessed_kernel_flops(i, by_name) -> tuple[float, str]:
     """A Pallas kernel whose estimate the lowering dropped (jax 0.10's Mosaic GPU and
-    Triton lowerings do): the step multiplies the smallest product its operands chain
-    into (a window of the left one's columns allowed), once per operand of that shape (a
-    bidirectional step's two pieces), and no more than its result's rows x columns x a
-    matching contraction (a kernel writing into a slice of an aliased buffer has the
-    whole buffer as its result)."""
-    shapes = [s for o in i.operands if o in by_name
-              for s in _hlo.array_shapes(by_name[o].shape) if len(s[1]) == 2]
-    dtype = shapes[0][0] if shapes else "bf16"
-    pairs = [(2.0 * a[1][0] * b[1][0] * b[1][1], a) for a in shapes for b in shapes
-             if a is not b and b[1][0] and a[1][1] % b[1][0] == 0]
-    if not pairs:
-        return 0.0, dtype
-    flops, piece = min(pairs, key=lambda p: p[0])
-    flops *= sum(s[1] == piece[1] for s in shapes)
+    Triton lowerings do): `kernel_product`'s guess, or no matmul where it finds none."""
+    found = kernel_product(i, by_name)
+    if found is None:
+        shapes = _pieces(i, by_name)
+        return 0.0, shapes[0][0] if shapes else "bf16"
+    m, n, k, count, dtype = found
+    return 2.0 * m * n * k * count, dtype
+
+
+def _pieces(i, by_name) -> list:
+    """Kernel `i`'s 2-D operands as `(dtype, dims)`, less the buffer its result aliases
+    and vectors of scales."""
+    aliased = _aliased_operands(i.line)
+    return [s for n, o in enumerate(i.operands) if o in by_name and n not in aliased
+            for s in _hlo.array_shapes(by_name[o].shape) if len(s[1]) == 2
+            and min(s[1]) > 1]
+
+
+def kernel_product(i, by_name):
+    """`(m, n, k, count, dtype)`: what a Pallas kernel with no cost estimate multiplies,
+    guessed from its 2-D operands (`_pieces`: a step writing its product into a slice of
+    the output, or adding it to an accumulator, reads that buffer but does not multiply
+    it), or None.
+
+    The step multiplies a left operand (m, k) by a right one (k', n), `count` times: k ==
+    k', or one a multiple of the other (a step of a gather along the contraction
+    multiplies a window of the longer one); m and n no more than the result's rows and
+    columns (a step of a reduce-scatter multiplies the rows, or the columns, it sends).
+    An exact contraction wins over a window, then the larger product; `count` is the
+    number of operands of the left's (or the right's) shape, whichever is more (a
+    bidirectional step's two pieces). A TPU kernel (fusedpar's runs a whole ring: every
+    step, its transfers by remote DMA) multiplies for the whole result, and the whole
+    contraction: the larger of each pair of sizes (a reduce-scatter's kernel multiplies
+    every device's rows, and keeps its own)."""
+    shapes = _pieces(i, by_name)
     out = [s for s in _hlo.array_shapes(i.shape) if len(s[1]) == 2]
-    if out:
-        m, n = out[0][1]
-        bounds = [2.0 * m * n * b[1][0] for b in shapes if b[1][1] == n]
-        flops = min([flops] + bounds)
-    return flops, dtype
+    whole = i.target == "tpu_custom_call" and bool(out)
+    rows, cols = out[0][1] if out else (math.inf, math.inf)
+    best = None
+    for a in shapes:
+        for b in shapes:
+            ka, kb = a[1][1], b[1][0]
+            # Two pieces of one shape multiply each other only when square (k == k').
+            if a is b or max(ka, kb) % min(ka, kb) or (a[1] == b[1] and ka != kb):
+                continue
+            same = [sum(s[1] == piece[1] for s in shapes) for piece in (a, b)]
+            count = same[0] - 1 if a[1] == b[1] else max(same)
+            m, n, k = ((max(a[1][0], rows), max(b[1][1], cols), max(ka, kb)) if whole
+                       else (min(a[1][0], rows), min(b[1][1], cols), min(ka, kb)))
+            # An 8-bit piece (a quantized block) is multiplied in the other's dtype.
+            dtype = a[0] if a[0] == b[0] or not a[0][1:].startswith("8") else b[0]
+            key = (ka == kb, m * n * k * count)
+            if best is None or key > best[0]:
+                best = (key, (m, n, k, count, dtype))
+    return None if best is None else best[1]
+
+
+def aliased_kernel_bytes(i, by_name):
+    """The bytes a Pallas kernel moves when its result aliases an operand (a step that
+    writes its product into a slice of the output, or adds it to an accumulator): its
+    other operands, and its product read and written (an accumulator once, however
+    many pieces add into it); None for any other instruction (its bytes are its
+    operands' and its result's)."""
+    if i.opcode != "custom-call" or not _aliased_operands(i.line):
+        return None
+    found = kernel_product(i, by_name)
+    out = _hlo.array_shapes(i.shape)
+    if found is None or not out:
+        return None
+    m, n, _, count, _ = found
+    size = _hlo.shape_bytes(f"{out[0][0]}[1]")
+    aliased = _aliased_operands(i.line)
+    read = sum(by_name[o].bytes for k, o in enumerate(i.operands)
+               if o in by_name and k not in aliased)
+    # Pieces adding into one accumulator (the product covers the result) touch it once.
+    return read + 2 * min(m * n * count * size, _hlo.shape_bytes(i.shape))
+
+
+# `output_to_operand_aliasing={{}: (3, {})}` (or `{{0}: (3, {}), {1}: (4, {})}`).
+_ALIASING = re.compile(
+    r"output_to_operand_aliasing=\{((?:\{[\d,]*\}:\s*\(\d+,\s*\{[\d,]*\}\),?\s*)*)\}")
+
+
+def _aliased_operands(line: str) -> set:
+    """Indices of the operands that instruction `line`'s result aliases."""
+    found = _ALIASING.search(line)
+    return {int(n) for n in re.findall(r"\((\d+),", found.group(1))} if found else set()
 
 
 def dot_flops(i, by_name) -> tuple[float, str]:

@@ -155,8 +155,12 @@ class _Replay:
             return 0.0
         operand_bytes = _hlo.read_bytes(self.module, i, by_name)
         update = _hlo.in_place_bytes(self.module, i, by_name)
+        # A kernel writing into a slice of a buffer its result aliases moves the slice.
+        in_kernel = _flops.aliased_kernel_bytes(i, by_name)
         if update is not None:  # reads and writes the update, not the buffer
             memory = 2 * update / self.hw.hbm_bandwidth
+        elif in_kernel is not None:
+            memory = in_kernel / self.hw.hbm_bandwidth
         else:
             written = _hlo.written_bytes(self.module, i)
             memory = (operand_bytes + written) / self.hw.hbm_bandwidth

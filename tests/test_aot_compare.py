@@ -73,6 +73,7 @@ def _check(rows):
         assert r.bounds, f"{r.label}: the replay is below the program's own bounds"
         assert not r.unread, r.unread
         assert r.seconds > 0 and r.communication > 0, r
+        assert r.temp_mib is not None and r.temp_mib >= 0, r  # memory_analysis() read
     assert max(r.speedup for r in rows if r.backend == "xla") == pytest.approx(1.0)
 
 
@@ -94,6 +95,7 @@ def test_compare_gpu_small():
     assert " while(" not in texts["xla", compare.CM]
     ring = rows[-1]
     assert ring.hidden == ring.transfers, ring
+    assert f"| {compare.mib(ring.temp_mib)} | " in compare.markdown(rows)
 
 
 @pytest.mark.aot

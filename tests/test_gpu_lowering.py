@@ -181,6 +181,13 @@ def test_tpu_overlap_flags_per_generation(monkeypatch):
         ["--xla_tpu_scoped_vmem_limit_kib=65536"] + v5e[:-1])  # yours win
     with pytest.raises(ValueError, match="generation must be one of"):
         fusedpar.set_overlap_flags(tpu_generation="v9")
+    # `fusedpar.aot` compiles a slice with its own generation's flags.
+    from fusedpar import _aot
+
+    names = {"v5e:2x4": v5e, "v6e:2x4": common}
+    for target, flags in names.items():
+        assert ["--" + f"{k}={str(v).lower()}" for k, v in _aot.compiler_options(
+            target).items()] == flags, target
 
 
 def test_set_gpu_overlap_flags_too_late():
