@@ -102,7 +102,7 @@ def table(cache) -> str:
         name, program = key.split("|")
         by = {_label(r["backend"], r["settings"]): r for r in rows}
         cells = [("-" if k not in by or by[k]["error"] else
-                  (">= " if by[k].get("floor", k == "pallas" and ":" in name) else "")
+                  (">= " if by[k].get("floor") else "")
                   + _us(by[k]["seconds"])) for k in order]
         auto = by.get("auto", {})
         bounds = all(r["bounds"] for r in rows if not r["error"])
@@ -142,8 +142,7 @@ def summary(cache) -> str:
         cm = by.get(("reference", _aot_compare.CM))
         ours = [by[(b, _aot_compare.DEFAULT)]["seconds"] for b in ("ring", "pallas")
                 if (b, _aot_compare.DEFAULT) in by
-                and not by[(b, _aot_compare.DEFAULT)].get("floor", b == "pallas"
-                                                          and ":" in key)]
+                and not by[(b, _aot_compare.DEFAULT)].get("floor")]
         ref = by.get(("reference", _aot_compare.DEFAULT))
         if cm and ref and ours and cm["seconds"] < min(min(ours), 0.99 * ref["seconds"]):
             peer.append(key.replace("|", " "))
@@ -181,8 +180,10 @@ def markdown(cache) -> str:
         "on every row. *temp MiB*: each compiled program's temporary memory per device "
         "(`compiled.memory_analysis()`) for the fastest xla row, the ring and auto, and "
         "auto's over that xla row's ('-': compiled before it was recorded). "
-        "*>=*: the fused TPU kernels move their blocks inside one Mosaic "
-        "kernel, which the replay cannot see (a floor, not a prediction). mlp and block "
+        "The fused TPU kernels move their blocks inside one Mosaic kernel; the replay "
+        "times each from the plan its call carries (`fusedpar/_hlo_ring_kernel.py`: its "
+        "step matmuls beside its DMAs to ring neighbours). *>=*: a kernel whose plan the "
+        "replay could not read (a floor, not a prediction). mlp and block "
         "are training steps; prefill and decode the block's "
         "forward (2048 and 4 positions per tensor-parallel device); an op is its forward "
         "and backward at the sizes of the tables below (xla: `x @ w` under `jax.jit` with "
