@@ -230,10 +230,7 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
         # One matmul over the whole problem, and one collective before (all-gathers) or
         # after it (reduce-scatters) that uses every link the device has to ring neighbours.
         whole = _matmul_time(hw, *_full(prim, x_shape, w_shape, n), dtype, out_b)
-        collective = 0.0
-        if n > 1:
-            collective = (hw.launch_overhead + (n - 1) * hw.hop_latency
-                          + sent / max(hw.send_bandwidth(1), 2 * hw.send_bandwidth(2)))
+        collective = _collective_time(hw, n, sent)
         result["reference"] = Breakdown("reference", whole + collective, whole, collective,
                                         1, sent, sent)
     dirs = 2 if bidirectional and n > 1 else 1
@@ -266,6 +263,28 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
         total = first + (n - 1) * overlapped
         result[name] = Breakdown(name, total, c, t, n, per_dir if n > 1 else 0, sent)
     return result
+
+
+def _collective_time(hw: Hardware, n: int, sent: int) -> float:
+    """One lax collective over a ring of `n` that sends `sent` bytes per device, over
+    every link the device has to ring neighbours."""
+    if n < 2:
+        return 0.0
+    return (hw.launch_overhead + (n - 1) * hw.hop_latency
+            + sent / max(hw.send_bandwidth(1), 2 * hw.send_bandwidth(2)))
+
+
+def product_first(call, hardware=None) -> Breakdown:
+    """An ag_rows whose w is invariant over the ring, run as `all_gather(x @ w)`
+    (`fusedpar._product_first`): the local (m, k) @ (k, n) matmul, then one all-gather of
+    the (m, n) product, and one of x too where the run returns it (`call.gathered`)."""
+    hw = get_hardware(hardware, call.target)
+    (m, k), (_, cols) = call.x_shape, call.w_shape
+    b = _itemsize(call.dtype)
+    local = _matmul_time(hw, m, k, cols, call.dtype, b)
+    sent = (call.axis_size - 1) * (m * cols + (m * k if call.gathered else 0)) * b
+    collective = _collective_time(hw, call.axis_size, sent)
+    return Breakdown("product first", local + collective, local, collective, 1, sent, sent)
 
 
 def _assembly(hw, prim, step, out_b, c, first):
@@ -414,4 +433,4 @@ def _fmt(seconds: float) -> str:
 
 __all__ = ["Hardware", "PRESETS", "Breakdown", "get_hardware", "set_hardware", "calibrate",
            "estimate", "breakdown", "estimate_call", "bytes_sent", "describe",
-           "matmul_seconds"]
+           "matmul_seconds", "product_first"]
