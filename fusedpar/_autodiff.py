@@ -106,7 +106,7 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None):
 
 
 def _local(cfg, a, b, dtype):
-    return _definition.matmul(a, b, precision=cfg.precision).astype(dtype)
+    return _definition.matmul(a, b, precision=cfg.precision, out_dtype=dtype)
 
 
 def _is_quantized(w) -> bool:

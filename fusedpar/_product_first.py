@@ -33,7 +33,7 @@ from . import _definition
 def forward(cfg, x, w, return_gathered=False):
     """`all_gather(x @ w)` over the ring: x (m, k), w (k, n) invariant -> (N*m, n); with
     `return_gathered`, also x gathered (N*m, k), by a second all-gather."""
-    y = _definition.matmul(x, w, precision=cfg.precision).astype(cfg.out_dtype)
+    y = _definition.matmul(x, w, precision=cfg.precision, out_dtype=cfg.out_dtype)
     out = lax.all_gather(y, cfg.axis_name, axis=0, tiled=True)
     if not return_gathered:
         return out
@@ -45,6 +45,6 @@ def backward(cfg, x, w, dy):
     copy of the product; dw is this device's part, which the caller sums over the ring."""
     dys = lax.psum_scatter(dy.astype(cfg.reduce_dtype), cfg.axis_name, scatter_dimension=0,
                            tiled=True).astype(x.dtype)
-    dx = _definition.matmul(dys, w.T, precision=cfg.precision).astype(x.dtype)
-    dw = _definition.matmul(x.T, dys, precision=cfg.precision).astype(w.dtype)
+    dx = _definition.matmul(dys, w.T, precision=cfg.precision, out_dtype=x.dtype)
+    dw = _definition.matmul(x.T, dys, precision=cfg.precision, out_dtype=w.dtype)
     return dx, dw
