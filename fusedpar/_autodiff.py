@@ -13,6 +13,9 @@ residual and the other gradient is a local matmul; without it, that gradient gat
 again (a second ring, less memory). A reduce-scatter's backward gathers the cotangent
 once and, with `keep_gathered`, reuses it.
 
+An ag_rows that `auto` runs product first (a w JAX proves replicated: `_product_first`)
+has that module's backward: the cotangent reduce-scattered, both gradients local.
+
 Quantized communication (`comm_dtype`) is straight-through: the backward differentiates
 the lax expression on the operand the forward multiplied (the dequantized one, which is
 the residual `keep_gathered` keeps), with no gradient through rounding or clipping. The
