@@ -187,7 +187,8 @@ def _run(op, x, w, axis_name, gather, dim, s: _Settings):
     # Multiplying first needs w typed invariant (never guessed), and gradients that
     # travel in x's own dtype (`_product_first` has no quantized backward).
     invariant = (grad_comm_dtype is None and w_like is w and _vma.invariant(w, axis_name))
-    call = dataclasses.replace(call, automatic_axes=automatic, w_invariant=invariant)
+    call = dataclasses.replace(call, automatic_axes=automatic, w_invariant=invariant,
+                               reduce_dtype=None if reduce_dtype is None else reduce_dtype.name)
     choice = _choose(call, s.backend, s.unroll, s.precision, s.options, target)
     _interpret.check_threads(op, choice.backend, s.options, target)  # before a hang
     cfg = Config(

@@ -71,7 +71,9 @@ class Call:
     every mesh axis cannot run there); `w_invariant` whether JAX's varying-axes type
     proves w the same on every device of the ring (`_vma.invariant`: an ag_rows can then
     multiply first and gather the product, `_product_first`); `gathered` whether the run
-    must also return the gathered operand (what that path gathers separately).
+    must also return the gathered operand (what that path gathers separately);
+    `reduce_dtype` the name of the dtype reduce-scatter partial sums travel in (None:
+    the accumulation dtype, float32 for 16-bit inputs).
     """
 
     op: str
@@ -89,6 +91,7 @@ class Call:
     automatic_axes: tuple = ()
     w_invariant: bool = False
     gathered: bool = False
+    reduce_dtype: Optional[str] = None
 
     def __post_init__(self):
         if isinstance(self.target, str):
@@ -171,7 +174,8 @@ class Config:
         return Call(op, prim, tuple(x.shape), tuple(w.shape), jnp.dtype(x.dtype).name,
                     self.axis_size, self.target, self.bidirectional, self.precision,
                     self.options, comm, automatic_axes=self.automatic_axes,
-                    w_invariant=_vma.invariant(w, self.axis_name), gathered=gathered)
+                    w_invariant=_vma.invariant(w, self.axis_name), gathered=gathered,
+                    reduce_dtype=jnp.dtype(self.reduce_dtype).name)
 
 
 def out_shape(prim: str, x_shape, w_shape, n: int) -> tuple[int, int]:

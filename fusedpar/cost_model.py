@@ -344,7 +344,9 @@ def _full(prim, x_shape, w_shape, n):
 
 
 def estimate_call(call, hardware=None, reduce_dtype=None) -> dict[str, Breakdown]:
-    """The model for a `_primitives.Call`, with the ring shape the call runs with."""
+    """The model for a `_primitives.Call`, with the ring shape the call runs with and its
+    `reduce_dtype` (unless `reduce_dtype` is given)."""
+    reduce_dtype = call.reduce_dtype if reduce_dtype is None else reduce_dtype
     return breakdown(call.prim, call.x_shape, call.w_shape, call.axis_size, call.dtype,
                      get_hardware(hardware, call.target),
                      bidirectional=call.runs_bidirectional, reduce_dtype=reduce_dtype,
