@@ -178,7 +178,22 @@ def markdown(cache) -> str:
         "`bench/aot_reduce_dtype.py` puts auto with bfloat16 sums beside these rows "
         "(docs/ops.md).",
         "",
-        table(cache), "", summary(cache), END, ""])
+        table(cache), "", summary(cache), "", _bfloat16_sums(), END, ""])
+
+
+def _bfloat16_sums() -> str:
+    """`bench/aot_reduce_dtype.py`'s table (auto with bfloat16 partial sums), if made."""
+    import aot_reduce_dtype
+
+    if not aot_reduce_dtype.CACHE.exists():
+        return ""
+    return "\n".join([
+        "### auto with bfloat16 partial sums", "",
+        "Made by `python bench/aot_reduce_dtype.py`: auto compiled with "
+        "`reduce_dtype=jnp.bfloat16` (the layers' and ops' argument; float32 is the "
+        "default), beside the best xla row and auto above (docs/ops.md weighs the "
+        "error against the time).", "",
+        aot_reduce_dtype.markdown(json.loads(aot_reduce_dtype.CACHE.read_text())), ""])
 
 
 def write(cache) -> None:
