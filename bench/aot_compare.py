@@ -188,9 +188,29 @@ def markdown(cache) -> str:
         "forward (2048 and 4 positions per tensor-parallel device); an op is its forward "
         "and backward at the sizes of the tables below (xla: `x @ w` under `jax.jit` with "
         "the op's layouts; for ag_rows, whose w is replicated, XLA multiplies each "
-        "device's rows and gathers the product, an eighth of the reference's FLOPs).",
+        "device's rows and gathers the product, an eighth of the reference's FLOPs; so "
+        "does auto, whose program is the one op program compiled with `check_vma=True`, "
+        "which lets JAX prove w replicated: `fusedpar/_product_first.py`). fusedpar's "
+        "reduce-scatters sum in float32 (`reduce_dtype`'s default), XLA's in bfloat16: "
+        "`bench/aot_reduce_dtype.py` puts auto with bfloat16 sums beside these rows "
+        "(docs/ops.md).",
         "",
-        table(cache), "", summary(cache), END, ""])
+        table(cache), "", summary(cache), "", _bfloat16_sums(), END, ""])
+
+
+def _bfloat16_sums() -> str:
+    """`bench/aot_reduce_dtype.py`'s table (auto with bfloat16 partial sums), if made."""
+    import aot_reduce_dtype
+
+    if not aot_reduce_dtype.CACHE.exists():
+        return ""
+    return "\n".join([
+        "### auto with bfloat16 partial sums", "",
+        "Made by `python bench/aot_reduce_dtype.py`: auto compiled with "
+        "`reduce_dtype=jnp.bfloat16` (the layers' and ops' argument; float32 is the "
+        "default), beside the best xla row and auto above (docs/ops.md weighs the "
+        "error against the time).", "",
+        aot_reduce_dtype.markdown(json.loads(aot_reduce_dtype.CACHE.read_text())), ""])
 
 
 def write(cache) -> None:

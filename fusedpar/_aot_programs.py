@@ -57,15 +57,19 @@ def _op(prim):
 
 
 def op_program(mesh, prim, backend="ring", *, bidirectional=None, backward=True,
-               rows=ROWS, k=K, cols=COLS, dtype=jnp.bfloat16, options=None, comm_dtype=None):
+               rows=ROWS, k=K, cols=COLS, dtype=jnp.bfloat16, options=None, comm_dtype=None,
+               check_vma=None, reduce_dtype=None):
     """Primitive `prim` on the mesh's one axis "x": its forward, and with `backward` its
     vjp, against the cotangent `ct * y` of the forward's output `y` and an argument `ct`
     (a training step's backward waits for its forward); `comm_dtype` is the op's (what
-    the ring sends)."""
+    the ring sends), `reduce_dtype` the dtype its reduce-scatter (forward's or
+    backward's) sums in. `check_vma` (None: `op_check_vma`) is the `shard_map`'s."""
     n = mesh.shape["x"]
     call, xs, ws, xspec, wspec, ospec = _op(prim)(n, rows, k, cols)
+    if check_vma is None:
+        check_vma = op_check_vma(backend, wspec)
     fn = functools.partial(call, backend=backend, bidirectional=bidirectional,
-                           options=options, comm_dtype=comm_dtype)
+                           options=options, comm_dtype=comm_dtype, reduce_dtype=reduce_dtype)
     args = [_struct(mesh, xs, dtype, xspec), _struct(mesh, ws, dtype, wspec)]
     if not backward:
         body, in_specs, out_specs = fn, (xspec, wspec), ospec
@@ -85,8 +89,16 @@ def op_program(mesh, prim, backend="ring", *, bidirectional=None, backward=True,
 
         in_specs, out_specs = (xspec, wspec, ospec), (ospec, xspec, wspec)
     program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs,
-                                    out_specs=out_specs, check_vma=False))
+                                    out_specs=out_specs, check_vma=check_vma))
     return _under_mesh(mesh, program), args
+
+
+def op_check_vma(backend, wspec) -> bool:
+    """The `check_vma` of an op program: True for `"auto"` with a replicated w (ag_rows),
+    as the default `shard_map` a user writes, since only JAX's varying-axes types prove
+    w replicated, which lets auto multiply first (`fusedpar._product_first`); False
+    otherwise, which the fused Pallas kernels a backend may run need."""
+    return backend == "auto" and wspec == P()
 
 
 def ops_program(mesh, prim, variants, *, rows=ROWS, k=K, cols=COLS, dtype=jnp.bfloat16):
@@ -275,13 +287,15 @@ LAYER_SIZES = {
 BLOCK_PROGRAMS = {"block": True, "prefill": False, "decode": False}  # name -> training
 
 
-def mlp_program(mesh, backend="ring", *, dtype=jnp.bfloat16, **sizes):
+def mlp_program(mesh, backend="ring", *, dtype=jnp.bfloat16, reduce_dtype=None, **sizes):
     """A sequence-parallel MLP made by `parallelize` over the mesh's axis "tp": `tokens`
-    sequence positions per device, batch 1 (`LAYER_SIZES["mlp"]` unless given)."""
+    sequence positions per device, batch 1 (`LAYER_SIZES["mlp"]` unless given);
+    `reduce_dtype`: the styles' (what the reduce-scatters sum in)."""
     dim, hidden, tokens = _sizes("mlp", sizes, "dim", "hidden", "tokens")
     n = mesh.shape["tp"]
     model = eqx.filter_eval_shape(_MLP, dim, hidden, dtype, jax.random.key(0))
-    plan = {"up": Column(sequence_parallel=True), "down": Row(sequence_parallel=True)}
+    sp = dict(sequence_parallel=True, reduce_dtype=reduce_dtype)
+    plan = {"up": Column(**sp), "down": Row(**sp)}
     return _layer_program(mesh, model, plan, backend, (1, n * tokens, dim),
                           P(None, "tp", None), dtype)
 
@@ -305,16 +319,17 @@ def block_model(program, dtype=jnp.bfloat16, fused_qkv=False, **sizes):
 
 
 def block_program(mesh, backend="ring", *, program="block", dtype=jnp.bfloat16,
-                  fused_qkv=False, **sizes):
+                  fused_qkv=False, reduce_dtype=None, **sizes):
     """An FSDP x TP transformer block (sequence parallel) over the axes ("fsdp", "tp"):
     `seq` positions per tensor-parallel device, one sequence per FSDP device; with
     `fused_qkv`, one q, k, v projection instead of three. `program`: "block" (a training
-    step), "prefill" or "decode" (forward only; `LAYER_SIZES` gives each one's sizes)."""
+    step), "prefill" or "decode" (forward only; `LAYER_SIZES` gives each one's sizes).
+    `reduce_dtype`: the styles' (what the reduce-scatters sum in)."""
     model, x_shape, train = block_model(program, dtype, fused_qkv, **sizes)
-    plan = {"qkv" if fused_qkv else "[qkv]": Column(sequence_parallel=True),
-            "out": Row(sequence_parallel=True),
-            "mlp.up": Column(sequence_parallel=True),
-            "mlp.down": Row(sequence_parallel=True), "*": FSDP()}
+    sp = dict(sequence_parallel=True, reduce_dtype=reduce_dtype)
+    plan = {"qkv" if fused_qkv else "[qkv]": Column(**sp), "out": Row(**sp),
+            "mlp.up": Column(**sp), "mlp.down": Row(**sp),
+            "*": FSDP(reduce_dtype=reduce_dtype)}
     return _layer_program(mesh, model, plan, backend,
                           x_shape(mesh.shape["fsdp"], mesh.shape["tp"]),
                           P("fsdp", "tp", None), dtype, train=train)

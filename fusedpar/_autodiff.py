@@ -13,6 +13,9 @@ residual and the other gradient is a local matmul; without it, that gradient gat
 again (a second ring, less memory). A reduce-scatter's backward gathers the cotangent
 once and, with `keep_gathered`, reuses it.
 
+An ag_rows that `auto` runs product first (a w JAX proves replicated: `_product_first`)
+has that module's backward: the cotangent reduce-scattered, both gradients local.
+
 Quantized communication (`comm_dtype`) is straight-through: the backward differentiates
 the lax expression on the operand the forward multiplied (the dequantized one, which is
 the residual `keep_gathered` keeps), with no gradient through rounding or clipping. The
@@ -28,7 +31,8 @@ import functools
 
 import jax
 
-from . import _backends, _definition, _dispatch, _primitives as prims, _quantize, cost_model
+from . import (_backends, _definition, _dispatch, _primitives as prims, _product_first,
+               _quantize, cost_model)
 from ._vma import cotangent_like
 
 
@@ -37,6 +41,8 @@ def scope(prim: str, cfg) -> str:
     `fusedpar.ag_rows.ring.bidirectional`: compiled programs carry it in each
     instruction's `op_name`, so `fusedpar.aot` can say which op a transfer belongs to
     (a backward pass's runs sit under `transpose(...)`)."""
+    if cfg.product_first:  # `_aot` reads the backend as "reference"
+        return f"fusedpar.{prim}.reference.product_first"
     if _backends.runs_one_collective(cfg.backend):  # no ring: no direction to name
         return f"fusedpar.{prim}.{cfg.backend}"
     ring = "bidirectional" if cfg.bidirectional else "unidirectional"
@@ -46,6 +52,8 @@ def scope(prim: str, cfg) -> str:
 def run(prim, cfg, x, w, return_gathered=False):
     """Run `prim` on the configured backend, without custom differentiation."""
     with jax.named_scope(scope(prim, cfg)):
+        if cfg.product_first:
+            return _product_first.forward(cfg, x, w, return_gathered)
         return _backends.get(cfg.backend).run(prim, cfg, x, w, return_gathered)
 
 
@@ -58,7 +66,9 @@ def apply(prim, cfg, x, w):
 def _fwd(prim, cfg, x, w):
     # A pre-quantized w keeps its gathered (dequantized) self: it has no transpose to
     # gather again with, and x's gradient needs it.
-    if prim in prims.GATHERS and (cfg.keep_gathered or _is_quantized(w)):
+    # Run product first, the backward needs no gathered operand (`_product_first`).
+    if (prim in prims.GATHERS and not cfg.product_first
+            and (cfg.keep_gathered or _is_quantized(w))):
         out, gathered = run(prim, cfg, x, w, return_gathered=True)
     else:
         out, gathered = run(prim, cfg, x, w), None
@@ -75,7 +85,8 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None):
     this one computes (under "auto" the reference's collective can hide behind it).
     """
     op = prims.ALL_GATHER_MATMUL if fwd_prim in prims.GATHERS else prims.MATMUL_REDUCE_SCATTER
-    call = cfg.call(op, prim, x, w)
+    call = cfg.call(op, prim, x, w, gathered=return_gathered)
+    cfg = dataclasses.replace(cfg, product_first=False)  # the forward's, not this run's
     if cfg.auto:  # this primitive's own pick (the ring shape stays the forward's)
         if beside is not None and call.platform not in ("", "cpu"):
             (m, k), (_, n) = beside[0].shape, beside[1].shape
@@ -85,7 +96,8 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None):
         # `choose` picks only a backend that can run the call.
         choice = _dispatch.choose(call, _dispatch.AUTO, cfg.unroll)
         cfg = dataclasses.replace(cfg, backend=choice.backend,
-                                  bidirectional=choice.bidirectional, unroll=choice.unroll)
+                                  bidirectional=choice.bidirectional, unroll=choice.unroll,
+                                  product_first=choice.product_first)
         return run(prim, cfg, x, w, return_gathered)
     why = _backends.get(cfg.backend).unavailable(call)
     if why is not None:
@@ -97,7 +109,7 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None):
 
 
 def _local(cfg, a, b, dtype):
-    return _definition.matmul(a, b, precision=cfg.precision).astype(dtype)
+    return _definition.matmul(a, b, precision=cfg.precision, out_dtype=dtype)
 
 
 def _is_quantized(w) -> bool:
@@ -119,7 +131,9 @@ def _bwd(prim, cfg, res, dy):
     dual = functools.partial(_run_dual, prim)
     # With `keep`, an all-gather's backward is a reduce-scatter and a local matmul that
     # needs nothing the reduce-scatter computes (`beside`).
-    if prim == prims.AG_ROWS:  # y = AG_rows(x) @ w
+    if cfg.product_first:  # y = AG_rows(x @ w), w invariant
+        dx, dw = _product_first.backward(c, x, w, dy)
+    elif prim == prims.AG_ROWS:  # y = AG_rows(x) @ w
         dx = dual(prims.RS_ROWS, c, dy, w.T, beside=(gathered.T, dy) if keep else None)
         dw = _local(c, gathered.T, dy, w.dtype) if keep else dual(prims.AG_CONTRACT, c, dy.T, x).T
     elif prim == prims.AG_COLS:  # y = x @ AG_cols(w)

@@ -30,16 +30,29 @@ def accumulation_dtype(dtype) -> np.dtype:
     return np.dtype(np.int32) if jnp.issubdtype(d, jnp.integer) else d
 
 
-def matmul(x, w, *, precision=None):
-    """`jnp.matmul(x, w)` accumulating in `accumulation_dtype`; the result stays in it."""
+def matmul(x, w, *, precision=None, out_dtype=None):
+    """`jnp.matmul(x, w)` accumulating in `accumulation_dtype`; the result stays in it, or
+    is rounded to `out_dtype`.
+
+    Off CPU, a result in the inputs' own 16-bit dtype is what the dot itself writes (its
+    products still accumulate in float32: the GPU's GEMMs and the TPU's MXU do), as XLA
+    compiles `jnp.matmul` of 16-bit inputs: a float32 result, then a convert, writes the
+    product twice over and reads it back (with cuBLAS GEMMs on 8 H100s, 30% of rs_rows'
+    compute: bench/RESULTS-aot.md).
+    """
     acc = accumulation_dtype(x.dtype)
-    if x.dtype != acc and _target.current(x, w).platform == "cpu":
+    platform = _target.current(x, w).platform
+    out = acc if out_dtype is None else np.dtype(out_dtype)
+    if out == x.dtype and out != acc and platform not in ("cpu", "") and \
+            jnp.issubdtype(out, jnp.floating):
+        return jnp.matmul(x, w, precision=precision, preferred_element_type=out)
+    if x.dtype != acc and platform == "cpu":
         # XLA's CPU runtime fails on some bf16 x bf16 -> f32 dots once several share a
         # program ("Unsupported element type for DotThunk::Execute"). Widening to f32 is
         # exact, so multiplying the widened operands gives the same result. Only for a
         # CPU target: a program compiled here for a GPU or TPU keeps its 16-bit dots.
         x, w = x.astype(acc), w.astype(acc)
-    return jnp.matmul(x, w, precision=precision, preferred_element_type=acc)
+    return jnp.matmul(x, w, precision=precision, preferred_element_type=acc).astype(out)
 
 
 def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, out_dtype=None, precision=None):
@@ -49,7 +62,7 @@ def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, out_dtype=None, p
         x = lax.all_gather(x, axis_name, axis=dim % x.ndim, tiled=True)
     else:
         w = lax.all_gather(w, axis_name, axis=dim % w.ndim, tiled=True)
-    return matmul(x, w, precision=precision).astype(out_dtype)
+    return matmul(x, w, precision=precision, out_dtype=out_dtype)
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, dim=0, out_dtype=None, reduce_dtype=None,

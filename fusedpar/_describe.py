@@ -22,7 +22,8 @@ def _style(rule) -> str:
 
 
 def _comm(style) -> list:
-    return [f"{name}={np.dtype(d).name}" for name in ("comm_dtype", "grad_comm_dtype")
+    return [f"{name}={np.dtype(d).name}" for name in ("comm_dtype", "grad_comm_dtype",
+                                                       "reduce_dtype")
             if (d := getattr(style, name, None)) is not None]
 
 

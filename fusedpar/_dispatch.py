@@ -19,7 +19,7 @@ import logging
 from typing import Optional
 
 from . import _backends, cost_model
-from ._primitives import Call
+from ._primitives import AG_ROWS, Call
 
 logger = logging.getLogger("fusedpar")
 
@@ -38,7 +38,7 @@ BIDIRECTIONAL_MARGIN = 0.02
 KERNEL_MARGIN = 0.95
 
 __all__ = ["Call", "Choice", "choose", "auto_choice", "auto_ring_shape", "ring_shape", "names",
-           "check_backend_name", "check_options", "check_vma"]
+           "check_backend_name", "check_options", "check_vma", "product_first"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,7 @@ class Choice:
     unroll: bool = True
     target: object = None
     kernels: str = ""  # a kernel backend's: which kernels, compiled for what or interpreted
+    product_first: bool = False  # ag_rows as all_gather(x @ w) (`_product_first`)
 
     @property
     def runs_ring(self) -> bool:
@@ -62,6 +63,8 @@ class Choice:
         ring = "bidirectional" if self.bidirectional else "unidirectional"
         loop = "unrolled" if self.unroll else "rolled (fori_loop)"
         extra = f", {ring}, {loop}" if self.runs_ring else ""
+        extra += ", product first (multiply, then gather the product)" \
+            if self.product_first else ""
         extra += f" ({self.kernels})" if self.kernels else ""
         where = "" if self.target is None else f" [target: {self.target}]"
         return f"{self.backend}{extra}: {self.reason}{where}"
@@ -201,12 +204,37 @@ def auto_choice(call: Call) -> tuple[str, str]:
                        f"at {fast / ref:.2f}x the reference's time); {summary}")
 
 
+def product_first(call: Call, chosen: str) -> str:
+    """Why `"auto"` runs `call` as `all_gather(x @ w)` (`_product_first`) rather than on
+    `chosen`, or "" where it does not: only an ag_rows whose w JAX proves invariant over
+    the ring (`Call.w_invariant`), sending its own dtype, and only where the cost model
+    estimates it faster than `chosen`."""
+    if not (call.prim == AG_ROWS and call.w_invariant and call.comm_dtype is None
+            and call.axis_size > 1):
+        return ""
+    hw = cost_model.get_hardware(None, call.target)
+    first = cost_model.product_first(call, hw)
+    other = cost_model.estimate_call(call, hw)[chosen]
+    if first.seconds >= other.seconds:
+        return ""
+    gathered = ", and x gathered for the backward" if call.gathered else ""
+    return (f"w is invariant over the ring's axis, so each device multiplies only its own "
+            f"rows (1/{call.axis_size} of the FLOPs) and all-gathers the product{gathered}: "
+            f"{hw.name}: estimated {first.seconds * 1e6:.3g} us against {chosen}'s "
+            f"{other.seconds * 1e6:.3g} us")
+
+
 def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
-    """Pick the backend for `call`: `requested` itself, or the `"auto"` policy's pick."""
+    """Pick the backend for `call`: `requested` itself, or the `"auto"` policy's pick
+    (which may run an ag_rows product first, `product_first`)."""
     bidirectional, why = auto_ring_shape(call)
     call = dataclasses.replace(call, bidirectional=bidirectional)
+    first = ""
     if requested == AUTO:
         name, reason = auto_choice(call)
+        first = product_first(call, name)
+        if first:
+            name, reason = REFERENCE, first
         reason = "auto: " + reason + (f"; {why}" if why and name != REFERENCE else "")
     else:
         check_backend_name(call.op, requested)
@@ -217,7 +245,7 @@ def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
     bidirectional, unroll = ring_shape(call, unroll)
     describe = _backends.get(name).kernels
     choice = Choice(name, reason, bidirectional, unroll, call.target,
-                    describe(call) if describe else "")
+                    describe(call) if describe else "", bool(first))
     logger.debug("fusedpar: %s %s x%s w%s %s over %d devices -> %s", call.op, call.prim,
                  call.x_shape, call.w_shape, call.dtype, call.axis_size, choice)
     return choice

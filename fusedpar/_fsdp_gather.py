@@ -105,4 +105,5 @@ def fsdp_matmul(x, w, rule: Rule, backend, out_dtype=None):
     wt = w.T.as_payload() if isinstance(w, QuantizedArray) else w.T
     return all_gather_matmul(x, wt, f.axis, gather="rhs", dim=1 - rule.fsdp_dim,
                              backend=backend, preferred_element_type=out_dtype,
-                             comm_dtype=comm, grad_comm_dtype=grad_comm)
+                             comm_dtype=comm, grad_comm_dtype=grad_comm,
+                             reduce_dtype=f.reduce_dtype)

@@ -254,13 +254,14 @@ class ParallelLinear(eqx.Module):
         return w, self.bias, x
 
 
-def _fsdp_style(where, axis, dim, comm_dtype, grad_comm_dtype):
+def _fsdp_style(where, axis, dim, comm_dtype, grad_comm_dtype, reduce_dtype=None):
     if axis is None:
         if comm_dtype is not None or grad_comm_dtype is not None:
             raise ValueError(f"{where}: fsdp_comm_dtype / fsdp_grad_comm_dtype set the dtype "
                              "of the FSDP weight gather; pass fsdp_axis too (or drop them).")
         return None
-    return _specs.FSDP(axis, dim, comm_dtype, grad_comm_dtype)
+    return _specs.FSDP(axis, dim, comm_dtype, grad_comm_dtype, reduce_dtype)
+
 
 
 def layer_class(rule: Rule):
@@ -289,7 +290,8 @@ class ColumnLinear(ParallelLinear):
                  dtype=None, *, key, axis: str = "tp", sequence_parallel: bool = False,
                  gather_output: bool = False, fsdp_axis: Optional[str] = None,
                  fsdp_dim: Optional[int] = None, backend: str = "auto", comm_dtype=None,
-                 grad_comm_dtype=None, fsdp_comm_dtype=None, fsdp_grad_comm_dtype=None):
+                 grad_comm_dtype=None, fsdp_comm_dtype=None, fsdp_grad_comm_dtype=None,
+                 reduce_dtype=None):
         """**Arguments:**
 
         - `in_features`, `out_features`, `use_bias`, `dtype`, `key`: as `eqx.nn.Linear`
@@ -307,12 +309,17 @@ class ColumnLinear(ParallelLinear):
           (`fusedpar.Column`); need `sequence_parallel=True`.
         - `fsdp_comm_dtype`, `fsdp_grad_comm_dtype`: the same for the FSDP weight gather
           (`fusedpar.FSDP`); need `fsdp_axis`.
+        - `reduce_dtype`: the floating dtype the layer's reduce-scatters (the
+          sequence-parallel backward's, the FSDP weight gradient's) sum and send partial
+          sums in; None: float32 for 16-bit inputs (docs/ops.md says what bfloat16 saves
+          and costs).
         """
         _specs.check_fsdp_dim("ColumnLinear", fsdp_axis, fsdp_dim)
         rule = _specs.compose(
-            _specs.Column(axis, sequence_parallel, gather_output, comm_dtype, grad_comm_dtype),
+            _specs.Column(axis, sequence_parallel, gather_output, comm_dtype, grad_comm_dtype,
+                          reduce_dtype),
             _fsdp_style("ColumnLinear", fsdp_axis, fsdp_dim, fsdp_comm_dtype,
-                        fsdp_grad_comm_dtype),
+                        fsdp_grad_comm_dtype, reduce_dtype),
             where="ColumnLinear")
         self._setup(in_features, out_features, use_bias, dtype, key, rule, backend)
 
@@ -327,7 +334,8 @@ class ColumnLinear(ParallelLinear):
             w = stationary(gather_fsdp(w, rule))
             y = all_gather_matmul(x, w.T, tp.axis, gather="lhs", dim=x.ndim - 2,
                                   backend=self._ops_backend, comm_dtype=tp.comm_dtype,
-                                  grad_comm_dtype=tp.grad_comm_dtype)
+                                  grad_comm_dtype=tp.grad_comm_dtype,
+                                  reduce_dtype=tp.reduce_dtype)
         else:
             y = fsdp_matmul(x, w, rule, self._ops_backend)
         y = add_bias(y, b)
@@ -351,7 +359,7 @@ class RowLinear(ParallelLinear):
                  dtype=None, *, key, axis: str = "tp", sequence_parallel: bool = False,
                  fsdp_axis: Optional[str] = None, fsdp_dim: Optional[int] = None,
                  backend: str = "auto", comm_dtype=None, grad_comm_dtype=None,
-                 fsdp_comm_dtype=None, fsdp_grad_comm_dtype=None):
+                 fsdp_comm_dtype=None, fsdp_grad_comm_dtype=None, reduce_dtype=None):
         """**Arguments:**
 
         - `in_features`, `out_features`, `use_bias`, `dtype`, `key`: as `eqx.nn.Linear`.
@@ -365,12 +373,15 @@ class RowLinear(ParallelLinear):
           `matmul_reduce_scatter` (`fusedpar.Row`); need `sequence_parallel=True`.
         - `fsdp_comm_dtype`, `fsdp_grad_comm_dtype`: what the FSDP weight gather (and
           its gradient's reduce-scatter) sends (`fusedpar.FSDP`); need `fsdp_axis`.
+        - `reduce_dtype`: the floating dtype the partial sums are summed and sent in (the
+          reduce-scatter's, or the psum's, and the FSDP weight gradient's); None: float32
+          for 16-bit inputs (docs/ops.md says what bfloat16 saves and costs).
         """
         _specs.check_fsdp_dim("RowLinear", fsdp_axis, fsdp_dim)
         rule = _specs.compose(
-            _specs.Row(axis, sequence_parallel, comm_dtype, grad_comm_dtype),
+            _specs.Row(axis, sequence_parallel, comm_dtype, grad_comm_dtype, reduce_dtype),
             _fsdp_style("RowLinear", fsdp_axis, fsdp_dim, fsdp_comm_dtype,
-                        fsdp_grad_comm_dtype),
+                        fsdp_grad_comm_dtype, reduce_dtype),
             where="RowLinear")
         self._setup(in_features, out_features, use_bias, dtype, key, rule, backend)
 
@@ -385,11 +396,13 @@ class RowLinear(ParallelLinear):
             w = stationary(gather_fsdp(w, rule))
             y = matmul_reduce_scatter(x, w.T, tp.axis, dim=x.ndim - 2,
                                       backend=self._ops_backend, comm_dtype=tp.comm_dtype,
-                                      grad_comm_dtype=tp.grad_comm_dtype)
+                                      grad_comm_dtype=tp.grad_comm_dtype,
+                                      reduce_dtype=tp.reduce_dtype)
         else:
-            # Partial sums stay in the accumulation dtype through the psum, as the
-            # reduce-scatter's do.
-            acc = _definition.accumulation_dtype(x.dtype)
+            # Partial sums stay in the accumulation dtype (or reduce_dtype) through the
+            # psum, as the reduce-scatter's do.
+            acc = (_definition.accumulation_dtype(x.dtype) if tp.reduce_dtype is None
+                   else tp.reduce_dtype)
             y = lax.psum(fsdp_matmul(x, w, rule, self._ops_backend, acc), tp.axis).astype(x.dtype)
         return add_bias(y, b)
 
@@ -408,7 +421,7 @@ class FSDPLinear(ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, use_bias: bool = True,
                  dtype=None, *, key, axis: str = "fsdp", backend: str = "auto",
-                 comm_dtype=None, grad_comm_dtype=None):
+                 comm_dtype=None, grad_comm_dtype=None, reduce_dtype=None):
         """**Arguments:**
 
         - `in_features`, `out_features`, `use_bias`, `dtype`, `key`: as `eqx.nn.Linear`.
@@ -417,8 +430,11 @@ class FSDPLinear(ParallelLinear):
         - `comm_dtype`, `grad_comm_dtype`: `jnp.int8`, `jnp.float8_e4m3fn` or None: what
           the weight gather and the weight gradient's reduce-scatter send
           (`fusedpar.FSDP`).
+        - `reduce_dtype`: the floating dtype the weight gradient's reduce-scatter sums
+          in; None: float32 for 16-bit weights.
         """
-        rule = _specs.compose(_specs.FSDP(axis, None, comm_dtype, grad_comm_dtype),
+        rule = _specs.compose(_specs.FSDP(axis, None, comm_dtype, grad_comm_dtype,
+                                          reduce_dtype),
                               where="FSDPLinear")
         self._setup(in_features, out_features, use_bias, dtype, key, rule, backend)
 

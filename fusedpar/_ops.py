@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from . import (_autodiff, _definition, _dispatch, _interpret, _quantize, _schedule, _target,
-               _validate, _xla_flags)
+               _validate, _vma, _xla_flags)
 from . import _primitives as prims
 from ._dispatch import AUTO, Choice
 from ._primitives import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Config
@@ -45,7 +45,7 @@ def _explain_target(target, platform) -> _target.Target:
 
 def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
             bidirectional=None, unroll=None, precision=None, options=None,
-            platform=None, target=None, comm_dtype=None) -> Choice:
+            platform=None, target=None, comm_dtype=None, w_invariant=False) -> Choice:
     """Which backend (and ring shape) `op` would use for these local operands, and why.
 
     `x` and `w` may be arrays or `jax.ShapeDtypeStruct`s with per-device shapes;
@@ -55,6 +55,10 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     default device; `platform` ("cpu", "gpu", "tpu") instead names only a platform, with
     its default cost preset. The other arguments are the op's (`comm_dtype`: a backend
     that cannot send quantized payloads is not chosen, or is refused if requested).
+    `w_invariant=True` says w is replicated over the ring's axis and the op can see it
+    (inside `shard_map(check_vma=True)`, JAX's default): `"auto"` may then run a
+    `gather="lhs"` call by multiplying first and gathering the product
+    (`Choice.product_first`).
 
     Called inside a `jax.shard_map` that leaves mesh axes to XLA, it decides as the op
     would there (the fused TPU kernels cannot run: every mesh axis must be manual). On a
@@ -69,7 +73,9 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     _validate.flag("explain", "unroll", unroll)
     comm_dtype = _quantize.comm_dtype("explain", "comm_dtype", comm_dtype)
     _, call = _validate.op_call(op, x, w, axis_size, gather, dim, bidirectional, comm_dtype)
-    call = dataclasses.replace(call, automatic_axes=_target.automatic_axes())
+    _validate.flag("explain", "w_invariant", w_invariant)
+    call = dataclasses.replace(call, automatic_axes=_target.automatic_axes(),
+                               w_invariant=bool(w_invariant))
     choice = _choose(call, backend, unroll, precision, options, where)
     missing = _missing_flags(where.platform, choice)
     if missing:  # XLA reads them once: say so, rather than set them behind your back
@@ -178,7 +184,11 @@ def _run(op, x, w, axis_name, gather, dim, s: _Settings):
     reduce_dtype = _validate.float_dtype(op, "reduce_dtype", s.reduce_dtype)
     target = _target.current(x, *jax.tree.leaves(w))
     automatic = _target.automatic_axes()
-    call = dataclasses.replace(call, automatic_axes=automatic)
+    # Multiplying first needs w typed invariant (never guessed), and gradients that
+    # travel in x's own dtype (`_product_first` has no quantized backward).
+    invariant = (grad_comm_dtype is None and w_like is w and _vma.invariant(w, axis_name))
+    call = dataclasses.replace(call, automatic_axes=automatic, w_invariant=invariant,
+                               reduce_dtype=None if reduce_dtype is None else reduce_dtype.name)
     choice = _choose(call, s.backend, s.unroll, s.precision, s.options, target)
     _interpret.check_threads(op, choice.backend, s.options, target)  # before a hang
     cfg = Config(
@@ -189,7 +199,8 @@ def _run(op, x, w, axis_name, gather, dim, s: _Settings):
                               if reduce_dtype is None else reduce_dtype),
         precision=s.precision, keep_gathered=s.keep_gathered, options=_pairs(s.options),
         target=target, comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype,
-        auto=s.backend == AUTO, automatic_axes=automatic)
+        auto=s.backend == AUTO, automatic_axes=automatic,
+        product_first=choice.product_first)
     c = prims.canonicalize(op, gather, dim, x, w, n)
     return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Hashable, Optional
 
 import jax.numpy as jnp
 
-from . import _target
+from . import _target, _vma
 from ._schedule import prefers_bidirectional
 
 # The two public ops.
@@ -74,7 +74,12 @@ class Call:
     computes: XLA hides the reference's collective behind it); `automatic_axes` the
     `(name, size)` pairs of the mesh axes the enclosing `shard_map` leaves to XLA
     (`_target.automatic_axes`: a kernel that addresses devices by their coordinates on
-    every mesh axis cannot run there).
+    every mesh axis cannot run there); `w_invariant` whether JAX's varying-axes type
+    proves w the same on every device of the ring (`_vma.invariant`: an ag_rows can then
+    multiply first and gather the product, `_product_first`); `gathered` whether the run
+    must also return the gathered operand (what that path gathers separately);
+    `reduce_dtype` the name of the dtype reduce-scatter partial sums travel in (None:
+    the accumulation dtype, float32 for 16-bit inputs).
     """
 
     op: str
@@ -90,6 +95,9 @@ class Call:
     comm_dtype: Optional[str] = None
     beside: float = 0.0
     automatic_axes: tuple = ()
+    w_invariant: bool = False
+    gathered: bool = False
+    reduce_dtype: Optional[str] = None
 
     def __post_init__(self):
         if isinstance(self.target, str):
@@ -136,6 +144,8 @@ class Config:
       the backend of each dual primitive it runs the same way, for that primitive's own
       shapes (`_autodiff._run_dual`).
     - `automatic_axes`: the mesh axes the enclosing `shard_map` leaves to XLA (`Call`).
+    - `product_first`: an ag_rows with an invariant w runs as `all_gather(x @ w)`
+      (`_product_first`), whatever `backend` says.
     """
 
     backend: str
@@ -153,6 +163,7 @@ class Config:
     grad_comm_dtype: Any = None
     auto: bool = False
     automatic_axes: tuple = ()
+    product_first: bool = False
 
     def option(self, name, default=None):
         return dict(self.options).get(name, default)
@@ -162,12 +173,15 @@ class Config:
         """The target: as configured, else read from the code being traced."""
         return self.target if self.target is not None else _target.current()
 
-    def call(self, op: str, prim: str, x, w) -> Call:
-        """The `Call` that describes running `prim` with this config on `x` and `w`."""
+    def call(self, op: str, prim: str, x, w, gathered=False) -> Call:
+        """The `Call` that describes running `prim` with this config on `x` and `w`
+        (`gathered`: the run also returns the gathered operand)."""
         comm = None if self.comm_dtype is None else jnp.dtype(self.comm_dtype).name
         return Call(op, prim, tuple(x.shape), tuple(w.shape), jnp.dtype(x.dtype).name,
                     self.axis_size, self.target, self.bidirectional, self.precision,
-                    self.options, comm, automatic_axes=self.automatic_axes)
+                    self.options, comm, automatic_axes=self.automatic_axes,
+                    w_invariant=_vma.invariant(w, self.axis_name), gathered=gathered,
+                    reduce_dtype=jnp.dtype(self.reduce_dtype).name)
 
 
 def out_shape(prim: str, x_shape, w_shape, n: int) -> tuple[int, int]:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Union
 
-from . import _quantize
+import numpy as np
+
+from . import _quantize, _validate
 
 
 class _Style:
@@ -33,7 +35,9 @@ class Column(_Style):
     `comm_dtype` (`jnp.int8`, `jnp.float8_e4m3fn` or None): the dtype the
     sequence-parallel input gather sends (`all_gather_matmul(comm_dtype=)`);
     `grad_comm_dtype`: that of the backward's reduce-scatter. Both need
-    `sequence_parallel=True`.
+    `sequence_parallel=True`. `reduce_dtype`: the floating dtype that backward's
+    reduce-scatter sums and sends its partial sums in (the op's `reduce_dtype`; None:
+    float32 for 16-bit inputs).
     """
 
     axis: str = "tp"
@@ -41,6 +45,7 @@ class Column(_Style):
     gather_output: bool = False
     comm_dtype: Any = None
     grad_comm_dtype: Any = None
+    reduce_dtype: Any = None
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -51,13 +56,16 @@ class Row(_Style):
     `sequence_parallel`, sharded on its sequence dimension, dim -2).
     `comm_dtype` / `grad_comm_dtype`: passed to the sequence-parallel
     `matmul_reduce_scatter` (forward) for its ring and its backward's gather; need
-    `sequence_parallel=True`.
+    `sequence_parallel=True`. `reduce_dtype`: the floating dtype the partial sums are
+    summed and sent in, by the reduce-scatter (its `reduce_dtype`) or, without
+    `sequence_parallel`, the psum (None: float32 for 16-bit inputs).
     """
 
     axis: str = "tp"
     sequence_parallel: bool = False
     comm_dtype: Any = None
     grad_comm_dtype: Any = None
+    reduce_dtype: Any = None
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -71,24 +79,27 @@ class FSDP(_Style):
     batch dimension (dim 0) is sharded over `axis`. `comm_dtype`: the dtype the weight
     gather sends (e.g. `jnp.int8`, one scale per output channel, or per shard of it
     where `axis` splits the input features); `grad_comm_dtype`: that of the weight
-    gradient's reduce-scatter (where the gather is an `all_gather_matmul`).
+    gradient's reduce-scatter (where the gather is an `all_gather_matmul`);
+    `reduce_dtype`: the floating dtype that reduce-scatter sums in (None: float32 for
+    16-bit weights).
     """
 
     axis: str = "fsdp"
     dim: Optional[int] = None
     comm_dtype: Any = None
     grad_comm_dtype: Any = None
+    reduce_dtype: Any = None
 
 
 Style = Union[Column, Row, FSDP]
 
 
 def _style_repr(style) -> str:
-    """The dataclass repr, with the comm dtypes only when set (by name)."""
+    """The dataclass repr, with the comm and reduce dtypes only when set (by name)."""
     parts = []
     for f in dataclasses.fields(style):
         v = getattr(style, f.name)
-        if f.name in ("comm_dtype", "grad_comm_dtype"):
+        if f.name in ("comm_dtype", "grad_comm_dtype", "reduce_dtype"):
             if v is None:
                 continue
             v = f"jnp.{v.name}"
@@ -104,6 +115,8 @@ def _comm_dtypes(style) -> None:
     for name in ("comm_dtype", "grad_comm_dtype"):
         d = _quantize.comm_dtype(type(style).__name__, name, getattr(style, name))
         object.__setattr__(style, name, d)
+    d = _validate.float_dtype(type(style).__name__, "reduce_dtype", style.reduce_dtype)
+    object.__setattr__(style, "reduce_dtype", None if d is None else np.dtype(d))
     if isinstance(style, (Column, Row)) and not style.sequence_parallel and (
             style.comm_dtype is not None or style.grad_comm_dtype is not None):
         raise ValueError(

@@ -49,6 +49,13 @@ def typed(axis) -> bool:
     return axis in varying_axes(lax.axis_index(axis))
 
 
+def invariant(x, axis_name) -> bool:
+    """Whether JAX's varying-axes type proves `x` the same on every device of
+    `axis_name` (a name or a tuple): inside `shard_map(check_vma=True)`, `x` varies over
+    none of those axes. False wherever nothing is typed (check_vma=False): never a guess."""
+    return all(typed(a) and a not in varying_axes(x) for a in axis_names(axis_name))
+
+
 def check_layout(where: str, what: str, x, spec, axes, explain: str) -> None:
     """Raise unless `x` varies over the `axes` named in `spec` and is invariant over the
     other `axes`, wherever the enclosing shard_map types them (with check_vma=False JAX

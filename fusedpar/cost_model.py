@@ -33,110 +33,15 @@ bench: a matmul's time and a transfer's time).
 
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
 from typing import Mapping, Optional, Union
 
 import numpy as np
 
 from . import _backends, _primitives as prims, _quantize, _registry, _schedule, _validate
+from ._cost_hardware import (PRESETS as PRESETS, calibrate as calibrate,
+                             get_hardware as get_hardware, set_hardware as set_hardware)
 from ._hardware import Hardware
-
-# -- hardware --------------------------------------------------------------------------
-# A `Hardware` per kind of device is in the registry (`fusedpar._registry`); `PRESETS` is
-# a view of it.
-
-
-class _Presets(collections.abc.Mapping):
-    """`{name: Hardware}` of every registry entry with cost numbers of its own, in
-    registration order (an entry registered later shows up here too)."""
-
-    def __getitem__(self, name):
-        kind = next((k for k in _registry.kinds() if k.name == name and k.hardware), None)
-        if kind is None:
-            raise KeyError(name)
-        return kind.hardware
-
-    def __iter__(self):
-        return iter([k.name for k in _registry.kinds() if k.hardware is not None])
-
-    def __len__(self):
-        return sum(k.hardware is not None for k in _registry.kinds())
-
-    def __repr__(self):
-        return f"PRESETS({dict(self)!r})"
-
-
-PRESETS: Mapping[str, Hardware] = _Presets()
-
-_default: Optional[Hardware] = None
-
-
-def get_hardware(spec: Union[str, Hardware, None] = None, target=None) -> Hardware:
-    """A `Hardware`: `spec` itself, a preset by name, or the one for `target`.
-
-    With `spec=None`: the hardware set by `set_hardware`, else the preset for `target` (a
-    `fusedpar` target, as the ops read it from the mesh's devices, or a platform name:
-    H100 SXM for "gpu", TPU v5e for "tpu", the simulated-device preset for "cpu"), else
-    the preset for this process's default device.
-    """
-    if isinstance(spec, Hardware):
-        return spec
-    if spec is not None:
-        try:
-            hardware = _registry.get(spec).hardware
-        except ValueError:
-            hardware = None
-        if hardware is None:
-            raise ValueError(f"cost_model: unknown hardware {spec!r}; presets are "
-                             f"{', '.join(PRESETS)} (or pass a Hardware).")
-        return hardware
-    if _default is not None:
-        return _default
-    from . import _target  # jax is imported only when a target must be read
-
-    if target is None:
-        target = _target.local()
-    elif isinstance(target, str):
-        target = _target.of_platform(target)
-    return PRESETS[target.cost_preset]
-
-
-def set_hardware(spec: Union[str, Hardware, None]) -> None:
-    """Make `spec` the hardware `"auto"` assumes (None: the target's preset again)."""
-    global _default
-    _default = None if spec is None else get_hardware(spec)
-
-
-def calibrate(base: Union[str, Hardware], *, matmul: Optional[tuple] = None,
-              transfer: Optional[tuple] = None, step_latency: Optional[float] = None,
-              overlap: Optional[float] = None, name: Optional[str] = None) -> Hardware:
-    """`base` with numbers fitted to measurements.
-
-    - `matmul=(m, k, n, dtype, seconds)`: a measured `(m, k) @ (k, n)` matmul; sets the
-      achieved FLOP/s for `dtype` (with `efficiency` 1, so the number is used as is).
-    - `transfer=(bytes, seconds)`: one ppermute of `bytes` to a neighbour; sets the link
-      bandwidth (and raises the egress bandwidth to at least it).
-    - `step_latency`, `overlap`: replace those fields.
-    """
-    hw = get_hardware(base)
-    changes = {"name": name or f"{hw.name} (calibrated)"}
-    if matmul is not None:
-        m, k, n, dtype, seconds = matmul
-        achieved = 2.0 * m * k * n / seconds
-        flops = {key: value * hw.efficiency for key, value in hw.flops.items()}
-        flops[np.dtype(dtype).name] = achieved
-        changes.update(flops=flops, efficiency=1.0)
-    if transfer is not None:
-        nbytes, seconds = transfer
-        bw = nbytes / seconds
-        changes.update(link_bandwidth=bw, egress_bandwidth=max(bw, hw.egress_bandwidth))
-    if step_latency is not None:
-        changes["step_latency"] = step_latency
-    if overlap is not None:
-        changes["overlap"] = overlap
-    return dataclasses.replace(hw, **changes)
-
 
 # -- the model -------------------------------------------------------------------------
 
@@ -241,10 +146,7 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
         # One matmul over the whole problem, and one collective before (all-gathers) or
         # after it (reduce-scatters) that uses every link the device has to ring neighbours.
         whole = _matmul_time(hw, *_full(prim, x_shape, w_shape, n), dtype, out_b)
-        collective = 0.0
-        if n > 1:
-            collective = (hw.launch_overhead + (n - 1) * hw.hop_latency
-                          + sent / max(hw.send_bandwidth(1), 2 * hw.send_bandwidth(2)))
+        collective = _collective_time(hw, n, sent)
         result[name] = Breakdown(name, whole + collective, whole, collective, 1, sent, sent)
     dirs = 2 if bidirectional and n > 1 else 1
     per_dir = block_bytes // dirs
@@ -298,6 +200,28 @@ def _families(backends) -> dict:
     chosen = _backends.candidates() if backends is None else [
         _backends.TABLE[name] for name in backends if name in _backends.TABLE]
     return {b.name: b.cost for b in chosen if b.cost is not None}
+
+
+def _collective_time(hw: Hardware, n: int, sent: int) -> float:
+    """One lax collective over a ring of `n` that sends `sent` bytes per device, over
+    every link the device has to ring neighbours."""
+    if n < 2:
+        return 0.0
+    return (hw.launch_overhead + (n - 1) * hw.hop_latency
+            + sent / max(hw.send_bandwidth(1), 2 * hw.send_bandwidth(2)))
+
+
+def product_first(call, hardware=None) -> Breakdown:
+    """An ag_rows whose w is invariant over the ring, run as `all_gather(x @ w)`
+    (`fusedpar._product_first`): the local (m, k) @ (k, n) matmul, then one all-gather of
+    the (m, n) product, and one of x too where the run returns it (`call.gathered`)."""
+    hw = get_hardware(hardware, call.target)
+    (m, k), (_, cols) = call.x_shape, call.w_shape
+    b = _itemsize(call.dtype)
+    local = _matmul_time(hw, m, k, cols, call.dtype, b)
+    sent = (call.axis_size - 1) * (m * cols + (m * k if call.gathered else 0)) * b
+    collective = _collective_time(hw, call.axis_size, sent)
+    return Breakdown("product first", local + collective, local, collective, 1, sent, sent)
 
 
 def _assembly(hw, prim, step, out_b, c, first):
@@ -356,7 +280,9 @@ def _full(prim, x_shape, w_shape, n):
 
 
 def estimate_call(call, hardware=None, reduce_dtype=None) -> dict[str, Breakdown]:
-    """The model for a `_primitives.Call`, with the ring shape the call runs with."""
+    """The model for a `_primitives.Call`, with the ring shape the call runs with and its
+    `reduce_dtype` (unless `reduce_dtype` is given)."""
+    reduce_dtype = call.reduce_dtype if reduce_dtype is None else reduce_dtype
     return breakdown(call.prim, call.x_shape, call.w_shape, call.axis_size, call.dtype,
                      get_hardware(hardware, call.target),
                      bidirectional=call.runs_bidirectional, reduce_dtype=reduce_dtype,
@@ -445,4 +371,4 @@ def _fmt(seconds: float) -> str:
 
 __all__ = ["Hardware", "PRESETS", "Breakdown", "get_hardware", "set_hardware", "calibrate",
            "estimate", "breakdown", "estimate_call", "bytes_sent", "describe",
-           "matmul_seconds"]
+           "matmul_seconds", "product_first"]

@@ -120,13 +120,19 @@ def test_auto_picks_each_pass_on_its_own():
     H100 with per device x (2048, 8192) @ w (8192, 2048), ag_rows runs forward on the
     ring (the model estimates it faster than an all-gather with nothing beside it) and
     its rs_rows gradient on the reference (its reduce-scatter hides behind the weight
-    gradient's matmul). Only lowered: the choice is made at trace time."""
+    gradient's matmul), with check_vma=False, where nothing proves w replicated; with
+    check_vma=True auto multiplies first (`_product_first`). Only lowered: the choice is
+    made at trace time."""
     mesh = _mesh("h100x8")
     size = dict(rows=2048, k=8192, cols=2048)
-    program, args = progs.op_program(mesh, prims.AG_ROWS, "auto", **size)
+    program, args = progs.op_program(mesh, prims.AG_ROWS, "auto", check_vma=False, **size)
     text = program.lower(*args).as_text(debug_info=True)  # with the name scopes
     assert "fusedpar.ag_rows.ring" in text
     assert "fusedpar.rs_rows.reference" in text and "fusedpar.rs_rows.ring" not in text
+    program, args = progs.op_program(mesh, prims.AG_ROWS, "auto", **size)
+    text = program.lower(*args).as_text(debug_info=True)
+    assert "fusedpar.ag_rows.reference.product_first" in text
+    assert "fusedpar.ag_rows.ring" not in text and "fusedpar.rs_rows" not in text
     # Asked for by name, the backward stays on that backend.
     program, args = progs.op_program(mesh, prims.AG_ROWS, "ring", **size)
     assert "fusedpar.rs_rows.ring" in program.lower(*args).as_text(debug_info=True)

@@ -313,3 +313,26 @@ def test_auto_picks_the_faster_ring_shape():
     assert tpu.bidirectional
     # A shape asked for is kept.
     assert fusedpar.explain(AGM, x, w, 8, platform="gpu", bidirectional=True).bidirectional
+
+
+def test_a_call_is_estimated_with_its_reduce_dtype():
+    """bfloat16 partial sums halve what a reduce-scatter sends, and auto sees it."""
+    f32 = _call("rs_rows", (1024, 4096), (4096, 4096), 8, "gpu")
+    bf16 = dataclasses.replace(f32, reduce_dtype="bfloat16")
+    a, b = (cost_model.estimate_call(c, "h100_sxm") for c in (f32, bf16))
+    for name in ("reference", "ring"):
+        assert b[name].bytes_sent * 2 == a[name].bytes_sent
+        assert b[name].seconds < a[name].seconds
+
+
+def test_product_first_estimate():
+    """An ag_rows run product first: 1/N of the FLOPs; gathering x too costs its bytes."""
+    call = dataclasses.replace(_call("ag_rows", (1024, 4096), (4096, 4096), 8, "gpu"),
+                               w_invariant=True)
+    first = cost_model.product_first(call, "h100_sxm")
+    both = cost_model.product_first(dataclasses.replace(call, gathered=True), "h100_sxm")
+    assert first.seconds < cost_model.estimate_call(call, "h100_sxm")["reference"].seconds
+    assert both.bytes_sent == 2 * first.bytes_sent and both.seconds > first.seconds
+    assert _dispatch.product_first(call, "reference")
+    assert not _dispatch.product_first(dataclasses.replace(call, w_invariant=False),
+                                       "reference")

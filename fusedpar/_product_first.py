@@ -1,0 +1,50 @@
+"""ag_rows with a replicated w: multiply the local rows first, then gather the product.
+
+When every device of the ring holds the same w, and JAX says so (inside
+`shard_map(check_vma=True)`, w is invariant over the ring's axis: `_vma.invariant`),
+`all_gather(x) @ w` equals `all_gather(x @ w)` block for block: each device multiplies
+only its own (m, k) rows, 1/N of the reference's FLOPs, and the collective moves the
+(m, n) product instead of x. This is what XLA's partitioner does with the same program
+(w replicated, x sharded by rows). With `check_vma=False` nothing is typed, and a w that
+only looks replicated may differ per device: then the op never takes this path.
+
+`"auto"` takes it where the cost model (`cost_model.product_first`) estimates it faster
+than the backend it would pick otherwise (`_dispatch`); it runs on lax collectives
+(there is no matmul left to overlap the gather with).
+
+Backward, with `dy_d` the cotangent of device d's copy `y_d` of the gathered product
+(`L = sum_d <dy_d, y_d>`):
+
+    dL/dx_j = sum_d dy_d[j] @ w.T   ->  dys = psum_scatter(dy) (rows), dx = dys @ w.T
+    dL/dw   = sum_j x_j.T @ dys_j   ->  dw = psum(x.T @ dys)
+
+both local matmuls 1/N of the reference's again. The cotangents are summed in
+`cfg.reduce_dtype` (float32 for 16-bit inputs, as the reference's reduce-scatter), and the
+psum of dw is `_vma.cotangent_like`'s, the one every invariant w's cotangent gets.
+"""
+
+from __future__ import annotations
+
+from jax import lax
+
+from . import _definition
+
+
+def forward(cfg, x, w, return_gathered=False):
+    """`all_gather(x @ w)` over the ring: x (m, k), w (k, n) invariant -> (N*m, n); with
+    `return_gathered`, also x gathered (N*m, k), by a second all-gather."""
+    y = _definition.matmul(x, w, precision=cfg.precision, out_dtype=cfg.out_dtype)
+    out = lax.all_gather(y, cfg.axis_name, axis=0, tiled=True)
+    if not return_gathered:
+        return out
+    return out, lax.all_gather(x, cfg.axis_name, axis=0, tiled=True)
+
+
+def backward(cfg, x, w, dy):
+    """`(dx (m, k), dw (k, n))` for this device's x and the cotangent dy (N*m, n) of its
+    copy of the product; dw is this device's part, which the caller sums over the ring."""
+    dys = lax.psum_scatter(dy.astype(cfg.reduce_dtype), cfg.axis_name, scatter_dimension=0,
+                           tiled=True).astype(x.dtype)
+    dx = _definition.matmul(dys, w.T, precision=cfg.precision, out_dtype=x.dtype)
+    dw = _definition.matmul(x.T, dys, precision=cfg.precision, out_dtype=w.dtype)
+    return dx, dw

@@ -1,0 +1,117 @@
+"""ag_rows with a w JAX proves replicated: `auto` multiplies first and gathers the product.
+
+Values and gradients against the pure-lax definition under JAX's autodiff, on rings of
+2 and 4; with check_vma=False nothing proves w replicated and the op gathers x as before.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import fusedpar
+from fusedpar import _definition
+from helpers import assert_close, mesh, normal
+
+pytestmark = pytest.mark.timeout(120)
+
+K, N = 16, 8  # k != n, so which operand an all-gather moves shows in its shape
+
+
+def _programs(n, check_vma, op="ag", dim=0, **kw):
+    """(oracle, fusedpar) shard_map'd: x rows sharded over "x", w replicated."""
+    m = mesh((n,), ("x",))
+    if op == "ag":  # y = all_gather(x) @ w: every device's copy, stacked
+        def call(f, **kw):
+            return lambda x, w: f(x, w, "x", gather="lhs", dim=dim, **kw)[None]
+        ours = call(fusedpar.all_gather_matmul, **kw)
+        oracle = call(_definition.all_gather_matmul)
+        specs = (P(*(None,) * dim, "x"), P()), P("x")
+    else:  # y = psum_scatter(x @ w) with w replicated: its backward gathers dy
+        ours = lambda x, w: fusedpar.matmul_reduce_scatter(x, w, "x", dim=0, **kw)
+        oracle = lambda x, w: _definition.matmul_reduce_scatter(x, w, "x", dim=0)
+        specs = (P("x"), P()), P("x")
+    return [jax.shard_map(f, mesh=m, in_specs=specs[0], out_specs=specs[1],
+                          check_vma=check_vma) for f in (oracle, ours)]
+
+
+def _run(fns, x, w):
+    """(y, dx, dw) of each program, one cotangent shared."""
+    ct = normal(2, jax.eval_shape(fns[0], x, w).shape, jnp.float32)
+
+    def loss(f, x, w):
+        return jnp.vdot(f(x, w).astype(jnp.float32), ct)
+
+    return [(f(x, w),) + jax.grad(loss, argnums=(1, 2))(f, x, w) for f in fns]
+
+
+def _gathered_widths(f, x, w):
+    """The last dimension of every array the program all-gathers (forward and backward)."""
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: f(x, w).astype(jnp.float32).sum(),
+                                    argnums=(0, 1)))(x, w)
+    widths = []
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name == "all_gather":
+                widths.append(e.invars[0].aval.shape[-1])
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    return widths
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_product_first_matches_definition(n, dtype):
+    x, w = normal(0, (4 * n, K), dtype), normal(1, (K, N), dtype)
+    oracle, ours = _programs(n, check_vma=True)
+    (want, got) = _run([oracle, ours], x, w)
+    for name, g, e in zip(("y", "dx", "dw"), got, want):
+        assert_close(g, e, dtype, f"ring of {n} {name}")
+    # Forward gathers the (m, n) product; nothing gathers x (k columns).
+    assert _gathered_widths(ours, x, w) == [N]
+
+
+def test_batched_dim_and_keep_gathered_false():
+    """A gathered middle dim (rows after canonicalisation) and keep_gathered=False."""
+    x, w = normal(0, (3, 8, K), jnp.float32), normal(1, (K, N), jnp.float32)
+    oracle, ours = _programs(4, check_vma=True, dim=1, keep_gathered=False)
+    want, got = _run([oracle, ours], x, w)
+    assert_close(got, want, jnp.float32, "dim=1")
+    assert _gathered_widths(ours, x, w) == [N]
+
+
+def test_check_vma_false_gathers_x():
+    """Unproven invariance is never assumed: the op gathers x, with the same results."""
+    x, w = normal(0, (8, K), jnp.float32), normal(1, (K, N), jnp.float32)
+    oracle, ours = _programs(2, check_vma=False)
+    want, got = _run([oracle, ours], x, w)
+    assert_close(got, want, jnp.float32, "check_vma=False")
+    assert K in _gathered_widths(ours, x, w) and N not in _gathered_widths(ours, x, w)
+
+
+def test_reduce_scatter_backward_gathers_dy_and_product():
+    """rs_rows with a replicated w: its backward's ag_rows(dy, w.T) must also return the
+    gathered dy (for dw); product first, it gathers both."""
+    x, w = normal(0, (4 * 8, K), jnp.float32), normal(1, (K, N), jnp.float32)
+    oracle, ours = _programs(4, check_vma=True, op="rs")
+    want, got = _run([oracle, ours], x, w)
+    assert_close(got, want, jnp.float32, "rs_rows backward")
+    assert sorted(_gathered_widths(ours, x, w)) == [N, K]  # dy, and dy @ w.T
+
+
+def test_explain_says_so():
+    x = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    first = fusedpar.explain("all_gather_matmul", x, w, 8, platform="gpu", w_invariant=True)
+    assert first.product_first and first.backend == "reference"
+    assert "invariant" in first.reason and "product first" in str(first)
+    plain = fusedpar.explain("all_gather_matmul", x, w, 8, platform="gpu")
+    assert not plain.product_first
+    asked = fusedpar.explain("all_gather_matmul", x, w, 8, backend="ring", w_invariant=True)
+    assert not asked.product_first  # an explicit backend runs as asked

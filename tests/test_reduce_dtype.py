@@ -1,0 +1,71 @@
+"""The layers' `reduce_dtype`: what their reduce-scatters sum and send partial sums in."""
+
+import equinox as eqx
+import jax
+import jax.extend
+import jax.numpy as jnp
+import pytest
+
+import fusedpar
+from helpers import assert_close, mesh, normal
+
+pytestmark = pytest.mark.timeout(120)
+
+BF16 = jnp.bfloat16
+
+
+def _layers(kind, reduce_dtype):
+    """Sequence-parallel Column and Row over "tp" (Row's forward reduce-scatters, Column's
+    backward), or two FSDPLinear over "fsdp" (their weight gradients)."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    kw = dict(reduce_dtype=reduce_dtype, dtype=BF16)
+    if kind == "fsdp":
+        return (fusedpar.FSDPLinear(16, 32, key=k1, **kw),
+                fusedpar.FSDPLinear(32, 16, key=k2, **kw))
+    return (fusedpar.ColumnLinear(16, 32, key=k1, sequence_parallel=True, **kw),
+            fusedpar.RowLinear(32, 16, key=k2, sequence_parallel=True, **kw))
+
+
+def _loss(model, x):
+    up, down = model
+    return jnp.sum(jnp.sin(down(jnp.tanh(up(x))).astype(jnp.float32)))
+
+
+def _scattered_dtypes(fn, *args):
+    """The dtypes of every array the program reduce-scatters (forward and backward)."""
+    found = set()
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name == "reduce_scatter":
+                found.add(jnp.dtype(e.invars[0].aval.dtype).name)
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, BF16], ids=["default", "bf16"])
+@pytest.mark.parametrize("kind", ["tp", "fsdp"])
+def test_layers_reduce_in_reduce_dtype(kind, reduce_dtype):
+    x = normal(0, (4, 8, 16), BF16)
+    layers = _layers(kind, reduce_dtype)
+    grad = eqx.filter_value_and_grad(lambda mx: _loss(*mx))
+    want = grad((layers, x))
+    m = mesh((4,), (kind,))
+    with jax.set_mesh(m):
+        model = fusedpar.shard(layers, m)
+        got = eqx.filter_jit(grad)((model, x))
+        dtypes = _scattered_dtypes(lambda mx: grad(mx)[1], (model, x))
+    assert dtypes == {"float32" if reduce_dtype is None else "bfloat16"}
+    assert_close(got[0], want[0], BF16, "loss")
+    for i in range(2):
+        assert_close(got[1][0][i].weight, want[1][0][i].weight, BF16, f"d{i}.weight")
+    assert "reduce_dtype=bfloat16" in fusedpar.describe(layers) or reduce_dtype is None
+
+
+def test_reduce_dtype_must_be_floating():
+    with pytest.raises(TypeError, match="reduce_dtype must be a floating dtype"):
+        fusedpar.RowLinear(32, 16, key=jax.random.key(0), reduce_dtype=jnp.int8)
+    assert "reduce_dtype=jnp.bfloat16" in repr(fusedpar.Row(reduce_dtype=BF16))
