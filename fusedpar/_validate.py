@@ -148,7 +148,7 @@ def op_call(op, x, w, n, gather, dim, bidirectional, comm_dtype=None,
                       target=None, bidirectional=bidirectional,
                       comm_dtype=None if comm_dtype is None else np.dtype(comm_dtype).name)
     if bidirectional and call.block_length % 2:
-        what = "rows" if prims.GATHER_AXIS[prim] == 0 else "columns"
+        what = "rows" if prims.of(prim).gather_axis == 0 else "columns"
         raise ValueError(
             f"{op}: bidirectional=True splits each ring block in two, but a block has "
             f"{call.block_length} {what} (primitive {prim}, x {xs}, w {ws}, {n} devices); "

@@ -134,8 +134,8 @@ def unavailable(call):
     if call.option("interpret") and call.platform != "cpu":
         return (f"options['interpret']=True runs the kernels in Pallas interpret mode on CPU "
                 f"devices, but {call.target.devices_are()}")
-    rows, k, cols = prims.step_matmul(call.prim, call.x_shape, call.w_shape,
-                                      call.axis_size, 2 if call.runs_bidirectional else 1)
+    rows, k, cols = call.primitive.step_matmul(call.x_shape, call.w_shape,
+                                               call.axis_size, 2 if call.runs_bidirectional else 1)
     gpu = _kernels()
     try:
         family = _family(call, call.target)
@@ -210,7 +210,7 @@ def gather_step(prim, cfg, x, w):
             return kernels.matmul_acc(out, terms, out.shape, out.dtype, **kw)
         resident = w if prim == prims.AG_ROWS else x
         return kernels.matmul_into(out, pieces, resident, jnp.stack(segs),
-                                   axis=prims.GATHER_AXIS[prim], **kw)
+                                   axis=prims.of(prim).gather_axis, **kw)
 
     return step
 
