@@ -41,17 +41,17 @@ def _op(prim):
     p = prims.of(prim)
     split = P("x") if p.gather_axis == 0 else P(None, "x")
     if p.gathers:
-        def call(x, w, **kw):
+        def gather(x, w, **kw):
             return all_gather_matmul(x, w, "x", gather=p.side, dim=p.gather_axis, **kw)
 
         wspec = P() if p.traveller == "x" else split
         ospec = P("x")  # by rows: x's rows are split everywhere
-        return lambda n, r, k, c: (call, (n * r, k), (k, c), P("x"), wspec, ospec)
+        return lambda n, r, k, c: (gather, (n * r, k), (k, c), P("x"), wspec, ospec)
 
-    def call(x, w, **kw):
+    def scatter(x, w, **kw):
         return matmul_reduce_scatter(x, w, "x", dim=p.gather_axis, **kw)
 
-    return lambda n, r, k, c: (call, (r, n * k), (n * k, c), P(None, "x"), P("x"), split)
+    return lambda n, r, k, c: (scatter, (r, n * k), (n * k, c), P(None, "x"), P("x"), split)
 
 
 def op_program(mesh, prim, backend="ring", *, bidirectional=None, backward=True,

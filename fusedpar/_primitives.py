@@ -203,8 +203,15 @@ def primitive_of(op: str, gather: str, dim: int, x_ndim: int) -> str:
     return RS_COLS if dim == x_ndim - 1 else RS_ROWS
 
 
+class _Options:
+    """`option(name)`: a record's backend option (its `options`, a tuple of pairs)."""
+
+    def option(self, name, default=None):
+        return dict(self.options).get(name, default)
+
+
 @dataclasses.dataclass(frozen=True)
-class Call:
+class Call(_Options):
     """One primitive call described statically: what a dispatch decision, a backend's
     `unavailable` check and the cost model look at.
 
@@ -213,9 +220,9 @@ class Call:
     "gpu", "tpu" stands for a target known only by its platform); `bidirectional` is the
     ring shape as requested (None: the default, `_schedule.prefers_bidirectional`);
     `precision` is the matmuls' (some kernels cannot compute every precision); `options`
-    the backend options, as pairs; `comm_dtype` the name of the narrow dtype the
-    travelling operand or accumulator is sent in (`_quantize.COMM_DTYPES`), None for
-    the inputs' own (not every backend can send a quantized payload); `beside` the
+    the backend options, as pairs; `comm_dtype` the narrow numpy dtype the travelling
+    operand or accumulator is sent in (`_quantize.COMM_DTYPES`), None for the inputs'
+    own (not every backend can send a quantized payload); `beside` the
     seconds of other work the program can run while the reference's collective is in
     flight (a backward pass's other gradient matmul, which needs nothing this call
     computes: XLA hides the reference's collective behind it); `automatic_axes` the
@@ -234,7 +241,7 @@ class Call:
     bidirectional: Optional[bool] = None
     precision: Any = None
     options: tuple = ()
-    comm_dtype: Optional[str] = None
+    comm_dtype: Any = None
     beside: float = 0.0
     automatic_axes: tuple = ()
 
@@ -247,9 +254,6 @@ class Call:
     def platform(self) -> str:
         """The target's platform, "" when unknown."""
         return "" if self.target is None else self.target.platform
-
-    def option(self, name, default=None):
-        return dict(self.options).get(name, default)
 
     @property
     def primitive(self) -> Primitive:
@@ -268,7 +272,7 @@ class Call:
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(_Options):
     """Static description of one primitive call (hashable: it is a custom_vjp nondiff arg).
 
     - `backend`: the backend name that runs it.
@@ -280,7 +284,8 @@ class Config:
       instead of gathering it again (communication).
     - `options`: backend-specific settings (e.g. kernel tile sizes), a tuple of pairs.
     - `target`: the `_target.Target` the call is built for (from the mesh it runs on).
-    - `comm_dtype`: the narrow dtype (`_quantize.COMM_DTYPES`) the forward's travelling
+    - `comm_dtype`: the narrow numpy dtype (`_quantize.COMM_DTYPES`, converted once where
+      the call's arguments are validated, `_validate.op_call`) the forward's travelling
       operand or accumulator is sent in, None for its own dtype; `grad_comm_dtype`: the
       same for the backward pass.
     - `auto`: the backend was picked by `backend="auto"`; the backward pass then picks
@@ -305,9 +310,6 @@ class Config:
     auto: bool = False
     automatic_axes: tuple = ()
 
-    def option(self, name, default=None):
-        return dict(self.options).get(name, default)
-
     @property
     def on(self) -> "_target.Target":
         """The target: as configured, else read from the code being traced."""
@@ -315,10 +317,9 @@ class Config:
 
     def call(self, op: str, prim: str, x, w) -> Call:
         """The `Call` that describes running `prim` with this config on `x` and `w`."""
-        comm = None if self.comm_dtype is None else jnp.dtype(self.comm_dtype).name
         return Call(op, prim, tuple(x.shape), tuple(w.shape), jnp.dtype(x.dtype).name,
                     self.axis_size, self.target, self.bidirectional, self.precision,
-                    self.options, comm, automatic_axes=self.automatic_axes)
+                    self.options, self.comm_dtype, automatic_axes=self.automatic_axes)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,7 @@ from typing import Mapping, Optional, Union
 
 import numpy as np
 
-from . import _backends, _primitives as prims, _quantize, _registry, _schedule, _validate
+from . import _backends, _primitives as prims, _registry, _schedule, _validate
 from ._hardware import Hardware
 
 # -- hardware --------------------------------------------------------------------------
@@ -368,9 +368,8 @@ def _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, co
 
     x = jax.ShapeDtypeStruct(tuple(x_shape), np.dtype(dtype))
     w = jax.ShapeDtypeStruct(tuple(w_shape), np.dtype(dtype))
-    comm_dtype = _quantize.comm_dtype(f"cost_model: {op}", "comm_dtype", comm_dtype)
     return _validate.op_call(op, x, w, int(ring_size), gather, dim, bidirectional,
-                             comm_dtype)[1]
+                             comm_dtype, where=f"cost_model: {op}")[1]
 
 
 def estimate(op: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",

@@ -202,15 +202,16 @@ def gather_step(prim, cfg, x, w):
     """One all-gather step: every direction's piece in one kernel launch."""
     kernels, kw = _step_kernels(cfg)
     Term = _kernels().Term
+    p = prims.of(prim)
 
     def step(out, pieces, segs):
-        if prim == prims.AG_CONTRACT:  # x's columns matching each row block of w in hand
+        if p.sums_steps:  # ag_contract: x's columns matching each row block of w in hand
             k = pieces[0].shape[0]
-            terms = [Term(x, p, k, a_col=s * k) for p, s in zip(pieces, segs)]
+            terms = [Term(x, piece, k, a_col=s * k) for piece, s in zip(pieces, segs)]
             return kernels.matmul_acc(out, terms, out.shape, out.dtype, **kw)
-        resident = w if prim == prims.AG_ROWS else x
+        resident = w if p.traveller == "x" else x
         return kernels.matmul_into(out, pieces, resident, jnp.stack(segs),
-                                   axis=prims.of(prim).gather_axis, **kw)
+                                   axis=p.gather_axis, **kw)
 
     return step
 
@@ -219,9 +220,10 @@ def scatter_step(prim, cfg, x, w):
     """One reduce-scatter step: `acc + x_block @ w` (or `x @ w_block`) in one pass."""
     kernels, kw = _step_kernels(cfg)
     Term = _kernels().Term
+    rows = prims.of(prim).ring_dim == "m"
 
     def accumulate(acc, seg, length):
-        if prim == prims.RS_ROWS:
+        if rows:
             term, shape = Term(x, w, x.shape[1], a_row=seg * length), (length, w.shape[1])
         else:
             term, shape = Term(x, w, x.shape[1], b_col=seg * length), (x.shape[0], length)

@@ -251,7 +251,7 @@ def _gathered(prim, gathered, dtype):
     """The kernel's gathered `(values, scales)` dequantized to `dtype` (the backward
     pass's residual: what the forward multiplied with)."""
     values, scales = gathered
-    if prim == prims.AG_CONTRACT:  # scales (N, 1, n): one row per gathered block
+    if prims.of(prim).ring_dim == "k":  # ag_contract: scales (N, 1, n), a row per block
         scales = scales.reshape(scales.shape[0], scales.shape[-1])
     return _quantize.dequantize(_quantize.Quantized(values, scales), dtype)
 
