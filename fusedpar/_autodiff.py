@@ -74,8 +74,9 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None):
     The forward's dispatch checked only the forward primitive's shapes; a dual step can
     have other ones (its contraction is the forward's output width, say), which a kernel
     backend may not tile: that is an error here, before any kernel is traced.
-    `beside`: the operands (shapes) of the backward's other gradient matmul, which needs nothing
-    this one computes (under "auto" the reference's collective can hide behind it).
+    `beside`: the operands (shapes) of the backward's other gradient matmul, which needs
+    nothing this one computes (under "auto" the reference's collective can hide behind
+    it).
     """
     op = prims.of(fwd_prim).op
     call = cfg.call(op, prim, x, w)
@@ -114,6 +115,7 @@ def _operand(env, name):
 
 
 def _shape(env, name):
+    """The shape `_operand(env, name)` has, without transposing anything."""
     shape = tuple(env[name.partition(".")[0]].shape)
     return shape[::-1] if name.endswith(".T") else shape
 

@@ -134,8 +134,9 @@ def unavailable(call):
     if call.option("interpret") and call.platform != "cpu":
         return (f"options['interpret']=True runs the kernels in Pallas interpret mode on CPU "
                 f"devices, but {call.target.devices_are()}")
-    rows, k, cols = call.primitive.step_matmul(call.x_shape, call.w_shape,
-                                               call.axis_size, 2 if call.runs_bidirectional else 1)
+    directions = 2 if call.runs_bidirectional else 1
+    rows, k, cols = call.primitive.step_matmul(call.x_shape, call.w_shape, call.axis_size,
+                                               directions)
     gpu = _kernels()
     try:
         family = _family(call, call.target)

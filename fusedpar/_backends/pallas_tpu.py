@@ -13,10 +13,10 @@ TPU generation it is planned for, tiles and interpret mode.
 These are collective kernels: the enclosing `jax.shard_map` must use `check_vma=False`.
 
 `comm_dtype` (int8, float8_e4m3fn): an all-gather's travelling operand is quantized once
-on its owner (`_quantize.quantize` along the primitive's `scale_axis`) and the kernel moves the 8-bit
-values and their float32 scales, widening each piece in VMEM and scaling the step's
-product; the gathered operand kept for the backward pass is dequantized here. The
-reduce-scatter kernels do not requantize their travelling accumulator: with a
+on its owner (`_quantize.quantize` along the primitive's `scale_axis`) and the kernel
+moves the 8-bit values and their float32 scales, widening each piece in VMEM and scaling
+the step's product; the gathered operand kept for the backward pass is dequantized
+here. The reduce-scatter kernels do not requantize their travelling accumulator: with a
 `comm_dtype` they are unavailable (backend='ring' does it).
 
 Options (`options={...}` of the public ops): `block_m`, `block_n`, `block_k` (tile
