@@ -195,12 +195,13 @@ def of(prim: str) -> Primitive:
 
 
 def primitive_of(op: str, gather: str, dim: int, x_ndim: int) -> str:
-    """The primitive a public op call becomes (`dim` already normalised, non-negative)."""
-    if op == ALL_GATHER_MATMUL:
-        if gather == "rhs":
-            return AG_CONTRACT if dim == 0 else AG_COLS
-        return AG_ROWS
-    return RS_COLS if dim == x_ndim - 1 else RS_ROWS
+    """The primitive a public op call becomes (`dim` already normalised, non-negative):
+    the one with its op, side and gather axis on the 2-D operands, where x's dimensions
+    besides the last fold into rows (axis 0) and its last is the columns (axis 1)."""
+    side = gather if op == ALL_GATHER_MATMUL else "lhs"
+    axis = dim if side == "rhs" else int(dim == x_ndim - 1)
+    return next(p.name for p in _PRIMITIVES
+                if (p.op, p.side, p.gather_axis) == (op, side, axis))
 
 
 class _Options:
@@ -344,19 +345,14 @@ def _rows_first(x, dim):
 
 def canonicalize(op: str, gather: str, dim: int, x, w, n: int) -> Canonical:
     """Reshape a public op call (`dim` already normalised to be non-negative)."""
-    if op == ALL_GATHER_MATMUL and gather == "rhs":
+    prim = primitive_of(op, gather, dim, x.ndim)
+    p = PRIMITIVES[prim]
+    if p.ring_dim != "m":  # the ring cuts w, or the columns: x's rows stay as they are
         lead = x.shape[:-1]
-        prim = AG_CONTRACT if dim == 0 else AG_COLS
         return Canonical(prim, x.reshape(-1, x.shape[-1]), w,
                          lambda y: y.reshape(*lead, y.shape[-1]))
-    last = x.ndim - 1
-    if op == MATMUL_REDUCE_SCATTER and dim == last:
-        lead = x.shape[:-1]
-        return Canonical(RS_COLS, x.reshape(-1, x.shape[-1]), w,
-                         lambda y: y.reshape(*lead, y.shape[-1]))
-    prim = AG_ROWS if op == ALL_GATHER_MATMUL else RS_ROWS
     x2, lead = _rows_first(x, dim)
-    block = lead[0] * n if prim == AG_ROWS else lead[0] // n
+    block = lead[0] * n if p.gathers else lead[0] // n
 
     def restore(y):
         return jnp.moveaxis(y.reshape(block, *lead[1:], y.shape[-1]), 0, dim)
