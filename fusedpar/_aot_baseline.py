@@ -154,7 +154,7 @@ def op_program(mesh, prim, *, rows=progs.ROWS, k=progs.K, cols=progs.COLS,
     n = mesh.shape["x"]
     _, xs, ws, xspec, wspec, ospec = progs._op(prim)(n, rows, k, cols)
     out = NamedSharding(mesh, ospec)
-    copies = n if prim == progs.prims.AG_ROWS else 1
+    copies = n if progs.prims.of(prim).traveller == "x" else 1  # w whole: n copies
 
     def fn(x, w):
         return jax.lax.with_sharding_constraint(jnp.tile(jnp.matmul(x, w), (copies, 1)),

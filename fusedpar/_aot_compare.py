@@ -24,7 +24,7 @@ ROWS = ((("xla", DEFAULT), ("xla", CM))
         + (("auto", DEFAULT),))
 # The layer programs, and each primitive alone (forward and backward, as `--program ops`
 # compiles it, on one axis "x").
-PROGRAMS = baseline.LAYER_PROGRAMS + prims.PRIMITIVES
+PROGRAMS = baseline.LAYER_PROGRAMS + tuple(prims.PRIMITIVES)
 
 
 @dataclasses.dataclass(frozen=True)

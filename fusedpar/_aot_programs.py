@@ -35,25 +35,23 @@ def _struct(mesh, shape, dtype, spec):
 
 def _op(prim):
     """`(call(x, w, axis, **kw), x global shape, w global shape, x spec, w spec, out spec)`
-    of `prim` over a ring of `n` on the axis "x", as functions of n and the sizes."""
-    def ag(gather, dim):
-        return lambda x, w, **kw: all_gather_matmul(x, w, "x", gather=gather, dim=dim, **kw)
+    of `prim` over a ring of `n` on the axis "x", as functions of n and the sizes: an
+    all-gather's x is (n * rows, k) split by rows, its travelling w split along the
+    gather axis (x travels: w whole); a reduce-scatter contracts over n * k, split."""
+    p = prims.of(prim)
+    split = P("x") if p.gather_axis == 0 else P(None, "x")
+    if p.gathers:
+        def gather(x, w, **kw):
+            return all_gather_matmul(x, w, "x", gather=p.side, dim=p.gather_axis, **kw)
 
-    def rs(dim):
-        return lambda x, w, **kw: matmul_reduce_scatter(x, w, "x", dim=dim, **kw)
+        wspec = P() if p.traveller == "x" else split
+        ospec = P("x")  # by rows: x's rows are split everywhere
+        return lambda n, r, k, c: (gather, (n * r, k), (k, c), P("x"), wspec, ospec)
 
-    return {
-        prims.AG_ROWS: lambda n, r, k, c: (ag("lhs", 0), (n * r, k), (k, c), P("x"), P(),
-                                           P("x")),
-        prims.AG_COLS: lambda n, r, k, c: (ag("rhs", 1), (n * r, k), (k, c), P("x"),
-                                           P(None, "x"), P("x")),
-        prims.AG_CONTRACT: lambda n, r, k, c: (ag("rhs", 0), (n * r, k), (k, c), P("x"),
-                                               P("x"), P("x")),
-        prims.RS_ROWS: lambda n, r, k, c: (rs(0), (r, n * k), (n * k, c), P(None, "x"),
-                                           P("x"), P("x")),
-        prims.RS_COLS: lambda n, r, k, c: (rs(1), (r, n * k), (n * k, c), P(None, "x"),
-                                           P("x"), P(None, "x")),
-    }[prim]
+    def scatter(x, w, **kw):
+        return matmul_reduce_scatter(x, w, "x", dim=p.gather_axis, **kw)
+
+    return lambda n, r, k, c: (scatter, (r, n * k), (n * k, c), P(None, "x"), P("x"), split)
 
 
 def op_program(mesh, prim, backend="ring", *, bidirectional=None, backward=True,
@@ -143,7 +141,7 @@ def comm_program(mesh, prims_, comm_dtype, backend="ring", *, bidirectional=True
     def body(*xw):
         outs = []
         for prim, (call, *_), x, w in zip(prims_, ops, xw[0::2], xw[1::2]):
-            kw = {} if prim in prims.GATHERS else dict(reduce_dtype=dtype)
+            kw = {} if prims.of(prim).gathers else dict(reduce_dtype=dtype)
             outs.append(call(x, w, backend=backend, bidirectional=bidirectional,
                              comm_dtype=comm_dtype, **kw))
         return outs

@@ -16,6 +16,9 @@ once and, with `keep_gathered`, reuses it.
 An ag_rows that `auto` runs product first (a w JAX proves replicated: `_product_first`)
 has that module's backward: the cotangent reduce-scattered, both gradients local.
 
+Which dual runs, on which operands, is data: each primitive's `backward` and
+`backward_keep` (`_primitives.Grad`); `_grads` computes them in order.
+
 Quantized communication (`comm_dtype`) is straight-through: the backward differentiates
 the lax expression on the operand the forward multiplied (the dequantized one, which is
 the residual `keep_gathered` keeps), with no gradient through rounding or clipping. The
@@ -81,10 +84,11 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None):
     The forward's dispatch checked only the forward primitive's shapes; a dual step can
     have other ones (its contraction is the forward's output width, say), which a kernel
     backend may not tile: that is an error here, before any kernel is traced.
-    `beside`: the operands of the backward's other gradient matmul, which needs nothing
-    this one computes (under "auto" the reference's collective can hide behind it).
+    `beside`: the operands (shapes) of the backward's other gradient matmul, which needs
+    nothing this one computes (under "auto" the reference's collective can hide behind
+    it).
     """
-    op = prims.ALL_GATHER_MATMUL if fwd_prim in prims.GATHERS else prims.MATMUL_REDUCE_SCATTER
+    op = prims.of(fwd_prim).op
     call = cfg.call(op, prim, x, w, gathered=return_gathered)
     cfg = dataclasses.replace(cfg, product_first=False)  # the forward's, not this run's
     if cfg.auto:  # this primitive's own pick (the ring shape stays the forward's)
@@ -116,47 +120,63 @@ def _is_quantized(w) -> bool:
     return isinstance(w, _quantize.Quantized)
 
 
+def _operand(env, name):
+    """`env`'s operand `name`, transposed for a `.T` suffix (`_primitives.Grad`)."""
+    base, _, t = name.partition(".")
+    return env[base].T if t else env[base]
+
+
+def _shape(env, name):
+    """The shape `_operand(env, name)` has, without transposing anything."""
+    shape = tuple(env[name.partition(".")[0]].shape)
+    return shape[::-1] if name.endswith(".T") else shape
+
+
+def _grads(prim, c, env, grads, dtypes):
+    """Compute `grads` (`_primitives.Grad`, in order) from the operands in `env`.
+
+    A dual run whose sibling gradient is a local matmul on operands it does not produce
+    is told their shapes (`beside`): that matmul can hide its collective.
+    """
+    out = {}
+    for g in grads:
+        lhs, rhs = _operand(env, g.lhs), _operand(env, g.rhs)
+        if g.prim is None:
+            r = _local(c, lhs, rhs, dtypes[g.of])
+        else:
+            other = next((o for o in grads if o is not g), None)
+            beside = None
+            if other is not None and other.prim is None and not g.keeps:
+                beside = tuple(jax.ShapeDtypeStruct(_shape(env, n), env["dy"].dtype)
+                               for n in (other.lhs, other.rhs))
+            r = _run_dual(prim, g.prim, c, lhs, rhs, return_gathered=g.keeps, beside=beside)
+            if g.keeps:
+                r, env["g"] = r
+        out[g.of] = r.T if g.transposed else r
+    return out
+
+
 def _bwd(prim, cfg, res, dy):
     x, w, gathered = res
-    if _is_quantized(w):  # a stored quantized weight: x's gradient only
-        dx = _local(dataclasses.replace(cfg, out_dtype=x.dtype), dy.astype(x.dtype),
-                    gathered.T, x.dtype)
-        return cotangent_like(dx, x), None
+    p = prims.of(prim)
+    dtypes = {"x": x.dtype, "w": w.dtype}
+    if _is_quantized(w):  # a stored quantized weight: x's gradient only (a local matmul)
+        c = dataclasses.replace(cfg, out_dtype=x.dtype)
+        env = dict(x=x, w=w, dy=dy.astype(x.dtype), g=gathered)
+        grads = tuple(g for g in p.backward_keep if g.of == "x")
+        return cotangent_like(_grads(prim, c, env, grads, dtypes)["x"], x), None
     # Gradients are computed in the inputs' dtype, accumulating in f32 as the forward does.
     dy = dy.astype(x.dtype)
     # The dual runs send in the backward's comm dtype (and have no backward of their own).
     c = dataclasses.replace(cfg, out_dtype=x.dtype, comm_dtype=cfg.grad_comm_dtype,
                             grad_comm_dtype=None)
-    keep = cfg.keep_gathered
-    dual = functools.partial(_run_dual, prim)
-    # With `keep`, an all-gather's backward is a reduce-scatter and a local matmul that
-    # needs nothing the reduce-scatter computes (`beside`).
-    if cfg.product_first:  # y = AG_rows(x @ w), w invariant
+    if cfg.product_first:  # y = AG_rows(x @ w), w invariant: both gradients local
         dx, dw = _product_first.backward(c, x, w, dy)
-    elif prim == prims.AG_ROWS:  # y = AG_rows(x) @ w
-        dx = dual(prims.RS_ROWS, c, dy, w.T, beside=(gathered.T, dy) if keep else None)
-        dw = _local(c, gathered.T, dy, w.dtype) if keep else dual(prims.AG_CONTRACT, c, dy.T, x).T
-    elif prim == prims.AG_COLS:  # y = x @ AG_cols(w)
-        dx = _local(c, dy, gathered.T, x.dtype) if keep else dual(prims.AG_CONTRACT, c, dy, w.T)
-        dw = dual(prims.RS_COLS, c, x.T, dy, beside=(dy, gathered.T) if keep else None)
-    elif prim == prims.AG_CONTRACT:  # y = x @ AG_rows(w)
-        dx = _local(c, dy, gathered.T, x.dtype) if keep else dual(prims.AG_COLS, c, dy, w.T)
-        dw = dual(prims.RS_ROWS, c, x.T, dy, beside=(dy, gathered.T) if keep else None)
-    elif prim == prims.RS_ROWS:  # y = RS_rows(x @ w): dy gathers along rows
-        if keep:
-            dx, dyg = dual(prims.AG_ROWS, c, dy, w.T, return_gathered=True)
-            dw = _local(c, x.T, dyg, w.dtype)
-        else:
-            dx = dual(prims.AG_ROWS, c, dy, w.T)
-            dw = dual(prims.AG_CONTRACT, c, x.T, dy)
-    else:  # RS_COLS, y = RS_cols(x @ w): dy gathers along columns
-        if keep:
-            dw, dyg = dual(prims.AG_COLS, c, x.T, dy, return_gathered=True)
-            dx = _local(c, dyg, w.T, x.dtype)
-        else:
-            dw = dual(prims.AG_COLS, c, x.T, dy)
-            dx = dual(prims.AG_CONTRACT, c, w, dy.T).T
-    return cotangent_like(dx.astype(x.dtype), x), cotangent_like(dw.astype(w.dtype), w)
+        return cotangent_like(dx.astype(x.dtype), x), cotangent_like(dw.astype(w.dtype), w)
+    grads = p.backward_keep if cfg.keep_gathered else p.backward
+    d = _grads(prim, c, dict(x=x, w=w, dy=dy, g=gathered), grads, dtypes)
+    return (cotangent_like(d["x"].astype(x.dtype), x),
+            cotangent_like(d["w"].astype(w.dtype), w))
 
 
 apply.defvjp(_fwd, _bwd)

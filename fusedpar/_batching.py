@@ -51,8 +51,8 @@ def vmappable(run):
 
     @functools.wraps(run)
     def wrapped(prim, cfg, x, w, return_gathered=False):
-        gathers = return_gathered and prim in P.GATHERS
-        travels_x = gathers and P.TRAVELLER[prim] == "x"
+        gathers = return_gathered and P.of(prim).gathers
+        travels_x = gathers and P.of(prim).traveller == "x"
 
         @custom_vmap
         def call(x, w):

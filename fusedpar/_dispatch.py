@@ -236,12 +236,13 @@ def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
         if first:
             name, reason = REFERENCE, first
         reason = "auto: " + reason + (f"; {why}" if why and name != REFERENCE else "")
-    else:
+    else:  # ("auto" picks only the reference or a backend whose `unavailable` it asked)
         check_backend_name(call.op, requested)
         name, reason = requested, "requested explicitly"
-    why_not = _backends.get(name).unavailable(call)
-    if why_not is not None:
-        raise NotImplementedError(f"{call.op}: backend {name!r} cannot run this call: {why_not}")
+        why_not = _backends.get(name).unavailable(call)
+        if why_not is not None:
+            raise NotImplementedError(
+                f"{call.op}: backend {name!r} cannot run this call: {why_not}")
     bidirectional, unroll = ring_shape(call, unroll)
     describe = _backends.get(name).kernels
     choice = Choice(name, reason, bidirectional, unroll, call.target,

@@ -2,19 +2,16 @@
 
 `fsdp_matmul` overlaps the gather with the matmul (`all_gather_matmul(gather="rhs")`,
 the ops and their backends). `gather_fsdp` gathers the whole weight first, for the
-sequence-parallel layers whose ring moves the activations: a plain `lax.all_gather`,
-or, with a `comm_dtype` or a stored `QuantizedArray`, values and scales with a
-straight-through gradient (its own `custom_vjp`: the op's backward does not apply here).
+sequence-parallel layers whose ring moves the activations, with the ops layer's
+`_gather` (plain, or quantized with a straight-through gradient); a stored
+`QuantizedArray` is gathered as its values and scales.
 """
 
 from __future__ import annotations
 
 import functools
 
-import jax
-from jax import lax
-
-from . import _quantize
+from . import _gather
 from ._layer_math import matmul_t
 from ._ops import all_gather_matmul
 from ._quantized_array import QuantizedArray
@@ -36,9 +33,9 @@ def gather_fsdp(w, rule: Rule):
     if f is None:
         return w
     d = rule.fsdp_dim
-    gather = functools.partial(lax.all_gather, axis_name=f.axis, axis=d, tiled=True)
     if isinstance(w, QuantizedArray):
         one = w.scales.shape[-1] == 1 and d == 1  # one scale per row: nothing to gather
+        gather = functools.partial(_gather.gather_payload, axis_name=f.axis, dim=d)
         g = QuantizedArray(gather(w.values), w.scales if one else gather(w.scales),
                            axis=w.axis, dtype=w.dtype,
                            allow_materialise=w.allow_materialise)
@@ -47,43 +44,14 @@ def gather_fsdp(w, rule: Rule):
         # Training: the master stays home; its gradient is the gathered weight's,
         # reduce-scattered (straight through the quantization).
         full = g.dequantize()
-        return _straight_through_gather(full, w.master.astype(full.dtype), f.axis, d)
-    if f.comm_dtype is None:
-        return gather(w)
-    if f.grad_comm_dtype is not None:
+        return _gather.straight_through(full, w.master.astype(full.dtype), f.axis, d)
+    if f.grad_comm_dtype is not None and f.comm_dtype is not None:
         raise NotImplementedError(
             f"FSDP(grad_comm_dtype={f.grad_comm_dtype}): a sequence-parallel layer gathers "
             "its FSDP weight with lax.all_gather, whose gradient is a psum_scatter in the "
             "weight's dtype; grad_comm_dtype applies where the gather is an "
             "all_gather_matmul (the non-sequence-parallel layers).")
-    return _gather_quantized(w, f.axis, d, f.comm_dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _straight_through_gather(full, own, axis, dim):
-    """`full` (a gathered weight, dequantized), differentiated as the gather of `own`
-    (this device's shard, or the master a stored QuantizedArray carries): the gradient
-    is reduce-scattered to it, straight through the quantization."""
-    return full
-
-
-def _straight_through_gather_fwd(full, own, axis, dim):
-    return full, None
-
-
-def _straight_through_gather_bwd(axis, dim, _, g):
-    return None, lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
-
-
-_straight_through_gather.defvjp(_straight_through_gather_fwd, _straight_through_gather_bwd)
-
-
-def _gather_quantized(w, axis, dim, dtype):
-    """The FSDP gather of `w` sent in `dtype`: each shard quantized with one scale per
-    row (of the shard: a gathered row has one scale per shard where FSDP splits `in`)."""
-    q = _quantize.quantize(w, dtype, axis=1)
-    g = jax.tree.map(lambda a: lax.all_gather(a, axis, axis=dim, tiled=True), q)
-    return _straight_through_gather(_quantize.dequantize(g, w.dtype), w, axis, dim)
+    return _gather.gather(w, f.axis, d, f.comm_dtype)
 
 
 def fsdp_matmul(x, w, rule: Rule, backend, out_dtype=None):

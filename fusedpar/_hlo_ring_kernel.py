@@ -31,8 +31,7 @@ import re
 from typing import Optional
 
 from . import _hlo
-from ._primitives import (AG_COLS, AG_CONTRACT, AG_ROWS, PRIMITIVES, RS_COLS, RS_ROWS,
-                          SCOPE)
+from ._primitives import PRIMITIVES, SCOPE
 _ESTIMATE = {name: re.compile(rf'"{name}":\s*"?(\d+)')
              for name in ("flops", "bytes_accessed", "remote_bytes_transferred")}
 
@@ -103,8 +102,11 @@ def ring_size(prim: str, x: tuple, w: tuple, out: tuple) -> Optional[int]:
     a gather's result is `N` times its travelling block, a reduce-scatter's `1 / N` of
     the product."""
     (mx, kx), (kw, nw), (mo, no) = x, w, out
-    whole, part = {AG_ROWS: (mo, mx), AG_COLS: (no, nw), AG_CONTRACT: (kx, kw),
-                   RS_ROWS: (mx, mo), RS_COLS: (nw, no)}[prim]
+    p = PRIMITIVES[prim]
+    # The extent of the dimension the ring cuts, (whole, one device's part).
+    whole, part = {"m": (mo, mx), "n": (no, nw), "k": (kx, kw)}[p.ring_dim]
+    if not p.gathers:
+        whole, part = part, whole
     if part <= 0 or whole % part:
         return None
     return whole // part

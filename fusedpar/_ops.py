@@ -70,9 +70,8 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
                          f"{MATMUL_REDUCE_SCATTER!r}, got {op!r}.")
     _validate.ring_size("explain", axis_size)
     where = _explain_target(target, platform)
-    _validate.flag("explain", "unroll", unroll)
-    comm_dtype = _quantize.comm_dtype("explain", "comm_dtype", comm_dtype)
-    _, call = _validate.op_call(op, x, w, axis_size, gather, dim, bidirectional, comm_dtype)
+    _, call, _ = _validate.op_call(op, x, w, axis_size, gather, dim, bidirectional,
+                                   comm_dtype, unroll=unroll, where="explain")
     _validate.flag("explain", "w_invariant", w_invariant)
     call = dataclasses.replace(call, automatic_axes=_target.automatic_axes(),
                                w_invariant=bool(w_invariant))
@@ -127,80 +126,36 @@ def _pairs(options) -> tuple:
     return tuple(sorted((options or {}).items()))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Settings:
-    """The keyword arguments both ops share (see `all_gather_matmul`)."""
-
-    backend: str
-    bidirectional: Optional[bool]
-    unroll: Optional[bool]
-    keep_gathered: bool
-    preferred_element_type: object
-    reduce_dtype: object
-    precision: object
-    options: Optional[dict]
-    comm_dtype: object = None
-    grad_comm_dtype: object = None
-
-
-def _prequantized(op, x, w, gather, comm_dtype):
-    """`(w's stand-in for validation, comm_dtype)` for a `w` already quantized.
-
-    A `_quantize.Quantized` w (a stored quantized weight, `fusedpar.QuantizedArray`)
-    travels as it is: it must be the gathered operand, `(k, n)` int8/fp8 values with one
-    float32 scale per column (scales `(1, n)`), and stands for an array of x's dtype.
-    """
-    if op != ALL_GATHER_MATMUL or gather != "rhs":
-        raise ValueError(f"{op}: a pre-quantized w (values and scales) can only be the "
-                         "operand that travels, all_gather_matmul(gather='rhs'); got "
-                         f"{op}" + (f"(gather={gather!r})." if op == ALL_GATHER_MATMUL
-                                    else "."))
-    values, scales = w
-    dtype = _quantize.comm_dtype(op, "w.values.dtype", values.dtype)
-    if getattr(values, "ndim", None) != 2 or tuple(scales.shape) != (1, values.shape[1]) \
-            or scales.dtype != np.float32:
-        raise ValueError(f"{op}: a pre-quantized w needs values (k, n) and float32 scales "
-                         f"(1, n), one per column; got values {tuple(values.shape)} and "
-                         f"scales {tuple(scales.shape)} {scales.dtype}.")
-    if comm_dtype is not None and comm_dtype != dtype:
-        raise ValueError(f"{op}: w is already quantized to {dtype.name}; comm_dtype must be "
-                         f"None or that dtype, got {comm_dtype.name}.")
-    return jax.ShapeDtypeStruct(values.shape, x.dtype), dtype
-
-
-def _run(op, x, w, axis_name, gather, dim, s: _Settings):
+def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, keep_gathered,
+         preferred_element_type, reduce_dtype, precision, options, comm_dtype,
+         grad_comm_dtype):
+    """Validate the call (once: `_validate.op_call`), choose its backend, run it."""
     n = _validate.axis_size(op, axis_name)
-    comm_dtype = _quantize.comm_dtype(op, "comm_dtype", s.comm_dtype)
-    grad_comm_dtype = _quantize.comm_dtype(op, "grad_comm_dtype", s.grad_comm_dtype)
-    w_like = w
-    if isinstance(w, _quantize.Quantized):
-        w_like, comm_dtype = _prequantized(op, x, w, gather, comm_dtype)
-    dim, call = _validate.op_call(op, x, w_like, n, gather, dim, s.bidirectional, comm_dtype,
-                                  grad_comm_dtype)
-    _validate.flag(op, "unroll", s.unroll)
-    if not isinstance(s.keep_gathered, bool):
-        raise TypeError(f"{op}: keep_gathered must be True or False, got {s.keep_gathered!r}.")
-    out_dtype = _validate.float_dtype(op, "preferred_element_type", s.preferred_element_type)
-    reduce_dtype = _validate.float_dtype(op, "reduce_dtype", s.reduce_dtype)
+    dim, call, grad_comm_dtype = _validate.op_call(op, x, w, n, gather, dim, bidirectional,
+                                                   comm_dtype, grad_comm_dtype, unroll)
+    if not isinstance(keep_gathered, bool):
+        raise TypeError(f"{op}: keep_gathered must be True or False, got {keep_gathered!r}.")
+    out_dtype = _validate.float_dtype(op, "preferred_element_type", preferred_element_type)
+    reduce_dtype = _validate.float_dtype(op, "reduce_dtype", reduce_dtype)
     target = _target.current(x, *jax.tree.leaves(w))
     automatic = _target.automatic_axes()
     # Multiplying first needs w typed invariant (never guessed), and gradients that
     # travel in x's own dtype (`_product_first` has no quantized backward).
-    invariant = (grad_comm_dtype is None and w_like is w and _vma.invariant(w, axis_name))
+    invariant = (grad_comm_dtype is None and not isinstance(w, _quantize.Quantized)
+                 and _vma.invariant(w, axis_name))
     call = dataclasses.replace(call, automatic_axes=automatic, w_invariant=invariant,
                                reduce_dtype=None if reduce_dtype is None else reduce_dtype.name)
-    choice = _choose(call, s.backend, s.unroll, s.precision, s.options, target)
-    _interpret.check_threads(op, choice.backend, s.options, target)  # before a hang
+    choice = _choose(call, backend, unroll, precision, options, target)
+    _interpret.check_threads(op, choice.backend, options, target)  # before a hang
     cfg = Config(
         backend=choice.backend, axis_name=axis_name, axis_size=n,
         bidirectional=choice.bidirectional, unroll=choice.unroll,
         out_dtype=np.dtype(x.dtype if out_dtype is None else out_dtype),
         reduce_dtype=np.dtype(_definition.accumulation_dtype(x.dtype)
                               if reduce_dtype is None else reduce_dtype),
-        precision=s.precision, keep_gathered=s.keep_gathered, options=_pairs(s.options),
-        target=target, comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype,
-        auto=s.backend == AUTO, automatic_axes=automatic,
-        product_first=choice.product_first)
+        precision=precision, keep_gathered=keep_gathered, options=_pairs(options),
+        target=target, comm_dtype=call.comm_dtype, grad_comm_dtype=grad_comm_dtype,
+        auto=backend == AUTO, automatic_axes=automatic, product_first=choice.product_first)
     c = prims.canonicalize(op, gather, dim, x, w, n)
     return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
 
@@ -251,9 +206,11 @@ def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, backend=AUTO,
 
     **Returns:** the product, with `x`'s dim `dim` (lhs) or `w`'s (rhs) `N` times larger.
     """
-    return _run(ALL_GATHER_MATMUL, x, w, axis_name, gather, dim, _Settings(
-        backend, bidirectional, unroll, keep_gathered, preferred_element_type, reduce_dtype,
-        precision, options, comm_dtype, grad_comm_dtype))
+    return _run(ALL_GATHER_MATMUL, x, w, axis_name, gather, dim, backend=backend,
+                bidirectional=bidirectional, unroll=unroll, keep_gathered=keep_gathered,
+                preferred_element_type=preferred_element_type, reduce_dtype=reduce_dtype,
+                precision=precision, options=options, comm_dtype=comm_dtype,
+                grad_comm_dtype=grad_comm_dtype)
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, dim=0, backend=AUTO,
@@ -277,6 +234,8 @@ def matmul_reduce_scatter(x, w, axis_name, *, dim=0, backend=AUTO,
     `all_gather_matmul`; `keep_gathered` here makes the backward gather the cotangent
     once and reuse it for both gradients.
     """
-    return _run(MATMUL_REDUCE_SCATTER, x, w, axis_name, "lhs", dim, _Settings(
-        backend, bidirectional, unroll, keep_gathered, preferred_element_type, reduce_dtype,
-        precision, options, comm_dtype, grad_comm_dtype))
+    return _run(MATMUL_REDUCE_SCATTER, x, w, axis_name, "lhs", dim, backend=backend,
+                bidirectional=bidirectional, unroll=unroll, keep_gathered=keep_gathered,
+                preferred_element_type=preferred_element_type, reduce_dtype=reduce_dtype,
+                precision=precision, options=options, comm_dtype=comm_dtype,
+                grad_comm_dtype=grad_comm_dtype)

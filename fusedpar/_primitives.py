@@ -11,9 +11,10 @@ per device inside `shard_map` over a ring of `N` devices:
 | `rs_rows`     | x (M, K), w (K, n)              | (M/N, n)        | the f32 accumulator      |
 | `rs_cols`     | x (M, K), w (K, n)              | (M, n/N)        | the f32 accumulator      |
 
-`ag_*` can also return the gathered travelling operand (for the backward pass).
-`GATHER_AXIS` says along which axis of the travelling operand, or of the output for
-`rs_*`, the blocks lie; a bidirectional ring splits each block in halves along it.
+`ag_*` can also return the gathered travelling operand (for the backward pass). Each
+primitive is a `Primitive` record in `PRIMITIVES` (its travelling operand, the axes of
+its ring blocks and of its quantization scales, its shapes, its backward's duals): code
+that treats primitives differently reads the record rather than testing names.
 """
 
 from __future__ import annotations
@@ -33,31 +34,185 @@ OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER)
 
 AG_ROWS, AG_COLS, AG_CONTRACT, RS_ROWS, RS_COLS = (
     "ag_rows", "ag_cols", "ag_contract", "rs_rows", "rs_cols")
-PRIMITIVES = (AG_ROWS, AG_COLS, AG_CONTRACT, RS_ROWS, RS_COLS)
-GATHERS = (AG_ROWS, AG_COLS, AG_CONTRACT)
 
 # The name scope every run of a primitive is traced in (`_autodiff.scope`), which compiled
 # programs keep in each instruction's `op_name`: the primitive, the backend and, for a
 # ring, its shape (`fusedpar.aot` and the replay read them back).
 SCOPE = re.compile(r"fusedpar\.(\w+)\.(\w+)(?:\.(bi|uni)directional)?")
 
-# Which operand travels for an all-gather primitive ("x" or "w"), and the axis of that
-# operand (all-gathers) or of the output (reduce-scatters) that is cut into ring blocks.
-TRAVELLER = {AG_ROWS: "x", AG_COLS: "w", AG_CONTRACT: "w"}
-GATHER_AXIS = {AG_ROWS: 0, AG_COLS: 1, AG_CONTRACT: 0, RS_ROWS: 0, RS_COLS: 1}
 
+@dataclasses.dataclass(frozen=True)
+class Grad:
+    """How one gradient of a primitive's backward pass is computed, on local operands.
 
-def primitive_of(op: str, gather: str, dim: int, x_ndim: int) -> str:
-    """The primitive a public op call becomes (`dim` already normalised, non-negative)."""
-    if op == ALL_GATHER_MATMUL:
-        if gather == "rhs":
-            return AG_CONTRACT if dim == 0 else AG_COLS
-        return AG_ROWS
-    return RS_COLS if dim == x_ndim - 1 else RS_ROWS
+    - `of`: the operand whose gradient it is, "x" or "w".
+    - `prim`: the dual primitive run on the ring (same backend, or its own "auto" pick),
+      or None for a local matmul.
+    - `lhs`, `rhs`: its operands, named from `x`, `w`, `dy` (the cotangent) and `g` (the
+      gathered operand: the forward's residual, or the one an earlier `Grad` with
+      `keeps` returned), with a `.T` suffix for the transpose.
+    - `transposed`: the result is transposed (it computed the gradient's transpose).
+    - `keeps`: the dual run also returns its gathered operand, bound to `g` after it.
+    """
+
+    of: str
+    prim: Optional[str]
+    lhs: str
+    rhs: str
+    transposed: bool = False
+    keeps: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
-class Call:
+class Primitive:
+    """One primitive as data: which operand travels, along which axes, and its duals.
+
+    - `name`: its identity (tests, reports and op_name scopes `fusedpar.<name>.<backend>`).
+    - `op`: the public op it implements; `side`: which operand that op gathers ("lhs",
+      "rhs"; "lhs" for reduce-scatters), along its dim `gather_axis`.
+    - `traveller`: the operand that travels for an all-gather ("x" or "w"), None for a
+      reduce-scatter (its f32 accumulator travels).
+    - `gather_axis`: the axis of the travelling operand (all-gathers) or of the output
+      (reduce-scatters) cut into ring blocks; a bidirectional ring halves blocks along it.
+    - `ring_dim`: which dimension of the matmul `(m, k, n)` the ring cuts: "m" rows of x,
+      "k" the contraction, "n" columns of w.
+    - `scale_axis`: the axis one float32 scale covers when the travelling operand (or a
+      reduce-scatter's accumulator segment) is quantized: the travelling operand's
+      contraction axis, so a scale belongs to a row or column of the product.
+    - `backward`, `backward_keep`: the gradients (`Grad`, in the order they are computed)
+      without and with `keep_gathered`.
+    """
+
+    name: str
+    op: str
+    side: str
+    traveller: Optional[str]
+    gather_axis: int
+    ring_dim: str
+    scale_axis: int
+    backward: tuple
+    backward_keep: tuple
+
+    @property
+    def gathers(self) -> bool:
+        return self.op == ALL_GATHER_MATMUL
+
+    @property
+    def sums_steps(self) -> bool:
+        """Each ring step adds its product into one accumulator (ag_contract, and every
+        reduce-scatter), rather than writing a segment of the output."""
+        return self.ring_dim == "k" or not self.gathers
+
+    @property
+    def out_axis(self) -> Optional[int]:
+        """The output axis the ring gathers (N times longer) or scatters (N times
+        shorter); None for ag_contract, whose output is the whole (M, n)."""
+        return {"m": 0, "n": 1, "k": None}[self.ring_dim]
+
+    def out_shape(self, x_shape, w_shape, n: int) -> tuple[int, int]:
+        """Result shape on local operands x (m, K), w (K', cols) over a ring of `n`."""
+        shape = [x_shape[0], w_shape[1]]
+        if self.out_axis is not None:
+            a = self.out_axis
+            shape[a] = shape[a] * n if self.gathers else shape[a] // n
+        return tuple(shape)
+
+    def full_matmul(self, x_shape, w_shape, n: int) -> tuple[int, int, int]:
+        """The reference's single matmul `(m, k, cols)` over the gathered operand (an
+        all-gather) or the whole product (a reduce-scatter)."""
+        m, cols = self.out_shape(x_shape, w_shape, n) if self.gathers else (
+            x_shape[0], w_shape[1])
+        return m, x_shape[1], cols
+
+    def step_matmul(self, x_shape, w_shape, n: int, directions: int = 1):
+        """`(rows, contraction, cols)` of the matmul one ring step does, per direction:
+        all-gathers multiply the piece in hand (a block, or half of one when `directions`
+        is 2); reduce-scatters compute this device's part of one output segment."""
+        dims = [x_shape[0], w_shape[0], w_shape[1]]
+        i = "mkn".index(self.ring_dim)
+        dims[i] = dims[i] // directions if self.gathers else dims[i] // n // directions
+        return tuple(dims)
+
+    def block_length(self, x_shape, w_shape, n: int) -> int:
+        """Length, along `gather_axis`, of one ring block (what a bidirectional ring
+        halves)."""
+        if self.gathers:
+            return (x_shape if self.traveller == "x" else w_shape)[self.gather_axis]
+        return self.out_shape(x_shape, w_shape, n)[self.gather_axis]
+
+    def travelling(self, x, w):
+        """The operand of an all-gather that travels."""
+        return x if self.traveller == "x" else w
+
+
+def _grads(*grads) -> tuple:
+    return tuple(Grad(*g) for g in grads)
+
+
+# The backward of each primitive. An all-gather's gradient of the non-gathered operand is
+# a reduce-scatter and vice versa; with `keep_gathered` the other gradient is a local
+# matmul on the kept gathered operand `g` (for a reduce-scatter: on the cotangent its
+# all-gather returns), without it a second ring.
+_PRIMITIVES = (
+    # y = AG_rows(x) @ w
+    Primitive(AG_ROWS, ALL_GATHER_MATMUL, "lhs", "x", 0, "m", 1,
+              backward=_grads(("x", RS_ROWS, "dy", "w.T"),
+                              ("w", AG_CONTRACT, "dy.T", "x", True)),
+              backward_keep=_grads(("x", RS_ROWS, "dy", "w.T"), ("w", None, "g.T", "dy"))),
+    # y = x @ AG_cols(w)
+    Primitive(AG_COLS, ALL_GATHER_MATMUL, "rhs", "w", 1, "n", 0,
+              backward=_grads(("x", AG_CONTRACT, "dy", "w.T"), ("w", RS_COLS, "x.T", "dy")),
+              backward_keep=_grads(("x", None, "dy", "g.T"), ("w", RS_COLS, "x.T", "dy"))),
+    # y = x @ AG_rows(w)
+    Primitive(AG_CONTRACT, ALL_GATHER_MATMUL, "rhs", "w", 0, "k", 0,
+              backward=_grads(("x", AG_COLS, "dy", "w.T"), ("w", RS_ROWS, "x.T", "dy")),
+              backward_keep=_grads(("x", None, "dy", "g.T"), ("w", RS_ROWS, "x.T", "dy"))),
+    # y = RS_rows(x @ w): dy gathers along rows
+    Primitive(RS_ROWS, MATMUL_REDUCE_SCATTER, "lhs", None, 0, "m", 1,
+              backward=_grads(("x", AG_ROWS, "dy", "w.T"), ("w", AG_CONTRACT, "x.T", "dy")),
+              backward_keep=_grads(("x", AG_ROWS, "dy", "w.T", False, True),
+                                   ("w", None, "x.T", "g"))),
+    # y = RS_cols(x @ w): dy gathers along columns
+    Primitive(RS_COLS, MATMUL_REDUCE_SCATTER, "lhs", None, 1, "n", 1,
+              backward=_grads(("w", AG_COLS, "x.T", "dy"),
+                              ("x", AG_CONTRACT, "w", "dy.T", True)),
+              backward_keep=_grads(("w", AG_COLS, "x.T", "dy", False, True),
+                                   ("x", None, "g", "w.T"))),
+)
+
+# The registry, keyed by name (iterating it gives the names).
+PRIMITIVES = {p.name: p for p in _PRIMITIVES}
+GATHERS = tuple(name for name, p in PRIMITIVES.items() if p.gathers)
+
+
+def of(prim: str) -> Primitive:
+    """The record of primitive `prim` (a name); an error lists the valid ones."""
+    try:
+        return PRIMITIVES[prim]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown primitive {prim!r}; valid: "
+                         f"{', '.join(PRIMITIVES)}.") from None
+
+
+def primitive_of(op: str, gather: str, dim: int, x_ndim: int) -> str:
+    """The primitive a public op call becomes (`dim` already normalised, non-negative):
+    the one with its op, side and gather axis on the 2-D operands, where x's dimensions
+    besides the last fold into rows (axis 0) and its last is the columns (axis 1)."""
+    side = gather if op == ALL_GATHER_MATMUL else "lhs"
+    axis = dim if side == "rhs" else int(dim == x_ndim - 1)
+    return next(p.name for p in _PRIMITIVES
+                if (p.op, p.side, p.gather_axis) == (op, side, axis))
+
+
+class _Options:
+    """`option(name)`: a record's backend option (its `options`, a tuple of pairs)."""
+
+    def option(self, name, default=None):
+        return dict(self.options).get(name, default)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call(_Options):
     """One primitive call described statically: what a dispatch decision, a backend's
     `unavailable` check and the cost model look at.
 
@@ -66,9 +221,9 @@ class Call:
     "gpu", "tpu" stands for a target known only by its platform); `bidirectional` is the
     ring shape as requested (None: the default, `_schedule.prefers_bidirectional`);
     `precision` is the matmuls' (some kernels cannot compute every precision); `options`
-    the backend options, as pairs; `comm_dtype` the name of the narrow dtype the
-    travelling operand or accumulator is sent in (`_quantize.COMM_DTYPES`), None for
-    the inputs' own (not every backend can send a quantized payload); `beside` the
+    the backend options, as pairs; `comm_dtype` the narrow numpy dtype the travelling
+    operand or accumulator is sent in (`_quantize.COMM_DTYPES`), None for the inputs'
+    own (not every backend can send a quantized payload); `beside` the
     seconds of other work the program can run while the reference's collective is in
     flight (a backward pass's other gradient matmul, which needs nothing this call
     computes: XLA hides the reference's collective behind it); `automatic_axes` the
@@ -92,7 +247,7 @@ class Call:
     bidirectional: Optional[bool] = None
     precision: Any = None
     options: tuple = ()
-    comm_dtype: Optional[str] = None
+    comm_dtype: Any = None
     beside: float = 0.0
     automatic_axes: tuple = ()
     w_invariant: bool = False
@@ -109,12 +264,13 @@ class Call:
         """The target's platform, "" when unknown."""
         return "" if self.target is None else self.target.platform
 
-    def option(self, name, default=None):
-        return dict(self.options).get(name, default)
+    @property
+    def primitive(self) -> Primitive:
+        return of(self.prim)
 
     @property
     def block_length(self) -> int:
-        return block_length(self.prim, self.x_shape, self.w_shape, self.axis_size)
+        return self.primitive.block_length(self.x_shape, self.w_shape, self.axis_size)
 
     @property
     def runs_bidirectional(self) -> bool:
@@ -125,7 +281,7 @@ class Call:
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(_Options):
     """Static description of one primitive call (hashable: it is a custom_vjp nondiff arg).
 
     - `backend`: the backend name that runs it.
@@ -137,7 +293,8 @@ class Config:
       instead of gathering it again (communication).
     - `options`: backend-specific settings (e.g. kernel tile sizes), a tuple of pairs.
     - `target`: the `_target.Target` the call is built for (from the mesh it runs on).
-    - `comm_dtype`: the narrow dtype (`_quantize.COMM_DTYPES`) the forward's travelling
+    - `comm_dtype`: the narrow numpy dtype (`_quantize.COMM_DTYPES`, converted once where
+      the call's arguments are validated, `_validate.op_call`) the forward's travelling
       operand or accumulator is sent in, None for its own dtype; `grad_comm_dtype`: the
       same for the backward pass.
     - `auto`: the backend was picked by `backend="auto"`; the backward pass then picks
@@ -165,9 +322,6 @@ class Config:
     automatic_axes: tuple = ()
     product_first: bool = False
 
-    def option(self, name, default=None):
-        return dict(self.options).get(name, default)
-
     @property
     def on(self) -> "_target.Target":
         """The target: as configured, else read from the code being traced."""
@@ -176,49 +330,11 @@ class Config:
     def call(self, op: str, prim: str, x, w, gathered=False) -> Call:
         """The `Call` that describes running `prim` with this config on `x` and `w`
         (`gathered`: the run also returns the gathered operand)."""
-        comm = None if self.comm_dtype is None else jnp.dtype(self.comm_dtype).name
         return Call(op, prim, tuple(x.shape), tuple(w.shape), jnp.dtype(x.dtype).name,
                     self.axis_size, self.target, self.bidirectional, self.precision,
-                    self.options, comm, automatic_axes=self.automatic_axes,
+                    self.options, self.comm_dtype, automatic_axes=self.automatic_axes,
                     w_invariant=_vma.invariant(w, self.axis_name), gathered=gathered,
                     reduce_dtype=jnp.dtype(self.reduce_dtype).name)
-
-
-def out_shape(prim: str, x_shape, w_shape, n: int) -> tuple[int, int]:
-    """Result shape of `prim` on local operands of these shapes over a ring of `n`."""
-    (m, _), (_, cols) = x_shape, w_shape
-    return {
-        AG_ROWS: (n * m, cols),
-        AG_COLS: (m, n * cols),
-        AG_CONTRACT: (m, cols),
-        RS_ROWS: (m // n, cols),
-        RS_COLS: (m, cols // n),
-    }[prim]
-
-
-def step_matmul(prim: str, x_shape, w_shape, n: int, directions: int = 1):
-    """`(rows, contraction, cols)` of the matmul one ring step does, per direction.
-
-    All-gathers multiply the piece in hand (a block, or half of one when `directions` is
-    2); reduce-scatters compute this device's part of one output segment.
-    """
-    (m, k), (kw, cols) = x_shape, w_shape
-    d = directions
-    return {
-        AG_ROWS: (m // d, k, cols),
-        AG_COLS: (m, k, cols // d),
-        AG_CONTRACT: (m, kw // d, cols),
-        RS_ROWS: (m // n // d, k, cols),
-        RS_COLS: (m, k, cols // n // d),
-    }[prim]
-
-
-def block_length(prim: str, x_shape, w_shape, n: int) -> int:
-    """Length, along `GATHER_AXIS`, of one ring block (what a bidirectional ring halves)."""
-    if prim in GATHERS:
-        shape = x_shape if TRAVELLER[prim] == "x" else w_shape
-        return shape[GATHER_AXIS[prim]]
-    return out_shape(prim, x_shape, w_shape, n)[GATHER_AXIS[prim]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,19 +359,14 @@ def _rows_first(x, dim):
 
 def canonicalize(op: str, gather: str, dim: int, x, w, n: int) -> Canonical:
     """Reshape a public op call (`dim` already normalised to be non-negative)."""
-    if op == ALL_GATHER_MATMUL and gather == "rhs":
+    prim = primitive_of(op, gather, dim, x.ndim)
+    p = PRIMITIVES[prim]
+    if p.ring_dim != "m":  # the ring cuts w, or the columns: x's rows stay as they are
         lead = x.shape[:-1]
-        prim = AG_CONTRACT if dim == 0 else AG_COLS
         return Canonical(prim, x.reshape(-1, x.shape[-1]), w,
                          lambda y: y.reshape(*lead, y.shape[-1]))
-    last = x.ndim - 1
-    if op == MATMUL_REDUCE_SCATTER and dim == last:
-        lead = x.shape[:-1]
-        return Canonical(RS_COLS, x.reshape(-1, x.shape[-1]), w,
-                         lambda y: y.reshape(*lead, y.shape[-1]))
-    prim = AG_ROWS if op == ALL_GATHER_MATMUL else RS_ROWS
     x2, lead = _rows_first(x, dim)
-    block = lead[0] * n if prim == AG_ROWS else lead[0] // n
+    block = lead[0] * n if p.gathers else lead[0] // n
 
     def restore(y):
         return jnp.moveaxis(y.reshape(block, *lead[1:], y.shape[-1]), 0, dim)

@@ -11,7 +11,7 @@ scale belongs to a row of the product (`ag_rows`: the rows of x) or to one of it
 (`ag_cols`, `ag_contract`: the columns of w) and can be applied to a step's product as
 well as to its operand. Each owner quantizes its local block once; where the contraction
 itself is split over the ring (`ag_contract`), each block brings its own scales
-(`SCALE_AXIS`).
+(`_primitives.Primitive.scale_axis`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import NamedTuple, Optional
 import jax.numpy as jnp
 import numpy as np
 
-from . import _primitives as prims
 
 # The narrow dtypes a ring can carry, by name, and the largest value each represents.
 COMM_DTYPES = {
@@ -29,13 +28,6 @@ COMM_DTYPES = {
     "float8_e4m3fn": np.dtype(jnp.float8_e4m3fn),
 }
 _QMAX = {np.dtype(jnp.int8): 127.0, np.dtype(jnp.float8_e4m3fn): 448.0}
-
-# The axis of a gather primitive's travelling operand that one scale covers: its
-# contraction axis (x (m, K) for ag_rows; w (K, n) for ag_cols and ag_contract). For a
-# reduce-scatter, of the travelling accumulator segment: its columns (one scale a row).
-SCALE_AXIS = {prims.AG_ROWS: 1, prims.AG_COLS: 0, prims.AG_CONTRACT: 0,
-              prims.RS_ROWS: 1, prims.RS_COLS: 1}
-
 
 class Quantized(NamedTuple):
     """`values` (narrow dtype) and float32 `scales` (size 1 along the reduced axis).

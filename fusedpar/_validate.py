@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _primitives as prims
+from . import _primitives as prims, _quantize
 
 
 def operands(op, x, w):
@@ -104,16 +104,51 @@ def comm_dtypes(op, dtype, **comm) -> None:
             f"w are {np.dtype(dtype).name}. Pass {name}=None to send them as they are.")
 
 
-def op_call(op, x, w, n, gather, dim, bidirectional, comm_dtype=None,
-            grad_comm_dtype=None) -> tuple[int, prims.Call]:
-    """Validate one call of a public op on local operands over a ring of `n` devices.
+def _prequantized(op, x, w, gather, comm_dtype):
+    """`(w's stand-in for validation, comm_dtype)` for a `w` already quantized.
 
-    `comm_dtype`, `grad_comm_dtype`: already validated by `_quantize.comm_dtype`.
-    Returns the normalised `dim` and the `Call` (platform left empty) it becomes.
+    A `_quantize.Quantized` w (a stored quantized weight, `fusedpar.QuantizedArray`)
+    travels as it is: it must be the gathered operand, `(k, n)` int8/fp8 values with one
+    float32 scale per column (scales `(1, n)`), and stands for an array of x's dtype.
+    """
+    if op != prims.ALL_GATHER_MATMUL or gather != "rhs":
+        raise ValueError(f"{op}: a pre-quantized w (values and scales) can only be the "
+                         "operand that travels, all_gather_matmul(gather='rhs'); got "
+                         f"{op}" + (f"(gather={gather!r})." if op == prims.ALL_GATHER_MATMUL
+                                    else "."))
+    values, scales = w
+    dtype = _quantize.comm_dtype(op, "w.values.dtype", values.dtype)
+    if getattr(values, "ndim", None) != 2 or tuple(scales.shape) != (1, values.shape[1]) \
+            or scales.dtype != np.float32:
+        raise ValueError(f"{op}: a pre-quantized w needs values (k, n) and float32 scales "
+                         f"(1, n), one per column; got values {tuple(values.shape)} and "
+                         f"scales {tuple(scales.shape)} {scales.dtype}.")
+    if comm_dtype is not None and comm_dtype != dtype:
+        raise ValueError(f"{op}: w is already quantized to {dtype.name}; comm_dtype must be "
+                         f"None or that dtype, got {comm_dtype.name}.")
+    return jax.ShapeDtypeStruct(values.shape, x.dtype), dtype
+
+
+def op_call(op, x, w, n, gather, dim, bidirectional, comm_dtype=None, grad_comm_dtype=None,
+            unroll=None, where=None) -> tuple[int, prims.Call, object]:
+    """Validate one call of a public op on local operands over a ring of `n` devices:
+    the one place its arguments are checked and converted (`explain`, the ops and
+    `cost_model.estimate` all come here).
+
+    `w` may be a pre-quantized `_quantize.Quantized`; `comm_dtype`, `grad_comm_dtype` are
+    as the caller passed them (converted here to numpy dtypes, or None). Returns the
+    normalised `dim`, the `Call` (platform left empty) it becomes, and `grad_comm_dtype`.
+    `where`: what errors about the ring's settings name (default: `op`).
     """
     if op not in prims.OPS:
         raise ValueError(f"op must be {prims.ALL_GATHER_MATMUL!r} or "
                          f"{prims.MATMUL_REDUCE_SCATTER!r}, got {op!r}.")
+    where = where or op
+    flag(where, "unroll", unroll)
+    comm_dtype = _quantize.comm_dtype(where, "comm_dtype", comm_dtype)
+    grad_comm_dtype = _quantize.comm_dtype(where, "grad_comm_dtype", grad_comm_dtype)
+    if isinstance(w, _quantize.Quantized):
+        w, comm_dtype = _prequantized(op, x, w, gather, comm_dtype)
     operands(op, x, w)
     comm_dtypes(op, x.dtype, comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype)
     flag(op, "bidirectional", bidirectional)
@@ -145,12 +180,11 @@ def op_call(op, x, w, n, gather, dim, bidirectional, comm_dtype=None,
                   f"it is scattered over {n} devices")
     prim = prims.primitive_of(op, gather, dim, x.ndim)
     call = prims.Call(op, prim, (math.prod(xs[:-1]), xs[-1]), ws, str(np.dtype(x.dtype)), n,
-                      target=None, bidirectional=bidirectional,
-                      comm_dtype=None if comm_dtype is None else np.dtype(comm_dtype).name)
+                      target=None, bidirectional=bidirectional, comm_dtype=comm_dtype)
     if bidirectional and call.block_length % 2:
-        what = "rows" if prims.GATHER_AXIS[prim] == 0 else "columns"
+        what = "rows" if prims.of(prim).gather_axis == 0 else "columns"
         raise ValueError(
             f"{op}: bidirectional=True splits each ring block in two, but a block has "
             f"{call.block_length} {what} (primitive {prim}, x {xs}, w {ws}, {n} devices); "
             "use bidirectional=False.")
-    return dim, call
+    return dim, call, grad_comm_dtype

@@ -38,7 +38,7 @@ from typing import Mapping, Optional, Union
 
 import numpy as np
 
-from . import _backends, _primitives as prims, _quantize, _registry, _schedule, _validate
+from . import _backends, _primitives as prims, _registry, _schedule, _validate
 from ._cost_hardware import (PRESETS as PRESETS, calibrate as calibrate,
                              get_hardware as get_hardware, set_hardware as set_hardware)
 from ._hardware import Hardware
@@ -96,21 +96,21 @@ def _problem(prim, x_shape, w_shape, n, dtype, reduce_dtype, comm_dtype=None):
     if prim not in prims.PRIMITIVES:
         raise ValueError(f"cost_model: unknown primitive {prim!r}; valid: "
                          f"{', '.join(prims.PRIMITIVES)}.")
-    (mx, kx), (kw, nw) = x_shape, w_shape
-    m, k, cols = prims.step_matmul(prim, x_shape, w_shape, n)
+    p = prims.of(prim)
+    m, k, cols = p.step_matmul(x_shape, w_shape, n)
     b = _itemsize(dtype)
     acc = _itemsize(_acc_dtype(dtype))
     rb = _itemsize(reduce_dtype)
-    # The travelling operand's element bytes, and its float32 scales (one per row of x,
-    # one per column of w) when it is quantized.
-    tb = b if comm_dtype is None else _itemsize(comm_dtype)
-    sx, sw = (0, 0) if comm_dtype is None else (mx * 4, nw * 4)
-    if prim == prims.AG_ROWS:  # x's row block travels; each step writes a row block of out
-        return (m, k, cols, b, 0), mx * kx * tb + sx
-    if prim == prims.AG_COLS:  # w's column block travels; each step writes a column block
-        return (m, k, cols, b, 0), kw * nw * tb + sw
-    if prim == prims.AG_CONTRACT:  # w's row block travels; each step adds into an f32 (M, n)
-        return (m, k, cols, acc, m * cols * acc), kw * nw * tb + sw
+    if p.gathers:
+        # The travelling block, and its float32 scales when it is quantized (one per row
+        # of x, one per column of w: its extent across the scale axis).
+        shape = x_shape if p.traveller == "x" else w_shape
+        tb = b if comm_dtype is None else _itemsize(comm_dtype)
+        scales = 0 if comm_dtype is None else shape[1 - p.scale_axis] * 4
+        block = shape[0] * shape[1] * tb + scales
+        if p.sums_steps:  # ag_contract: each step adds into an f32 (M, n)
+            return (m, k, cols, acc, m * cols * acc), block
+        return (m, k, cols, b, 0), block  # each step writes a segment of the output
     # reduce-scatters: the accumulator of one output segment travels; each step adds into it
     if comm_dtype is not None:  # a scale per row of the segment
         return (m, k, cols, rb, m * cols * rb), m * cols * _itemsize(comm_dtype) + m * 4
@@ -138,14 +138,15 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
                                                        reduce_dtype, comm_dtype)
     # The step's matmul, whole and per direction of a bidirectional ring (at least 1 x 1).
     step = ((m, k, cols),
-            tuple(max(v, 1) for v in prims.step_matmul(prim, x_shape, w_shape, n, 2)))
+            tuple(max(v, 1) for v in prims.of(prim).step_matmul(x_shape, w_shape, n, 2)))
     sent = (n - 1) * block_bytes
     families = _families(backends)
     result = {}
     for name in (name for name, family in families.items() if family == "reference"):
         # One matmul over the whole problem, and one collective before (all-gathers) or
         # after it (reduce-scatters) that uses every link the device has to ring neighbours.
-        whole = _matmul_time(hw, *_full(prim, x_shape, w_shape, n), dtype, out_b)
+        full = prims.of(prim).full_matmul(x_shape, w_shape, n)
+        whole = _matmul_time(hw, *full, dtype, out_b)
         collective = _collective_time(hw, n, sent)
         result[name] = Breakdown(name, whole + collective, whole, collective, 1, sent, sent)
     dirs = 2 if bidirectional and n > 1 else 1
@@ -233,7 +234,7 @@ def _assembly(hw, prim, step, out_b, c, first):
     from the first product; a reduce-scatter step's add is in the step model already.
     The GPU step kernels are given the same (they write in place, but keep the lax
     ring's costs until measured); the fused TPU kernels are modelled whole."""
-    if prim not in (prims.AG_ROWS, prims.AG_COLS):
+    if prims.of(prim).sums_steps:
         return c, first
     m, _, cols = step[0]
     update = 2 * m * cols * out_b / hw.hbm_bandwidth
@@ -249,13 +250,15 @@ def _folded_chunk(prim, x_shape, w_shape, n, dirs, comm_dtype, platform):
     """The matmul `(m, k, n)` of one chunk of a reduce-scatter step the lax ring folds its
     adds into (`ring._folded_reduce_scatter`: half a direction's segment), or None where
     it does not (an all-gather, a ring of one, an odd segment, a `comm_dtype`)."""
-    if prim in prims.GATHERS or n < 2 or comm_dtype is not None:
+    p = prims.of(prim)
+    if p.gathers or n < 2 or comm_dtype is not None:
         return None
-    m, k, cols = prims.step_matmul(prim, x_shape, w_shape, n, dirs)
-    length = m if prim == prims.RS_ROWS else cols
-    if length % 2 or not _schedule.folds(length // 2, platform):
+    chunk = list(p.step_matmul(x_shape, w_shape, n, dirs))
+    i = "mkn".index(p.ring_dim)  # the segment's rows (rs_rows) or columns (rs_cols)
+    if chunk[i] % 2 or not _schedule.folds(chunk[i] // 2, platform):
         return None
-    return (m // 2, k, cols) if prim == prims.RS_ROWS else (m, k, cols // 2)
+    chunk[i] //= 2
+    return tuple(chunk)
 
 
 def _step_time(hw, prim, step, dtype, out_b, extra, dirs):
@@ -265,18 +268,8 @@ def _step_time(hw, prim, step, dtype, out_b, extra, dirs):
         return _matmul_time(hw, *whole, dtype, out_b, extra)
     # Each direction's piece is half the block; an ag_contract step still adds into the
     # whole (M, n) accumulator per direction.
-    half_extra = extra if prim == prims.AG_CONTRACT else extra // 2
+    half_extra = extra if prims.of(prim).ring_dim == "k" else extra // 2
     return 2 * _matmul_time(hw, *half, dtype, out_b, half_extra)
-
-
-def _full(prim, x_shape, w_shape, n):
-    """The reference's single matmul (m, k, n) over the gathered operand / whole product."""
-    (mx, kx), (_, nw) = x_shape, w_shape
-    if prim == prims.AG_ROWS:
-        return n * mx, kx, nw
-    if prim == prims.AG_COLS:
-        return mx, kx, n * nw
-    return mx, kx, nw
 
 
 def estimate_call(call, hardware=None, reduce_dtype=None) -> dict[str, Breakdown]:
@@ -301,9 +294,8 @@ def _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, co
 
     x = jax.ShapeDtypeStruct(tuple(x_shape), np.dtype(dtype))
     w = jax.ShapeDtypeStruct(tuple(w_shape), np.dtype(dtype))
-    comm_dtype = _quantize.comm_dtype(f"cost_model: {op}", "comm_dtype", comm_dtype)
     return _validate.op_call(op, x, w, int(ring_size), gather, dim, bidirectional,
-                             comm_dtype)[1]
+                             comm_dtype, where=f"cost_model: {op}")[1]
 
 
 def estimate(op: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",

@@ -41,9 +41,9 @@ pytestmark = pytest.mark.timeout(300)
 
 def _toy_run(prim, cfg, x, w, return_gathered=False):
     """all_gather then dot, or dot then psum_scatter, on the 2-D primitive's operands."""
-    axis = prims.GATHER_AXIS[prim]
+    axis = prims.of(prim).gather_axis
     if prim in prims.GATHERS:
-        if prims.TRAVELLER[prim] == "x":
+        if prims.of(prim).traveller == "x":
             gathered = lax.all_gather(x, cfg.axis_name, axis=axis, tiled=True)
             out = jnp.dot(gathered, w, preferred_element_type=jnp.float32)
         else:

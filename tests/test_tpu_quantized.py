@@ -1,7 +1,7 @@
 """The fused TPU all-gather kernels with a quantized payload (`comm_dtype`), interpreted.
 
 The oracle is "quantize, then the lax expression on the dequantized operand": the
-travelling operand is quantized on its owner (`_quantize.quantize` along `SCALE_AXIS`),
+travelling operand is quantized on its owner (`_quantize.quantize` along `scale_axis`),
 dequantized to the inputs' dtype, gathered with `lax.all_gather` and multiplied. The
 kernel sends the 8-bit values and the float32 scales by two remote DMAs per transfer,
 widens each piece in VMEM and scales the step's product, so it differs from the oracle
@@ -45,7 +45,7 @@ def _shapes(prim, n, r=R, k=K, c=C):
 def _oracle(prim, comm_dtype, x, w):
     """(product, gathered operand): quantize the travelling operand, dequantize it to the
     inputs' dtype, then the lax expression."""
-    axis = _quantize.SCALE_AXIS[prim]
+    axis = Prim.of(prim).scale_axis
     if prim == Prim.AG_ROWS:
         g = lax.all_gather(_quantize.fake_quantize(x, comm_dtype, axis), "x", tiled=True)
         y = jnp.dot(g, w, preferred_element_type=jnp.float32)
@@ -169,7 +169,7 @@ def test_public_op_values_and_gradients():
                                 options={"interpret_params": params}, **kw)
 
     def oracle(kw, comm, prim):
-        axis = _quantize.SCALE_AXIS[prim]
+        axis = Prim.of(prim).scale_axis
 
         def f(x, w):
             if prim == "ag_rows":

@@ -227,7 +227,7 @@ def ring_reduce_scatter(cfg, accumulate, out_len, axis, fold_adds=False):
         if cfg.comm_dtype is None:
             return _send(cfg, ring, accs)
         # Requantized at every hop: each sender scales its running sum afresh.
-        scale_axis = _quantize.SCALE_AXIS[prims.RS_ROWS]  # == RS_COLS's: along a row
+        scale_axis = prims.of(prims.RS_ROWS).scale_axis  # == RS_COLS's: along a row
         sent = _send(cfg, ring, tuple(_quantize.quantize(a, cfg.comm_dtype, scale_axis)
                                       for a in accs))
         return tuple(_quantize.dequantize(q, cfg.reduce_dtype) for q in sent)
@@ -333,8 +333,9 @@ def gather_out(prim, cfg, x, w, first_product_starts_sum=False):
     of the whole output per op: on 8 x H100 a sequence-parallel MLP's step spent 50 us
     on three); zeros for the `ag_contract` sum (in f32), or None where the step's
     function starts the sum with step 0's product (`first_product_starts_sum`)."""
-    shape = prims.out_shape(prim, x.shape, w.shape, cfg.axis_size)
-    if prim != prims.AG_CONTRACT:
+    p = prims.of(prim)
+    shape = p.out_shape(x.shape, w.shape, cfg.axis_size)
+    if not p.sums_steps:
         return lax.empty(shape, cfg.out_dtype)
     if first_product_starts_sum:
         return None
@@ -346,16 +347,17 @@ def run_steps(steps: Steps, prim, cfg, x, w, return_gathered=False):
     """Run primitive `prim` (`_primitives.py`: local x (m, k), w (k, n)) on the ring with
     a backend's step provider `steps`; with `return_gathered`, an all-gather also returns
     the gathered operand (in x's dtype)."""
-    axis = prims.GATHER_AXIS[prim]
-    if prim not in prims.GATHERS:
-        out_len = prims.out_shape(prim, x.shape, w.shape, cfg.axis_size)[axis]
+    p = prims.of(prim)
+    axis = p.gather_axis
+    if not p.gathers:
+        out_len = p.out_shape(x.shape, w.shape, cfg.axis_size)[axis]
         return ring_reduce_scatter(cfg, steps.scatter(prim, cfg, x, w), out_len, axis,
                                    steps.fold_adds)
-    own = x if prims.TRAVELLER[prim] == "x" else w
+    own = p.travelling(x, w)
     step = steps.gather(prim, cfg, x, w)
     travelling = own
     if cfg.comm_dtype is not None:  # quantized once, here on its owner (or stored so)
-        travelling = _quantize.quantized(own, cfg.comm_dtype, _quantize.SCALE_AXIS[prim])
+        travelling = _quantize.quantized(own, cfg.comm_dtype, p.scale_axis)
 
     def step_fn(carry, pieces, segs):
         out, gathered = carry

@@ -134,8 +134,9 @@ def unavailable(call):
     if call.option("interpret") and call.platform != "cpu":
         return (f"options['interpret']=True runs the kernels in Pallas interpret mode on CPU "
                 f"devices, but {call.target.devices_are()}")
-    rows, k, cols = prims.step_matmul(call.prim, call.x_shape, call.w_shape,
-                                      call.axis_size, 2 if call.runs_bidirectional else 1)
+    directions = 2 if call.runs_bidirectional else 1
+    rows, k, cols = call.primitive.step_matmul(call.x_shape, call.w_shape, call.axis_size,
+                                               directions)
     gpu = _kernels()
     try:
         family = _family(call, call.target)
@@ -202,15 +203,16 @@ def gather_step(prim, cfg, x, w):
     """One all-gather step: every direction's piece in one kernel launch."""
     kernels, kw = _step_kernels(cfg)
     Term = _kernels().Term
+    p = prims.of(prim)
 
     def step(out, pieces, segs):
-        if prim == prims.AG_CONTRACT:  # x's columns matching each row block of w in hand
+        if p.sums_steps:  # ag_contract: x's columns matching each row block of w in hand
             k = pieces[0].shape[0]
-            terms = [Term(x, p, k, a_col=s * k) for p, s in zip(pieces, segs)]
+            terms = [Term(x, piece, k, a_col=s * k) for piece, s in zip(pieces, segs)]
             return kernels.matmul_acc(out, terms, out.shape, out.dtype, **kw)
-        resident = w if prim == prims.AG_ROWS else x
+        resident = w if p.traveller == "x" else x
         return kernels.matmul_into(out, pieces, resident, jnp.stack(segs),
-                                   axis=prims.GATHER_AXIS[prim], **kw)
+                                   axis=p.gather_axis, **kw)
 
     return step
 
@@ -219,9 +221,10 @@ def scatter_step(prim, cfg, x, w):
     """One reduce-scatter step: `acc + x_block @ w` (or `x @ w_block`) in one pass."""
     kernels, kw = _step_kernels(cfg)
     Term = _kernels().Term
+    rows = prims.of(prim).ring_dim == "m"
 
     def accumulate(acc, seg, length):
-        if prim == prims.RS_ROWS:
+        if rows:
             term, shape = Term(x, w, x.shape[1], a_row=seg * length), (length, w.shape[1])
         else:
             term, shape = Term(x, w, x.shape[1], b_col=seg * length), (x.shape[0], length)

@@ -13,10 +13,10 @@ TPU generation it is planned for, tiles and interpret mode.
 These are collective kernels: the enclosing `jax.shard_map` must use `check_vma=False`.
 
 `comm_dtype` (int8, float8_e4m3fn): an all-gather's travelling operand is quantized once
-on its owner (`_quantize.quantize` along `SCALE_AXIS`) and the kernel moves the 8-bit
-values and their float32 scales, widening each piece in VMEM and scaling the step's
-product; the gathered operand kept for the backward pass is dequantized here. The
-reduce-scatter kernels do not requantize their travelling accumulator: with a
+on its owner (`_quantize.quantize` along the primitive's `scale_axis`) and the kernel
+moves the 8-bit values and their float32 scales, widening each piece in VMEM and scaling
+the step's product; the gathered operand kept for the backward pass is dequantized
+here. The reduce-scatter kernels do not requantize their travelling accumulator: with a
 `comm_dtype` they are unavailable (backend='ring' does it).
 
 Options (`options={...}` of the public ops): `block_m`, `block_n`, `block_k` (tile
@@ -65,12 +65,12 @@ def options(platform: str) -> frozenset:
 def _kernel_of(prim):
     """(kernel module, its name, the layout it runs) of primitive `prim`."""
     tpu = _kernels()
-    agm, mrs = tpu.all_gather_matmul, tpu.matmul_reduce_scatter
-    gathers = {prims.AG_ROWS: agm.ROWS, prims.AG_COLS: agm.COLUMNS,
-               prims.AG_CONTRACT: agm.CONTRACTION}
-    if prim in gathers:
-        return agm, "all_gather_matmul", gathers[prim]
-    return mrs, "matmul_reduce_scatter", {prims.RS_ROWS: mrs.ROWS, prims.RS_COLS: mrs.COLUMNS}[prim]
+    p = prims.of(prim)
+    name = "all_gather_matmul" if p.gathers else "matmul_reduce_scatter"
+    module = getattr(tpu, name)
+    # The kernel's layout is the matmul dimension the ring cuts.
+    layout = {"m": "ROWS", "n": "COLUMNS", "k": "CONTRACTION"}[p.ring_dim]
+    return module, name, getattr(module, layout)
 
 
 def chip(generation: str, cores=None):
@@ -238,10 +238,10 @@ def unavailable(call):
 def _quantized_structs(prim, x, w, comm_dtype):
     """`(x, w, scales)` as the kernel sees a quantized call: the travelling operand's
     8-bit values and its float32 scales (shapes only)."""
-    which = prims.TRAVELLER[prim]
-    t = x if which == "x" else w
+    p = prims.of(prim)
+    which, t = p.traveller, p.travelling(x, w)
     scale_shape = list(t.shape)
-    scale_shape[_quantize.SCALE_AXIS[prim]] = 1
+    scale_shape[p.scale_axis] = 1
     values = jax.ShapeDtypeStruct(t.shape, comm_dtype)
     scales = jax.ShapeDtypeStruct(tuple(scale_shape), "float32")
     return (values, w, scales) if which == "x" else (x, values, scales)
@@ -251,7 +251,7 @@ def _gathered(prim, gathered, dtype):
     """The kernel's gathered `(values, scales)` dequantized to `dtype` (the backward
     pass's residual: what the forward multiplied with)."""
     values, scales = gathered
-    if prim == prims.AG_CONTRACT:  # scales (N, 1, n): one row per gathered block
+    if prims.of(prim).ring_dim == "k":  # ag_contract: scales (N, 1, n), a row per block
         scales = scales.reshape(scales.shape[0], scales.shape[-1])
     return _quantize.dequantize(_quantize.Quantized(values, scales), dtype)
 
@@ -268,11 +268,11 @@ def _run(prim, cfg, x, w, return_gathered=False):
                 f"{prim}: backend 'pallas_tpu' cannot send the accumulator in "
                 f"comm_dtype={cfg.comm_dtype} (its reduce-scatter kernels do not requantize "
                 f"it); backend='ring' does")
-        dtype = x.dtype
-        if prims.TRAVELLER[prim] == "x":
-            x, scales = _quantize.quantize(x, cfg.comm_dtype, _quantize.SCALE_AXIS[prim])
+        dtype, p = x.dtype, prims.of(prim)
+        if p.traveller == "x":
+            x, scales = _quantize.quantize(x, cfg.comm_dtype, p.scale_axis)
         else:
-            w, scales = _quantize.quantize(w, cfg.comm_dtype, _quantize.SCALE_AXIS[prim])
+            w, scales = _quantize.quantize(w, cfg.comm_dtype, p.scale_axis)
     get = dict(cfg.options, precision=cfg.precision).get
     module, params = _params(
         prim, axis_name=cfg.axis_name, axis_size=cfg.axis_size,

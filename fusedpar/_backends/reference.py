@@ -27,39 +27,34 @@ from jax import lax
 from .. import _definition, _primitives as prims, _quantize
 from ._backend import Backend
 
-# (gather side, dim) of each all-gather primitive in the public op's terms.
-_GATHER = {prims.AG_ROWS: ("lhs", 0), prims.AG_COLS: ("rhs", 1),
-           prims.AG_CONTRACT: ("rhs", 0)}
-
-
 def run(prim, cfg, x, w, return_gathered=False):
     """Run `prim` (see `_primitives.py`) as the lax expression it is defined by."""
+    p = prims.of(prim)
     if cfg.comm_dtype is not None:
-        if prim in prims.GATHERS:
-            return _quantized_gather(prim, cfg, x, w, return_gathered)
-        return _quantized_reduce_scatter(prim, cfg, x, w)
-    if prim not in prims.GATHERS:
+        if p.gathers:
+            return _quantized_gather(p, cfg, x, w, return_gathered)
+        return _quantized_reduce_scatter(p, cfg, x, w)
+    if not p.gathers:
         return _definition.matmul_reduce_scatter(
-            x, w, cfg.axis_name, dim=prims.GATHER_AXIS[prim], out_dtype=cfg.out_dtype,
+            x, w, cfg.axis_name, dim=p.gather_axis, out_dtype=cfg.out_dtype,
             reduce_dtype=cfg.reduce_dtype, precision=cfg.precision)
-    gather, dim = _GATHER[prim]
-    out = _definition.all_gather_matmul(x, w, cfg.axis_name, gather=gather, dim=dim,
-                                        out_dtype=cfg.out_dtype, precision=cfg.precision)
+    out = _definition.all_gather_matmul(x, w, cfg.axis_name, gather=p.side,
+                                        dim=p.gather_axis, out_dtype=cfg.out_dtype,
+                                        precision=cfg.precision)
     if not return_gathered:
         return out
     # The same all_gather as inside the expression: XLA computes it once.
-    travelling = x if prims.TRAVELLER[prim] == "x" else w
-    return out, lax.all_gather(travelling, cfg.axis_name, axis=dim, tiled=True)
+    return out, lax.all_gather(p.travelling(x, w), cfg.axis_name, axis=p.gather_axis,
+                               tiled=True)
 
 
-def _quantized_gather(prim, cfg, x, w, return_gathered):
+def _quantized_gather(p, cfg, x, w, return_gathered):
     """Quantize the travelling operand, gather values and scales, dequantize, multiply."""
-    axis = prims.GATHER_AXIS[prim]
-    travelling = x if prims.TRAVELLER[prim] == "x" else w
-    q = _quantize.quantized(travelling, cfg.comm_dtype, _quantize.SCALE_AXIS[prim])
+    axis = p.gather_axis
+    q = _quantize.quantized(p.travelling(x, w), cfg.comm_dtype, p.scale_axis)
     q = jax.tree.map(lambda a: lax.all_gather(a, cfg.axis_name, axis=axis, tiled=True), q)
     gathered = _quantize.dequantize(q, x.dtype)
-    if prims.TRAVELLER[prim] == "x":
+    if p.traveller == "x":
         x = gathered
     else:
         w = gathered
@@ -67,13 +62,13 @@ def _quantized_gather(prim, cfg, x, w, return_gathered):
     return (out, gathered) if return_gathered else out
 
 
-def _quantized_reduce_scatter(prim, cfg, x, w):
+def _quantized_reduce_scatter(p, cfg, x, w):
     """`psum_scatter` of the partial products, each quantized once where it is sent."""
-    n, axis = cfg.axis_size, prims.GATHER_AXIS[prim]
+    n, axis = cfg.axis_size, p.gather_axis
     y = _definition.matmul(x, w, precision=cfg.precision).astype(cfg.reduce_dtype)
     # (n, rows, cols): the segment bound for each device, stacked.
     parts = jnp.stack(jnp.split(y, n, axis=axis))
-    q = _quantize.quantize(parts, cfg.comm_dtype, 1 + _quantize.SCALE_AXIS[prim])
+    q = _quantize.quantize(parts, cfg.comm_dtype, 1 + p.scale_axis)
     q = jax.tree.map(lambda a: lax.all_to_all(a, cfg.axis_name, 0, 0, tiled=True), q)
     received = _quantize.dequantize(q, cfg.reduce_dtype)  # [j]: device j's part of mine
     # This device's own part never travels: it is added as computed.

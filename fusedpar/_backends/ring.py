@@ -20,17 +20,18 @@ def _dot(cfg, a, b):
 
 def gather_step(prim, cfg, x, w):
     """One all-gather step in lax: each piece's product into (or onto) its segment."""
+    p = prims.of(prim)
 
     def step(out, pieces, segs):
         for piece, seg in zip(pieces, segs):
-            if prim == prims.AG_ROWS:
-                out = put(out, _dot(cfg, piece, w), seg, 0)
-            elif prim == prims.AG_COLS:
-                out = put(out, _dot(cfg, x, piece), seg, 1)
-            else:  # AG_CONTRACT: the piece is rows of w; multiply x's matching columns
+            if p.sums_steps:  # ag_contract: the piece is rows of w; x's matching columns
                 # The sum starts from the first product (`run_steps`): no zeros to add to.
                 part = _dot(cfg, segment(x, seg, piece.shape[0], 1), piece)
                 out = part if out is None else out + part
+            elif p.traveller == "x":  # ag_rows: a row block of x, a row block of out
+                out = put(out, _dot(cfg, piece, w), seg, p.out_axis)
+            else:  # ag_cols: a column block of w, a column block of out
+                out = put(out, _dot(cfg, x, piece), seg, p.out_axis)
         return out
 
     return step
@@ -38,9 +39,10 @@ def gather_step(prim, cfg, x, w):
 
 def scatter_step(prim, cfg, x, w):
     """One reduce-scatter step in lax: this device's part of segment `seg`, added in."""
+    rows = prims.of(prim).ring_dim == "m"
 
     def accumulate(acc, seg, length):
-        if prim == prims.RS_ROWS:
+        if rows:
             part = _dot(cfg, segment(x, seg, length, 0), w)
         else:
             part = _dot(cfg, x, segment(w, seg, length, 1))
