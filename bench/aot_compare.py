@@ -5,9 +5,9 @@
     python bench/aot_compare.py --markdown-only      # the table again from the cache
 
 For each target (8 x H100 with Triton GEMMs and with cuBLAS, TPU v5e, v5p and v6e slices
-of 8 devices) and layer program (mlp, block, prefill, decode: `fusedpar._aot_programs.
+of 8 devices) and layer program (mlp, block, prefill, decode: `fusedpar._compile._aot_programs.
 LAYER_SIZES`) or op (`--programs ag_rows,...`) it runs `python -m fusedpar.aot
---compare`'s comparison (`fusedpar._aot_compare`): the program written without fusedpar
+--compare`'s comparison (`fusedpar._compile._aot_compare`): the program written without fusedpar
 and partitioned by XLA (with the platform's defaults and with XLA's collective matmul),
 and fusedpar's
 reference (both settings), ring, pallas and auto, each replayed on `jax.make_mesh`'s
@@ -27,7 +27,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from fusedpar import aot  # noqa: E402,F401  (sets the environment before JAX starts)
-from fusedpar import _aot_compare  # noqa: E402
+from fusedpar._compile import _aot_compare  # noqa: E402
 
 TARGETS = ("h100x8", "h100x8 cublas", "v5e:2x4", "v5p:2x2x2", "v6e:2x4")
 CACHE = HERE / "results-aot-compare.json"
@@ -181,7 +181,7 @@ def markdown(cache) -> str:
         "(`compiled.memory_analysis()`) for the fastest xla row, the ring and auto, and "
         "auto's over that xla row's ('-': compiled before it was recorded). "
         "The fused TPU kernels move their blocks inside one Mosaic kernel; the replay "
-        "times each from the plan its call carries (`fusedpar/_hlo_ring_kernel.py`: its "
+        "times each from the plan its call carries (`fusedpar/_compile/_hlo_ring_kernel.py`: its "
         "step matmuls beside its DMAs to ring neighbours). *>=*: a kernel whose plan the "
         "replay could not read (a floor, not a prediction). mlp and block "
         "are training steps; prefill and decode the block's "
@@ -190,7 +190,7 @@ def markdown(cache) -> str:
         "the op's layouts; for ag_rows, whose w is replicated, XLA multiplies each "
         "device's rows and gathers the product, an eighth of the reference's FLOPs; so "
         "does auto, whose program is the one op program compiled with `check_vma=True`, "
-        "which lets JAX prove w replicated: `fusedpar/_product_first.py`). fusedpar's "
+        "which lets JAX prove w replicated: `fusedpar/_core/_product_first.py`). fusedpar's "
         "reduce-scatters sum in float32 (`reduce_dtype`'s default), XLA's in bfloat16: "
         "`bench/aot_reduce_dtype.py` puts auto with bfloat16 sums beside these rows "
         "(docs/ops.md).",

@@ -18,7 +18,8 @@ from fusedpar import aot  # noqa: E402  (sets the environment before JAX starts)
 
 
 def main():
-    from fusedpar import _aot_programs as progs, _primitives as prims
+    from fusedpar._compile import _aot_programs as progs
+    from fusedpar._core import _primitives as prims
 
     mesh = aot.mesh("h100x8")
     lines = [

@@ -25,7 +25,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from fusedpar import aot  # noqa: E402,F401  (sets the environment before JAX starts)
-from fusedpar import _aot_compare  # noqa: E402
+from fusedpar._compile import _aot_compare  # noqa: E402
 
 import aot_compare  # noqa: E402
 

@@ -10,7 +10,7 @@ For each target (8 x H100 with Triton GEMMs and with cuBLAS, TPU v5e, v5p and v6
   direction, forward and backward (a vjp against the cotangent `ct * y` of the output
   `y`: as in a training step, the backward waits for the forward), each program on
   its own (so no op's transfers hide behind another's matmuls);
-- the two layer programs of `fusedpar._aot_programs`: a sequence-parallel MLP and an
+- the two layer programs of `fusedpar._compile._aot_programs`: a sequence-parallel MLP and an
   FSDP x TP transformer block, training steps on global arrays under `jax.set_mesh`;
 - the reference all-gather-matmul forward in float16 on 2, 4 and 8 H100s, the case JAX's
   Mosaic GPU collective matmul docs publish (all-gather + cuBLAS: 147 / 290 / 565 us).
@@ -33,7 +33,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from fusedpar import aot  # noqa: E402  (sets the environment before JAX starts)
-from fusedpar import _hlo_ring_kernel  # noqa: E402
+from fusedpar._compile import _hlo_ring_kernel  # noqa: E402
 
 TARGETS = ("h100x8", "h100x8 cublas", "v5e:2x4", "v5p:2x2x2", "v6e:2x4")
 VARIANTS = (("reference", None), ("ring", False), ("ring", True), ("pallas", False),
@@ -84,7 +84,8 @@ def _row(name, mesh, build, **fields):
 def run(targets, out):
     import jax.numpy as jnp
 
-    from fusedpar import _aot_programs as progs, _primitives as prims
+    from fusedpar._compile import _aot_programs as progs
+    from fusedpar._core import _primitives as prims
 
     rows = json.loads(out.read_text()) if out.exists() else []
     done = {(r["target"], r["program"], r.get("backend"), r.get("bidirectional"))

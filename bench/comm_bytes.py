@@ -21,7 +21,8 @@ import re
 
 import jax.numpy as jnp
 
-from fusedpar import _aot_programs, _hlo, aot
+from fusedpar._compile import _aot_programs, _hlo
+from fusedpar import aot
 
 PRIMS = ("ag_rows", "ag_cols", "ag_contract", "rs_rows")
 COMMS = {"bfloat16": None, "int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn}

@@ -1,6 +1,6 @@
 """One device's compute stream of a layer program, run on one GPU and set beside the replay.
 
-The replay (`fusedpar.aot`, `fusedpar._simulate`) costs what a device computes between
+The replay (`fusedpar.aot`, `fusedpar._compile._simulate`) costs what a device computes between
 transfers from spec-sheet numbers. That part needs no other device to check: take the
 8-device program as XLA partitions it for the target, replace every collective by a
 parameter of the shape it would deliver (the data it would bring: every ring step then
@@ -200,7 +200,8 @@ def _dumped(compile_fn) -> str:
 
 
 def prepare(out: str, target: str, programs=PROGRAMS, backends=BACKENDS) -> dict:
-    from fusedpar import _aot as aot, _aot_programs as progs, cost_model
+    from fusedpar._compile import _aot as aot, _aot_programs as progs
+    from fusedpar import cost_model
 
     os.makedirs(out, exist_ok=True)
     replay = {}
@@ -363,7 +364,8 @@ def _time(fn, args, runs: int) -> tuple:
 def _replayed(text: str) -> dict:
     """The replay of the module the GPU compiled: compute for each preset, and each
     instruction's cost on the compute stream (H100 preset)."""
-    from fusedpar import _hlo, _simulate, cost_model
+    from fusedpar._compile import _hlo, _simulate
+    from fusedpar import cost_model
 
     out = {}
     module = _hlo.parse(text)
@@ -381,7 +383,7 @@ def _replayed(text: str) -> dict:
 def _kernel_costs(module, hw):
     """`(instruction, seconds, is a matmul)` of every kernel the replay costs on the
     compute stream of `module` (a parsed HLO module) with `hw`'s numbers."""
-    from fusedpar import _hlo, _simulate
+    from fusedpar._compile import _hlo, _simulate
 
     replay = _simulate._Replay(module, hw)
     for name in _hlo.scheduled_computations(module):
@@ -404,7 +406,7 @@ def _category(i) -> str:
 def measure(directory: str, out: str, runs: int, only=None) -> dict:
     import jax
 
-    from fusedpar import _aot as aot
+    from fusedpar._compile import _aot as aot
 
     options = aot.gpu_compiler_options()
     device = jax.devices()[0]
@@ -462,7 +464,8 @@ def _measured_parts(row) -> dict:
 
 def _replayed_parts(text: str, preset: str) -> tuple:
     """`(compute, {"matmul": (n, s), "other": (n, s)})` of the replay of compiled `text`."""
-    from fusedpar import _hlo, _simulate, cost_model
+    from fusedpar._compile import _hlo, _simulate
+    from fusedpar import cost_model
 
     hw = cost_model.get_hardware(preset)
     parts = {"matmul": [0, 0.0], "other": [0, 0.0]}
@@ -528,7 +531,8 @@ def gemms_by_shape(path: str, compiled: str, preset: str = "h200_sxm") -> str:
     profiled GPU kernels (the stream runs them in that order), grouped by output shape,
     FLOPs and dtype: measured rate against the preset's peak (the efficiency a per-shape
     model would use), and how many ran."""
-    from fusedpar import _flops, _hlo, cost_model
+    from fusedpar._compile import _flops, _hlo
+    from fusedpar import cost_model
 
     hw = cost_model.get_hardware(preset)
     data = json.load(open(path))

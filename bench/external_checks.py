@@ -36,7 +36,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from fusedpar import aot  # noqa: E402  (sets the environment before JAX starts)
-from fusedpar import _hlo_ring_kernel  # noqa: E402
+from fusedpar._compile import _hlo_ring_kernel  # noqa: E402
 
 CACHE = HERE / "results-external.json"
 RESULTS = HERE / "RESULTS-external.md"
@@ -71,7 +71,8 @@ def _row(target, mesh, label, rows, k, cols, dtype, cublas) -> dict:
     whether the time is a floor (fused TPU kernels), temporary memory (MiB)."""
     import jax
 
-    from fusedpar import _aot_compare, _aot_programs as progs, _primitives as prims
+    from fusedpar._compile import _aot_compare, _aot_programs as progs
+    from fusedpar._core import _primitives as prims
 
     backend, _, settings = label.partition(" (")
     settings = settings.rstrip(")") or _aot_compare.DEFAULT

@@ -30,7 +30,7 @@ def _waits() -> dict:
     """Record, per collective, the seconds the replay's compute stream waits for it at its
     done: `Prediction` has the total only. (Wraps the replay's private `_finish`; a
     bench, not the package, so a change there shows up here as a KeyError, not silently.)"""
-    from fusedpar import _simulate
+    from fusedpar._compile import _simulate
 
     waits: dict = {}
     finish = _simulate._Replay._finish
@@ -52,7 +52,7 @@ _WAITS = None
 def options(target: str, mesh, generation_flags: bool = True) -> dict:
     """The compiler options: `aot.compiler_options(target)` and, with `generation_flags`,
     the flags `fusedpar.tpu_overlap_flags(generation)` adds for the slice's generation."""
-    from fusedpar import _target, _xla_flags
+    from fusedpar._hw import _target, _xla_flags
 
     options = aot.compiler_options(target)  # the generation's flags included
     found = _target.of_mesh(mesh)
@@ -68,7 +68,7 @@ def measure(target: str, backend: str, program: str = "block",
 
     import jax
 
-    from fusedpar import _aot_programs as progs
+    from fusedpar._compile import _aot_programs as progs
 
     n = len(aot.devices(target))
     mesh = aot.mesh(target, (2, n // 2), ("fsdp", "tp"))

@@ -298,7 +298,7 @@ def gpu_section() -> list:
                   "its shape and its operands kept as outputs, compiled and run on one GPU "
                   "(`bench/compute_stream.py`): what one device computes between transfers. "
                   "Measured: 20 calls queued back to back, per call. The replay is of the "
-                  "module the GPU compiled, with the calibrated preset (`fusedpar/_registry.py`)."
+                  "module the GPU compiled, with the calibrated preset (`fusedpar/_hw/_registry.py`)."
                   " Commands: `python bench/compute_stream.py prepare --out DIR`, then on the "
                   "GPU `bash bench/gpu_session.sh`.", ""]
         compiled = os.path.join(here, "compute-stream-compiled.tgz")

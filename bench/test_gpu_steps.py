@@ -40,9 +40,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
-from fusedpar import _primitives as prims
-from fusedpar._backends import _ring_loop
-from fusedpar._primitives import Config
+from fusedpar._core import _primitives as prims
+from fusedpar._core._backends import _ring_loop
+from fusedpar._core._primitives import Config
 
 SIZES = os.environ.get("FUSEDPAR_BENCH_SIZES", "cpu")  # validated in bench/conftest.py
 ON_CPU = jax.default_backend() == "cpu"
@@ -78,8 +78,8 @@ def _options(family):
 
 
 def _skip_unless_runs(family):
-    from fusedpar import _target
-    from fusedpar._backends import pallas_gpu
+    from fusedpar._hw import _target
+    from fusedpar._core._backends import pallas_gpu
 
     if family == "mosaic" and not ON_CPU and pallas_gpu.default_family(
             _target.local()) != "mosaic":
@@ -253,7 +253,7 @@ def _decomposed(prim, backend, n, bidirectional, dtype, s):
         _skip_unless_runs(family)
         name, options = "pallas_gpu", _options(family)
     # The backend's step provider (`_ring_loop.Steps`): what its ring runs at each step.
-    steps = importlib.import_module(f"fusedpar._backends.{name}").STEPS
+    steps = importlib.import_module(f"fusedpar._core._backends.{name}").STEPS
     cfg = Config(backend=name, axis_name="x", axis_size=n, bidirectional=bidirectional,
                  unroll=True, out_dtype=np.dtype(dtype), reduce_dtype=np.dtype(jnp.float32),
                  options=tuple(sorted(options.items())))

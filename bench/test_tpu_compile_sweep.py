@@ -22,7 +22,8 @@ if importlib.util.find_spec("libtpu") is None:
     pytest.skip("libtpu (the TPU compiler) is not installed: pip install 'fusedpar[aot]'",
                 allow_module_level=True)
 
-from fusedpar import _aot_programs, aot  # noqa: E402
+from fusedpar._compile import _aot_programs  # noqa: E402
+from fusedpar import aot  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

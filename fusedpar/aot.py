@@ -5,9 +5,9 @@ compiles for TPU slices (Pallas TPU kernels go through Mosaic's real compiler) a
 CUDA plugin compiles for H100s (or H200s) from a GPU target description. Both come with
 the `aot` extra (`pip install "fusedpar[aot]"`: libtpu and the CUDA compiler plugin
 matching the installed jax, no CUDA runtime). fusedpar reads the hardware from the mesh's
-devices (`fusedpar._target`), so a program traced here for `"v5e:2x4"` makes the choices
+devices (`fusedpar._hw._target`), so a program traced here for `"v5e:2x4"` makes the choices
 it would make on that slice. Which targets exist, and what is known of their devices, is
-the hardware registry's (`fusedpar._registry`).
+the hardware registry's (`fusedpar._hw._registry`).
 
     mesh = fusedpar.aot.mesh("h100x8", (8,), ("tp",))      # compile-only devices
     compiled = jax.jit(f).lower(*structs_on(mesh)).compile()
@@ -27,7 +27,7 @@ under a name scope `fusedpar.<primitive>.<backend>`, its backward under `transpo
 transfers hidden, matmuls exposed and a one-line verdict.
 """
 
-from ._aot import (
+from ._compile._aot import (
     TARGETS as TARGETS,
     TPU_GENERATIONS as TPU_GENERATIONS,
     OpSummary as OpSummary,
@@ -44,7 +44,7 @@ from ._aot import (
 
 def main(argv=None):
     """`python -m fusedpar.aot`: compile a program for a target and print what overlaps."""
-    from ._aot_cli import main as cli
+    from ._compile._aot_cli import main as cli
 
     return cli(argv)
 

@@ -26,7 +26,7 @@ a per-kernel launch overhead, so thin per-step matmuls of small shapes become me
 overhead-bound and decomposing stops paying. The reduce-scatter accumulator travels in
 `reduce_dtype` (float32 by default), doubling its bytes for bfloat16 inputs.
 
-Presets (`PRESETS`, a view of the hardware registry, `fusedpar._registry`) come from public
+Presets (`PRESETS`, a view of the hardware registry, `fusedpar._hw._registry`) come from public
 spec sheets; `calibrate` fits a preset to measured numbers (for example the single-GPU
 bench: a matmul's time and a transfer's time).
 """
@@ -38,10 +38,11 @@ from typing import Mapping, Optional, Union
 
 import numpy as np
 
-from . import _backends, _primitives as prims, _registry, _schedule, _validate
-from ._cost_hardware import (PRESETS as PRESETS, calibrate as calibrate,
+from ._core import _backends, _primitives as prims, _schedule, _validate
+from ._hw import _registry
+from ._hw._cost_hardware import (PRESETS as PRESETS, calibrate as calibrate,
                              get_hardware as get_hardware, set_hardware as set_hardware)
-from ._hardware import Hardware
+from ._hw._hardware import Hardware
 
 # -- the model -------------------------------------------------------------------------
 
@@ -160,7 +161,7 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
             # One fused kernel (`fusedpar.kernels.tpu`): one launch, each step's whole
             # block (both halves of a bidirectional one) multiplied in place with its DMA
             # beside it -- what the replay reads from a compiled kernel's plan
-            # (`fusedpar._hlo_ring_kernel`).
+            # (`fusedpar._compile._hlo_ring_kernel`).
             c = _roofline(hw, *step[0], dtype, out_b, extra)
             t = transfer + latency
             result[name] = Breakdown(name, hw.ring_kernel_seconds(n, c, t), c, t, n,
@@ -214,7 +215,7 @@ def _collective_time(hw: Hardware, n: int, sent: int) -> float:
 
 def product_first(call, hardware=None) -> Breakdown:
     """An ag_rows whose w is invariant over the ring, run as `all_gather(x @ w)`
-    (`fusedpar._product_first`): the local (m, k) @ (k, n) matmul, then one all-gather of
+    (`fusedpar._core._product_first`): the local (m, k) @ (k, n) matmul, then one all-gather of
     the (m, n) product, and one of x too where the run returns it (`call.gathered`)."""
     hw = get_hardware(hardware, call.target)
     (m, k), (_, cols) = call.x_shape, call.w_shape

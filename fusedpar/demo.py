@@ -48,7 +48,8 @@ STEP_LIMIT_S = 300
 def _interpreted(backends) -> list:
     """The backends among `backends` that run collective kernels in TPU interpret mode
     on simulated CPU devices (what each declares: `_backends.Backend.interprets`)."""
-    from . import _backends, _target
+    from ._core import _backends
+    from ._hw import _target
 
     cpu = _target.of_platform("cpu")
     return [b for b in backends if b in _backends.TABLE and _backends.get(b).interprets(cpu, {})]
@@ -116,7 +117,7 @@ def _parse(argv):
 def _start_jax(devices: int):
     """Simulate `devices` CPU devices, unless JAX's backends are already up.
 
-    Before they start: threads enough for the TPU interpreter (`fusedpar._interpret`),
+    Before they start: threads enough for the TPU interpreter (`fusedpar._core._interpret`),
     and, with no accelerator plugin installed, a longer wait for the CPU collectives: the
     interpreted kernels of a slow (or busy) machine can keep some simulated devices away
     from an XLA collective for longer than its default 40 s, which aborts the run.
@@ -124,7 +125,7 @@ def _start_jax(devices: int):
     import jax
     from jax._src import xla_bridge
 
-    from . import _interpret
+    from ._core import _interpret
 
     if not xla_bridge.backends_are_initialized():
         _interpret.setup_threads(devices)

@@ -6,7 +6,7 @@ across it. Every kernel states its matmul flops and the bytes it moves, so a sch
 that overlaps the ring's transfers with the kernels is also the one the scheduler's
 cost model prefers. (The TPU compiler reads the estimate; jax 0.10's Mosaic GPU and
 Triton lowerings drop it, and there the ring's data dependencies alone place the
-transfers: see `fusedpar._backends._ring_loop._after`.)
+transfers: see `fusedpar._core._backends._ring_loop._after`.)
 """
 
 from __future__ import annotations

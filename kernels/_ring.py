@@ -2,7 +2,7 @@
 
 The kernels import nothing of the package that drives them: the ring schedule they run
 is given to them as a value (`RingLaunch.ring`). `RingSchedule` names what they read of
-it; the package's `fusedpar.Ring` (`fusedpar._schedule`, the one place that knows the
+it; the package's `fusedpar.Ring` (`fusedpar._core._schedule`, the one place that knows the
 ring arithmetic) is such a value. `mesh_coordinates` lives here, at the bottom, because
 the kernels and the package both need it: the package imports it from here.
 """

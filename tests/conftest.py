@@ -3,7 +3,7 @@
 NPROC: TPU interpret mode runs each simulated device on a thread of the CPU client's
 pool; with fewer threads than devices + 1 a collective kernel deadlocks (measured on a
 2-core machine: NPROC=8 hangs with 8 devices, NPROC=9 works). Importing fusedpar after
-the devices are configured raises NPROC to match (fusedpar._interpret).
+the devices are configured raises NPROC to match (fusedpar._core._interpret).
 """
 
 import os

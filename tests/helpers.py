@@ -80,7 +80,7 @@ def same_kernels_as(backend, op, x, w, axis_size, **kwargs):
     local `jax.ShapeDtypeStruct`s. Raises NotImplementedError where `backend` cannot run
     the call (with its reason)."""
     import fusedpar
-    from fusedpar import _backends
+    from fusedpar._core import _backends
 
     def kernels(name):
         return fusedpar.explain(op, x, w, axis_size, backend=name, **kwargs).kernels

@@ -19,7 +19,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
-from fusedpar import _aot_programs as progs, _primitives as prims, _target
+from fusedpar._compile import _aot_programs as progs
+from fusedpar._core import _primitives as prims
+from fusedpar._hw import _target
 
 from helpers import needs_aot
 
@@ -195,7 +197,7 @@ def test_ring_gather_buffers_are_not_copied(target):
     """ag_rows' output and its gathered residual (one shape here: k == cols) start as two
     buffers of their own. Filled from one constant, XLA merged them into one broadcast
     and copied all of it for the second in-place fill (`ring.gathered_buffer`)."""
-    from fusedpar import _hlo
+    from fusedpar._compile import _hlo
 
     program, args = progs.op_program(_mesh(target), prims.AG_ROWS, "ring", **SIZE)
     module = _hlo.parse(_compile(target, program, args).as_text())
@@ -330,7 +332,7 @@ def test_auto_runs_what_explain_says_on_a_data_x_tp_mesh():
 def _hops(text, mesh) -> list:
     """ICI links each collective-permute pair of the compiled `text` crosses (partition
     ids index the mesh's devices in order)."""
-    from fusedpar._schedule import ring_hops, tpu_wraps
+    from fusedpar._core._schedule import ring_hops, tpu_wraps
 
     coords = [tuple(d.coords) for d in mesh.devices.flat]
     extent = tuple(max(c[i] for c in coords) + 1 for i in range(len(coords[0])))
@@ -350,7 +352,7 @@ def test_ring_follows_the_torus_inside_shard_map_with_a_mesh(monkeypatch):
     mesh shard_map was given: every hop, forward and backward, is one link. With only an
     abstract mesh the devices are unknown: fusedpar warns once, and explain says how to
     get the one-hop ring."""
-    from fusedpar import _schedule
+    from fusedpar._core import _schedule
 
     mesh = _mesh("v5e:2x4")
     program, args = progs.op_program(mesh, prims.AG_ROWS, "ring", rows=256, k=512, cols=1024)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from fusedpar import _aot_cli
+from fusedpar._compile import _aot_cli
 
 from helpers import needs_aot
 

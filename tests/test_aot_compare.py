@@ -1,4 +1,4 @@
-"""The `xla` baseline (`fusedpar._aot_baseline`) and `python -m fusedpar.aot --compare`:
+"""The `xla` baseline (`fusedpar._compile._aot_baseline`) and `python -m fusedpar.aot --compare`:
 XLA's own partitioning of the layer programs computes the dense model's loss and
 gradients; one small comparison per dialect compiles every row, replays it within the
 program's own bounds, with nothing unread; --compare refuses what it cannot compare."""
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from fusedpar import _aot_baseline as baseline, _aot_cli, _aot_compare as compare
-from fusedpar import _aot_programs as progs, _primitives as prims
+from fusedpar._compile import _aot_baseline as baseline, _aot_cli, _aot_compare as compare
+from fusedpar._compile import _aot_programs as progs
+from fusedpar._core import _primitives as prims
 
 from helpers import needs_aot
 

@@ -9,7 +9,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
-from fusedpar import _hlo, aot
+from fusedpar._compile import _hlo
+from fusedpar import aot
 from helpers import mesh
 
 SCOPE = 'metadata={op_name="jit(f)/shard_map/jvp(fusedpar.ag_rows.ring.unidirectional)/%s"}'
@@ -191,7 +192,8 @@ def test_tpu_async_collective_fusion():
     (t,) = r.transfers
     assert (t.kind, t.op, t.bytes, t.matmuls) == (
         "all-gather", ("ag_rows", "reference", "forward"), 16 * 128 * 2, ("convolution",))
-    from fusedpar import _simulate, cost_model
+    from fusedpar._compile import _simulate
+    from fusedpar import cost_model
 
     p = _simulate.predict(TPU_ASYNC, cost_model.get_hardware("v5e"))
     assert p.communication > 0 and p.seconds >= p.compute
@@ -332,7 +334,8 @@ def test_a_fused_tpu_reduce_scatter_is_a_synchronous_transfer():
     (t,) = r.transfers
     assert (t.kind, t.op, t.bytes, t.hidden) == (
         "reduce-scatter", ("rs_rows", "reference", "forward"), 64 * 128 * 4, False)
-    from fusedpar import _simulate, cost_model
+    from fusedpar._compile import _simulate
+    from fusedpar import cost_model
 
     hw = cost_model.get_hardware("v5e")
     p = _simulate.predict(FUSED_REDUCE_SCATTER, hw)
@@ -356,7 +359,8 @@ def test_a_concatenation_that_is_a_bitcast_moves_nothing():
     # The TPU compiler places slices side by side and joins them with a `ConcatBitcast`
     # custom call, a view of their buffers: charged as a copy, it cost a v5e FSDP x TP
     # block's step 330 us (reference) and 850 us (auto).
-    from fusedpar import _simulate, cost_model
+    from fusedpar._compile import _simulate
+    from fusedpar import cost_model
 
     hw = cost_model.get_hardware("v5e")
     slices = 2 * (2 * 32 * 128 * 2) / hw.hbm_bandwidth  # each reads and writes its window

@@ -1,6 +1,6 @@
 """The backend contract, run by every registered backend and by a made-up one.
 
-Every name in `fusedpar._backends.names()` (read when the tests are collected) and
+Every name in `fusedpar._core._backends.names()` (read when the tests are collected) and
 `toy` — a backend defined here (all_gather + dot, dot + psum_scatter), registered with
 `_backends.register` for its tests and removed after — runs the same tests unedited:
 
@@ -30,7 +30,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
-from fusedpar import _backends, _primitives as prims, cost_model
+from fusedpar._core import _backends, _primitives as prims
+from fusedpar import cost_model
 from helpers import assert_close, mesh, normal, same_kernels_as
 
 pytestmark = pytest.mark.timeout(300)

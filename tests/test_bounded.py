@@ -31,7 +31,7 @@ CHILD = textwrap.dedent('''
     from jax.experimental.pallas import tpu as pltpu
     from jax.sharding import PartitionSpec as P
     import fusedpar
-    from fusedpar import _definition
+    from fusedpar._core import _definition
     from helpers import assert_close, mesh
 
     def _wait_forever(x_ref, o_ref, sem):

@@ -21,7 +21,8 @@ if importlib.util.find_spec("libtpu") is None:
     pytest.skip("libtpu and the CUDA compiler plugin (pip install 'fusedpar[aot]') compile "
                 "these programs for hardware that is not here", allow_module_level=True)
 
-from fusedpar import _aot_programs, aot  # noqa: E402
+from fusedpar._compile import _aot_programs  # noqa: E402
+from fusedpar import aot  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

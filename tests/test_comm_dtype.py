@@ -21,7 +21,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
-from fusedpar import _definition, _quantize
+from fusedpar._core import _definition, _quantize
 from helpers import RING_CONFIGS as CONFIGS, assert_close, mesh, normal, tolerance
 
 pytestmark = pytest.mark.timeout(300)
@@ -152,7 +152,7 @@ def test_gathered_residual_is_dequantized():
     n, name = 4, "ag_contract"
     x, w = _inputs(name, n, jnp.float32)
     m = mesh((n,), ("x",))
-    from fusedpar import _autodiff, _primitives as prims
+    from fusedpar._core import _autodiff, _primitives as prims
 
     def per_device(backend, bidirectional):
         def f(x, w):

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import fusedpar
-from fusedpar import _dispatch, cost_model
-from fusedpar._primitives import Call
+from fusedpar._core import _dispatch
+from fusedpar import cost_model
+from fusedpar._core._primitives import Call
 
 AGM, MRS = "all_gather_matmul", "matmul_reduce_scatter"
 
@@ -203,7 +204,7 @@ def test_explain_prints_the_estimate():
 
 
 def _fake_pallas(monkeypatch, why_not):
-    from fusedpar import _backends
+    from fusedpar._core import _backends
 
     record = dataclasses.replace(_backends.get("pallas"), unavailable=lambda call: why_not)
     monkeypatch.setitem(_backends.TABLE, "pallas", record)

@@ -749,13 +749,13 @@ def _demo_on_cpu(argv):
 
 
 def _aot_parse(argv):
-    from fusedpar import _aot_cli
+    from fusedpar._compile import _aot_cli
 
     return _aot_cli._parse(argv)  # the option checks, without compiling
 
 
 def _aot_missing_extra():
-    from fusedpar import _aot
+    from fusedpar._compile import _aot
 
     # What devices() says for a compiler that is not installed (here: a module that is
     # not there stands for libtpu).

@@ -4,7 +4,7 @@ Hypothesis draws a call of either op — shapes with 0-2 batch dimensions, `gath
 (negative too), a 1-D or 2-D mesh and the axis the ring runs over (one axis, or a tuple
 of both in either order), dtype, output dtype, ring direction, unrolled or rolled,
 `keep_gathered`, and whether `w` is replicated or differs per device — and checks the op
-against `fusedpar/_definition.py` on the same inputs inside the same `shard_map`.
+against `fusedpar/_core/_definition.py` on the same inputs inside the same `shard_map`.
 
 Every device gets its own `x` (and, unless replicated, its own `w`): the global inputs
 stack one local array per device along a new leading dimension sharded over every mesh
@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, Phase, assume, given, settings, strategies a
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
-from fusedpar import _definition
+from fusedpar._core import _definition
 from helpers import assert_close, mesh, normal
 
 pytestmark = pytest.mark.timeout(300)

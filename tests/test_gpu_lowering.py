@@ -131,7 +131,7 @@ def test_gpu_overlap_flags():
 
 
 def test_set_gpu_overlap_flags_keeps_the_users_flags(monkeypatch):
-    from fusedpar import _xla_flags
+    from fusedpar._hw import _xla_flags
 
     monkeypatch.setattr(_xla_flags, "_backends_started", lambda: False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=false --foo=1")
@@ -142,7 +142,7 @@ def test_set_gpu_overlap_flags_keeps_the_users_flags(monkeypatch):
 
 
 def test_set_overlap_flags_sets_both_platforms(monkeypatch):
-    from fusedpar import _xla_flags
+    from fusedpar._hw import _xla_flags
 
     monkeypatch.setattr(_xla_flags, "_backends_started", lambda: False)
     monkeypatch.setenv("XLA_FLAGS", "--foo=1")
@@ -160,7 +160,7 @@ def test_set_overlap_flags_sets_both_platforms(monkeypatch):
 
 
 def test_tpu_overlap_flags_per_generation(monkeypatch):
-    from fusedpar import _xla_flags
+    from fusedpar._hw import _xla_flags
 
     common = fusedpar.tpu_overlap_flags().split()
     v5e = fusedpar.tpu_overlap_flags("v5e").split()
@@ -182,7 +182,7 @@ def test_tpu_overlap_flags_per_generation(monkeypatch):
     with pytest.raises(ValueError, match="generation must be one of"):
         fusedpar.set_overlap_flags(tpu_generation="v9")
     # `fusedpar.aot` compiles a slice with its own generation's flags.
-    from fusedpar import _aot
+    from fusedpar._compile import _aot
 
     names = {"v5e:2x4": v5e, "v6e:2x4": common}
     for target, flags in names.items():

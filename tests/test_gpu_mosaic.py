@@ -191,7 +191,7 @@ def test_op_on_a_ring_of_one():
 
 
 def _backend_config(prim, n, bidirectional):
-    from fusedpar._primitives import Config
+    from fusedpar._core._primitives import Config
 
     return Config(backend="pallas_gpu", axis_name="x", axis_size=n,
                   bidirectional=bidirectional, unroll=True, out_dtype=np.dtype(jnp.bfloat16),
@@ -204,7 +204,7 @@ def _backend_config(prim, n, bidirectional):
 def test_gather_steps_of_a_ring(prim, n):
     """Device 0's steps of a bidirectional ring: the pieces it holds at each step (both
     directions' in one launch), into one output."""
-    from fusedpar._backends import _ring_loop, pallas_gpu
+    from fusedpar._core._backends import _ring_loop, pallas_gpu
 
     dt, bidirectional = jnp.bfloat16, True
     ring = fusedpar.Ring(n, bidirectional)
@@ -237,7 +237,7 @@ def test_gather_steps_of_a_ring(prim, n):
 def test_scatter_steps_of_a_ring_of_three():
     """rs_rows, every device's steps, the accumulators passed between them by hand: each
     device ends with its block of the sum of the partial products (the reduce-add)."""
-    from fusedpar._backends import pallas_gpu
+    from fusedpar._core._backends import pallas_gpu
 
     n, dt, prim = 3, jnp.bfloat16, "rs_rows"
     ring = fusedpar.Ring(n)

@@ -29,8 +29,8 @@ def test_too_few_threads_is_an_error_naming_nproc(monkeypatch):
 
 
 def test_enough_threads_or_no_interpreter_passes(monkeypatch):
-    from fusedpar import _interpret
-    from fusedpar._target import Target
+    from fusedpar._core import _interpret
+    from fusedpar._hw._target import Target
 
     cpu = Target("cpu", "cpu")
     monkeypatch.setenv("NPROC", "4")

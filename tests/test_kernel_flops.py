@@ -1,5 +1,5 @@
 """The FLOPs the replay gives a Pallas kernel whose lowering dropped its cost estimate
-(`fusedpar._flops.kernel_product`), on hand-written kernels of each shape fusedpar's
+(`fusedpar._compile._flops.kernel_product`), on hand-written kernels of each shape fusedpar's
 backends make: a Mosaic GPU ring step writing into a slice of the output its result
 aliases (one piece, or a bidirectional step's two), a step adding to an aliased f32
 accumulator over a window of the contraction, a reduce-scatter step computing the rows
@@ -8,7 +8,8 @@ dense matmul: the guess had read x @ (the aliased output) as the product."""
 
 import pytest
 
-from fusedpar import _hlo, _simulate, cost_model
+from fusedpar._compile import _hlo, _simulate
+from fusedpar import cost_model
 
 H100 = cost_model.get_hardware("h100_sxm")
 

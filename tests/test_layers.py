@@ -124,7 +124,7 @@ def test_bias_gradient_is_summed_on_the_bias(backend):
     sequence-parallel RowLinear) has its gradient summed over those axes on its own
     (out,) values, not on the broadcast (batch, seq, out) cotangent: in an FSDP x TP
     block the latter was a 32 MB and an 8 MB all-reduce per training step."""
-    from fusedpar import _hlo
+    from fusedpar._compile import _hlo
 
     layers, _ = make("tp", backend, sp=True, fsdp="fsdp")
     m = mesh((2, 4), ("fsdp", "tp"))
@@ -230,7 +230,7 @@ def test_vmap_equals_batched(backend):
 
 
 def _vmap_unsupported():
-    from fusedpar import _backends
+    from fusedpar._core import _backends
 
     assert getattr(_backends.get("pallas_tpu").run, "_fusedpar_vmappable", False), \
         "the Pallas backends must fold vmap into their 2-D calls (_batching.vmappable)"
@@ -352,11 +352,11 @@ def test_input_dtype_and_unbatched():
 
 
 def test_vmap_fold_rule():
-    """fusedpar._batching: vmap of a primitive folded into one 2-D call (x mapped, w
+    """fusedpar._core._batching: vmap of a primitive folded into one 2-D call (x mapped, w
     mapped) or run once per example (both), equals the lax ring's own vmap."""
     from jax import lax
 
-    from fusedpar import _autodiff, _batching, _primitives as Pr
+    from fusedpar._core import _autodiff, _batching, _primitives as Pr
 
     n, b = 2, 3
     cfg = Pr.Config(backend="ring", axis_name="x", axis_size=n, bidirectional=False,

@@ -15,7 +15,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
-from fusedpar import _specs, _target
+from fusedpar._sharding import _specs
+from fusedpar._hw import _target
 from helpers import assert_close, mesh, normal
 
 pytestmark = pytest.mark.timeout(300)

@@ -38,7 +38,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
-from fusedpar import _backends
+from fusedpar._core import _backends
 from helpers import mesh, same_kernels_as
 
 pytestmark = pytest.mark.timeout(300)

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
-from fusedpar import _definition
+from fusedpar._core import _definition
 from helpers import RING_CONFIGS as CONFIGS, assert_close, mesh, normal
 
 pytestmark = pytest.mark.timeout(300)
@@ -202,7 +202,7 @@ def test_explain_and_auto_choice():
 
 
 def test_explicit_backend_that_cannot_run_raises(monkeypatch):
-    from fusedpar import _backends
+    from fusedpar._core import _backends
 
     monkeypatch.setitem(_backends.TABLE, "never", _backends.Backend(
         "never", "a test double", run=None, unavailable=lambda call: "it is a test double"))
@@ -268,8 +268,8 @@ ORDER_8 = (0, 2, 4, 6, 7, 5, 3, 1)
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_ring_in_physical_order(case, monkeypatch):
-    from fusedpar._backends import _ring_loop
-    from fusedpar._schedule import Ring
+    from fusedpar._core._backends import _ring_loop
+    from fusedpar._core._schedule import Ring
 
     def ordered(axis_name, size, bidirectional=False):
         return Ring(size, bidirectional, ORDER_8 if size == 8 else None)
@@ -284,8 +284,8 @@ def test_ring_in_physical_order(case, monkeypatch):
 def test_tpu_kernels_in_physical_order(case, monkeypatch):
     """The fused TPU kernels address their neighbours through the same `Ring`: out of
     index order (interpret mode, 4 devices), the same values."""
-    from fusedpar._backends import pallas_tpu
-    from fusedpar._schedule import Ring
+    from fusedpar._core._backends import pallas_tpu
+    from fusedpar._core._schedule import Ring
 
     def ordered(axis_name, size, bidirectional=False):
         return Ring(size, bidirectional, (0, 2, 3, 1) if size == 4 else None)

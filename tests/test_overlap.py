@@ -1,7 +1,7 @@
 """Every ring transfer hidden behind a matmul, in the programs the real compilers schedule
 for 8 x H100 (Triton and cuBLAS GEMMs) and TPU slices.
 
-What these pin down (the evidence and the why are in `fusedpar._backends._ring_loop._after`):
+What these pin down (the evidence and the why are in `fusedpar._core._backends._ring_loop._after`):
 XLA merged the independent step matmuls of a ring into one GEMM after the last transfer
 (its dot merger, on dots of up to 32 MB: ag_cols, rs_cols, a sequence-parallel MLP's
 ag_rows hid 0 transfers on H100), let the transfers run ahead of the matmuls (the first
@@ -12,7 +12,8 @@ now chained, so a regression here is a schedule, not a number, that changed.
 
 import pytest
 
-from fusedpar import _aot_programs as progs, _primitives as prims
+from fusedpar._compile import _aot_programs as progs
+from fusedpar._core import _primitives as prims
 
 from helpers import needs_aot
 

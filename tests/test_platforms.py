@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from fusedpar import _platforms
+from fusedpar._hw import _platforms
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""A new target is one registry entry (`fusedpar._registry`): every hardware decision —
+"""A new target is one registry entry (`fusedpar._hw._registry`): every hardware decision —
 cost preset, `auto`, ring shape and order, the TPU kernels' tiles and VMEM, the GPU kernel
 family and its limits, the AOT target name — follows the entry of the mesh's devices.
 And the H200 and B200 entries."""
@@ -11,10 +11,13 @@ import numpy as np
 import pytest
 
 import fusedpar
-from fusedpar import _aot, _links, _registry, _schedule, cost_model
-from fusedpar._backends import pallas_gpu, pallas_tpu
-from fusedpar._hardware import MOSAIC, TRITON, Aot, Kind
-from fusedpar._target import Target
+from fusedpar._compile import _aot, _links
+from fusedpar._hw import _registry
+from fusedpar._core import _schedule
+from fusedpar import cost_model
+from fusedpar._core._backends import pallas_gpu, pallas_tpu
+from fusedpar._hw._hardware import MOSAIC, TRITON, Aot, Kind
+from fusedpar._hw._target import Target
 from helpers import needs_aot
 
 AGM = "all_gather_matmul"
@@ -167,7 +170,7 @@ def test_h200_target_has_its_own_preset():
     from fusedpar import aot
 
     mesh = aot.mesh("h200x8")
-    target = fusedpar._target.of_mesh(mesh)
+    target = fusedpar._hw._target.of_mesh(mesh)
     assert (target.device_kind, target.compute_capability, target.cost_preset) == (
         "NVIDIA H200", (9, 0), "h200")
     h200, h100 = cost_model.PRESETS["h200"], cost_model.PRESETS["h100_sxm"]
@@ -187,7 +190,7 @@ def test_tpu7x_rings_cross_one_link_per_hop():
     from fusedpar import aot
 
     mesh = aot.mesh("tpu7x:2x2x1")
-    target = fusedpar._target.of_mesh(mesh)
+    target = fusedpar._hw._target.of_mesh(mesh)
     assert (target.tpu_generation, target.cost_preset) == ("7x", "tpu_v7x")
     places = [_registry.position(d) for d in mesh.devices.flat]
     order = _schedule.mesh_ring_order(mesh, "x")

@@ -1,4 +1,4 @@
-"""The replay (`fusedpar.aot.predict`, `fusedpar._simulate`) on XLA's own programs: loops
+"""The replay (`fusedpar.aot.predict`, `fusedpar._compile._simulate`) on XLA's own programs: loops
 whose trip count is in their condition, transfers a loop iteration starts and the next
 finishes, every replica-group syntax, asynchronous slices and copies, transfers that cross
 several ICI links — in hand-written schedules of both dialects (GPU: cuBLAS custom calls,
@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from fusedpar import _hlo, _links, _simulate, cost_model
+from fusedpar._compile import _hlo, _links, _simulate
+from fusedpar import cost_model
 
 from helpers import needs_aot
 

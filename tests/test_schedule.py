@@ -93,7 +93,7 @@ def test_bad_rings():
 def test_mesh_coordinates_count_the_first_axis_major():
     import numpy as np
 
-    from fusedpar._schedule import mesh_coordinates
+    from fusedpar._core._schedule import mesh_coordinates
 
     sizes = {"b": 4, "a": 2, "c": 3}
     for position in range(24):
@@ -123,7 +123,7 @@ def _grid(shape, index_order="xyz"):
 def test_ring_order_hops_one_link_on_a_grid(shape, numbering):
     """A slice with an even side has a cycle of single ICI links, whatever order its
     devices are numbered in; index order does not (2x4: device 1 -> 2 is diagonal)."""
-    from fusedpar._schedule import ring_hops, ring_order
+    from fusedpar._core._schedule import ring_hops, ring_order
 
     coords = _grid(shape, numbering)
     order = ring_order(coords)
@@ -135,7 +135,7 @@ def test_ring_order_hops_one_link_on_a_grid(shape, numbering):
 
 
 def test_ring_order_lines_odd_grids_and_wraps():
-    from fusedpar._schedule import ring_hops, ring_order, tpu_wraps
+    from fusedpar._core._schedule import ring_hops, ring_order, tpu_wraps
 
     line = [(0, y, 0) for y in range(8)]
     assert ring_hops(line) == [1] * 7 + [7]  # index order comes back across the line
@@ -169,7 +169,7 @@ def test_mesh_ring_order_one_order_for_every_group():
 
     import numpy as np
 
-    from fusedpar._schedule import mesh_ring_order, ring_hops
+    from fusedpar._core._schedule import mesh_ring_order, ring_hops
 
     devices = [_Device(i, c) for i, c in enumerate(_grid((2, 4, 1)))]
     mesh = types.SimpleNamespace(devices=np.array(devices).reshape(2, 4),
@@ -189,7 +189,7 @@ def test_ring_for_cpu_devices_in_index_order():
     """CPU devices have no coordinates: index order, under set_mesh or not."""
     from helpers import mesh
 
-    from fusedpar._schedule import ring_for
+    from fusedpar._core._schedule import ring_for
 
     with jax.set_mesh(mesh((8,), ("x",))):
         assert ring_for("x", 8, True) == Ring(8, True)

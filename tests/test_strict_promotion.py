@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
-from fusedpar import _definition
+from fusedpar._core import _definition
 from helpers import assert_close, mesh, normal
 
 pytestmark = pytest.mark.timeout(300)

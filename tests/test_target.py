@@ -8,8 +8,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fusedpar
-from fusedpar import _target, cost_model
-from fusedpar._target import Target
+from fusedpar._hw import _target
+from fusedpar import cost_model
+from fusedpar._hw._target import Target
 from helpers import mesh as cpu_mesh, needs_aot
 
 

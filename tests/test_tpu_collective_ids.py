@@ -23,7 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
-from fusedpar import _definition
+from fusedpar._core import _definition
 from fusedpar.kernels.tpu._collective_ids import KERNELS, collective_id
 
 from helpers import assert_close, mesh, normal

@@ -15,8 +15,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
-from fusedpar._backends import pallas_tpu
-from fusedpar._primitives import Call
+from fusedpar._core._backends import pallas_tpu
+from fusedpar._core._primitives import Call
 
 from helpers import assert_close, mesh, normal
 

@@ -36,7 +36,8 @@ if importlib.util.find_spec("libtpu") is None:
                 "TPU kernels with Mosaic for TPUs that are not here; pip install "
                 "'fusedpar[aot]' (or 'jax[tpu]') to run them", allow_module_level=True)
 
-from fusedpar import _aot_programs, _hlo, aot  # noqa: E402
+from fusedpar._compile import _aot_programs, _hlo  # noqa: E402
+from fusedpar import aot  # noqa: E402
 from fusedpar.kernels.tpu import _layout  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -245,8 +246,9 @@ def _gathered_program(generation, comm_dtype, rows, vmem, block_m=None):
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     import jax
-    from fusedpar import _primitives, _target
-    from fusedpar._backends import pallas_tpu
+    from fusedpar._core import _primitives
+    from fusedpar._hw import _target
+    from fusedpar._core._backends import pallas_tpu
 
     mesh = _mesh(generation)
     big = 256 if vmem else 1024

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from fusedpar._backends.pallas_tpu import chip as tpu_chip
+from fusedpar._core._backends.pallas_tpu import chip as tpu_chip
 from fusedpar.kernels.tpu import _layout, _tile_plan
-from fusedpar._target import of_platform
+from fusedpar._hw._target import of_platform
 
 MiB = 2**20
 GENERATIONS = ("v4", "v5e", "v5p", "v6e", "7x")
@@ -120,7 +120,7 @@ def _resident(prim, chip, m, k, c, n=4):
     """What the plan keeps in VMEM for `prim` at per-device sizes (m, k, c), bf16."""
     import jax
 
-    from fusedpar._backends import pallas_tpu
+    from fusedpar._core._backends import pallas_tpu
 
     shapes = {"ag_rows": ((m, k), (k, c)), "ag_cols": ((m, k), (k, c // n)),
               "ag_contract": ((m, k), (k // n, c)), "rs_rows": ((m, k), (k, c)),

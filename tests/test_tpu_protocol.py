@@ -25,12 +25,12 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpret_
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
-from fusedpar import _definition, _primitives as Prim
-from fusedpar._backends import pallas_tpu
+from fusedpar._core import _definition, _primitives as Prim
+from fusedpar._core._backends import pallas_tpu
 from fusedpar.kernels.tpu import Chip, _tile_plan
 
 from helpers import assert_close, mesh, normal
-from fusedpar._target import of_platform
+from fusedpar._hw._target import of_platform
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -24,10 +24,10 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
-from fusedpar import _primitives as Prim, _quantize
-from fusedpar._backends import pallas_tpu
-from fusedpar._primitives import Call
-from fusedpar._target import of_platform
+from fusedpar._core import _primitives as Prim, _quantize
+from fusedpar._core._backends import pallas_tpu
+from fusedpar._core._primitives import Call
+from fusedpar._hw._target import of_platform
 
 from helpers import assert_close, mesh, normal
 

@@ -1,6 +1,6 @@
 """Pallas GPU kernels for the per-step compute of a ppermute ring.
 
-The ring itself is driven by `fusedpar._backends.pallas_gpu`; the kernels only compute
+The ring itself is driven by `fusedpar._core._backends.pallas_gpu`; the kernels only compute
 one step, in two families with the same semantics:
 
 - `mosaic`: Mosaic GPU kernels for Hopper and newer (TMA, wgmma, warp specialisation);

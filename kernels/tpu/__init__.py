@@ -16,7 +16,7 @@ device, DMA and semaphore.
   window checks; `_collective_ids.py`: one collective id per (kernel, mesh axes).
 
 The backend that maps the package's primitives and options to these parameters is
-`fusedpar._backends.pallas_tpu`. These are collective kernels: the enclosing
+`fusedpar._core._backends.pallas_tpu`. These are collective kernels: the enclosing
 `jax.shard_map` must use `check_vma=False`.
 """
 

@@ -1,7 +1,7 @@
 """What a kernel needs to know about the TPU it is built for: VMEM, TensorCores, tiles.
 
 The values are plain: the package fills a `Chip` from its hardware registry
-(`fusedpar._registry`: one entry per TPU generation, with the arithmetic behind each
+(`fusedpar._hw._registry`: one entry per TPU generation, with the arithmetic behind each
 preset in docs/tpu.md), and a caller may build one for any chip.
 
 Every kernel passes `vmem_limit_bytes`: three quarters of the chip's VMEM (the last

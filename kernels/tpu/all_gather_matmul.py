@@ -23,7 +23,7 @@ fit. `return_gathered` also copies every piece into the gathered operand with a 
 that runs beside the matmul.
 
 Quantized payloads (`scales` given): the travelling operand is 8-bit values (int8 or
-float8_e4m3fn) with float32 scales (`fusedpar._quantize`: one per row of x for `ROWS`,
+float8_e4m3fn) with float32 scales (`fusedpar._core._quantize`: one per row of x for `ROWS`,
 per column of w for `COLUMNS`, per (block, column) for `CONTRACTION`). Both travel, each
 by its own remote DMA into its own slots (`_protocol.Link` with two parts); a step widens
 the 8-bit piece to the stationary operand's dtype in VMEM (exact), multiplies on the MXU

@@ -1,0 +1,450 @@
+"""Compiling for hardware that is not here: compile-only devices, the overlap report, the
+predicted time. The public face is `fusedpar.aot` (which also runs the CLI)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+from typing import Optional
+
+from . import _hlo
+from .._core import _backends, _primitives as prims
+from .._hw import _platforms, _registry
+
+# Two processes may load libtpu at once (a test run beside a compile): libtpu refuses
+# unless told it may. And JAX's CUDA plugin registers itself only after checking the
+# CUDA runtime, which a compile-only host has no need for. Both are read when JAX starts
+# its backends: importing this module first sets them.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+# libtpu, compiling for a slice on a host with no TPU, finds no TPU worker and logs an
+# error ("unexpected worker hostname") and a warning about host bounds. Naming this host
+# the only worker silences both; the topologies and compiled programs are the same.
+if not _platforms.tpu_attached():
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
+
+# The targets the package is compiled and tested for (one per registry entry naming one,
+# `fusedpar._hw._registry`); other slices ("v5e:4x4", ...), "h100xN" (N of 1 to 8) and
+# every entry's AOT name work too ("h200x8").
+TARGETS = tuple(k.aot.example for k in _registry.kinds() if k.aot and k.aot.example)
+TPU_GENERATIONS = tuple(sorted(k.generation for k in _registry.kinds()
+                               if k.platform == "tpu" and k.aot and k.aot.example))
+_GPU = re.compile(r"^([a-z]\w*?)x(\d+)$")
+_TPU = re.compile(r"^(\w+):(\d+(?:x\d+){1,2})$")
+_EXTRA = 'pip install "fusedpar[aot]"'
+
+
+def _check_target(target: str):
+    """`(kind, n)` (the registry entry, and N devices of a GPU target or the slice of a
+    TPU target) for a target name; a clear error otherwise."""
+    if not isinstance(target, str):
+        raise TypeError(f"target must be a name like {TARGETS[0]!r}, got "
+                        f"{type(target).__name__}.")
+    m = _TPU.match(target)
+    kind = m and _registry.aot_kind(m.group(1))
+    if kind and kind.platform == "tpu":
+        return kind, m.group(2)
+    m = _GPU.match(target)
+    kind = m and _registry.aot_kind(m.group(1))
+    if kind and kind.platform == "gpu" and 1 <= int(m.group(2)) <= kind.aot.max_devices:
+        return kind, int(m.group(2))
+    tpus = [k.aot.name for k in _registry.kinds() if k.aot and k.platform == "tpu"]
+    gpus = [f"'{k.aot.name}xN' with N from 1 to {k.aot.max_devices}"
+            for k in _registry.kinds() if k.aot and k.platform == "gpu"]
+    raise ValueError(f"unknown target {target!r}; valid: {', '.join(TARGETS)} (or another "
+                     f"slice of {', '.join(tpus)} like 'v5e:4x4', or {', '.join(gpus)}).")
+
+
+def _need(module, what: str, target: str):
+    """`module`: a module name, or a tuple of names any one of which will do."""
+    names = (module,) if isinstance(module, str) else module
+    if all(importlib.util.find_spec(name) is None for name in names):
+        raise ImportError(f"compiling for {target!r} needs {what}, which the 'aot' extra "
+                          f"installs: {_EXTRA}")
+
+
+def devices(target: str) -> list:
+    """Compile-only devices of `target` (see `TARGETS`), in the topology's order.
+
+    They compile programs but cannot run them. Raises ImportError when the `aot` extra
+    (the compiler for that platform) is not installed.
+    """
+    kind, what = _check_target(target)
+    from jax.experimental import topologies
+
+    if kind.platform == "gpu":
+        # CUDA 12's plugin is the aot extra's; a GPU host may have CUDA 13's instead.
+        _need(("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"),
+              "JAX's CUDA compiler plugin", target)
+        config = os.path.join(os.path.dirname(__file__), "..", "targets", kind.aot.target_config)
+        with open(config) as f:
+            try:
+                topology = topologies.get_topology_desc(
+                    platform="cuda", target_config=f.read(), topology=f"1x1x{what}")
+            except NotImplementedError:
+                raise RuntimeError(
+                    f"compiling for {target!r}: JAX started its backends before "
+                    "fusedpar.aot was imported, and its CUDA plugin, finding no CUDA "
+                    "runtime here, did not register. Import fusedpar.aot before the first "
+                    "JAX computation, or set JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 (or "
+                    "JAX_PLATFORMS=cpu) in the environment.") from None
+        return list(topology.devices)
+    _need("libtpu", "libtpu (the TPU compiler)", target)
+    # A chip's two TensorCores as one device where the kind plans for both (megacore).
+    options = {"chip_config_name": "megacore"} if kind.cores == 2 else {}
+    name = f"{kind.aot.topology or kind.aot.name}:{what}"
+    return list(topologies.get_topology_desc(name, "tpu", **options).devices)
+
+
+def mesh(target: str, shape: Optional[tuple] = None, axis_names: tuple = ("x",), *,
+         make_mesh: bool = False):
+    """A `jax.sharding.Mesh` of `target`'s compile-only devices (Auto axes).
+
+    `shape` defaults to all devices on one axis. Devices are taken in the topology's
+    order, or with `make_mesh` in `jax.make_mesh`'s (the mesh a user without fusedpar
+    builds: on a TPU slice it lays the mesh's axes along the torus)."""
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType
+
+    devs = devices(target)
+    shape = (len(devs),) if shape is None else tuple(shape)
+    if int(np.prod(shape)) != len(devs) or len(shape) != len(axis_names):
+        raise ValueError(f"mesh: target {target!r} has {len(devs)} devices; shape {shape} "
+                         f"with axis_names {tuple(axis_names)} must use all of them, one "
+                         "name per axis.")
+    types = (AxisType.Auto,) * len(shape)
+    if make_mesh:
+        return jax.make_mesh(shape, tuple(axis_names), devices=devs, axis_types=types)
+    return jax.sharding.Mesh(np.array(devs).reshape(shape), tuple(axis_names),
+                             axis_types=types)
+
+
+def gpu_compiler_options(cublas: bool = False) -> dict:
+    """The `compiler_options` this package compiles GPU programs with: the XLA flags a
+    ring needs to overlap (`fusedpar.gpu_overlap_flags`), and cuBLAS instead of Triton
+    GEMMs with `cublas=True` (a real H100 may pick either)."""
+    from .._hw._xla_flags import _GPU_FLAGS
+
+    options = _options(_GPU_FLAGS)
+    if cublas:
+        options["xla_gpu_enable_triton_gemm"] = False
+    return options
+
+
+def compiler_options(target: str, cublas: bool = False) -> dict:
+    """The `compiler_options` this package compiles `target`'s programs with, what
+    `fusedpar.set_overlap_flags()` sets for a program run on it: the GPU flags
+    (`gpu_compiler_options(cublas)`) for a GPU target, the TPU flags
+    (`fusedpar.tpu_overlap_flags(generation)`, with the slice's generation) for a TPU
+    slice."""
+    from .._hw._xla_flags import tpu_flag_pairs
+
+    kind = _check_target(target)[0]
+    if kind.platform == "gpu":
+        return gpu_compiler_options(cublas)
+    return _options(tpu_flag_pairs(kind.generation))
+
+
+def _options(flags) -> dict:
+    """`compiler_options` from `(name, value)` flag pairs, values typed."""
+    typed = {"true": True, "false": False}
+    return {name: typed.get(value, int(value) if value.isdigit() else value)
+            for name, value in flags}
+
+
+# -- what overlaps ------------------------------------------------------------------------
+
+
+def _op_of(op_name: str) -> tuple[str, str, str]:
+    """`(primitive, backend, pass)` of an instruction from its `op_name` scope (the
+    backend with " bidirectional" for a bidirectional ring)."""
+    scopes = prims.SCOPE.findall(op_name)
+    pass_ = "backward" if "transpose(" in op_name else "forward"
+    if not scopes:
+        return "other", "", pass_
+    prim, backend, ring = scopes[-1]
+    return prim, backend + (" bidirectional" if ring == "bi" else ""), pass_
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One collective in the schedule and what runs while it is in flight.
+
+    `bytes`: what one device contributes (the collective's operands); `matmuls`: the
+    matmuls scheduled between its start and done (none for a synchronous collective);
+    `laid_out`: the same bytes as laid out in memory (TPU tiles pad a thin array: an
+    f32[512,1] in `T(8,128)` tiles takes 128 lanes a row); `arrays`: `(dtype, dims)` of
+    each array sent; `hideable`: whether the program has a matmul that neither feeds the
+    transfer nor waits for it, one that some schedule could run while it is in flight (a
+    model's first weight gather has none: every matmul needs it; nor has the gradient
+    reduce-scatter of the last matmul of the backward).
+    """
+
+    name: str
+    kind: str
+    op: tuple
+    bytes: int
+    computation: str
+    matmuls: tuple
+    laid_out: int = 0
+    arrays: tuple = ()
+    hideable: bool = True
+
+    @property
+    def hidden(self) -> bool:
+        return bool(self.matmuls)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSummary:
+    """One op's (primitive, backend, forward/backward) transfers and matmuls."""
+
+    op: tuple
+    transfers: int
+    hidden: int
+    bytes: int
+    matmuls: int
+    exposed: int
+    kernels: int
+    hideable: int  # transfers some schedule could hide (`Transfer.hideable`)
+
+    @property
+    def verdict(self) -> str:
+        prim, backend, _ = self.op
+        if self.transfers == 0:
+            if self.kernels:
+                return ("fused kernel: the ring runs inside one Pallas kernel (remote DMAs, "
+                        "not visible to XLA)")
+            return "no communication"
+        if self.hidden == self.transfers:
+            return "overlapped: every transfer has a matmul in flight"
+        unhideable = self.transfers - self.hideable
+        if self.hideable == 0:
+            return "nothing to overlap: every matmul feeds or waits for these transfers"
+        one_collective = backend == "" or _backends.runs_one_collective(backend)
+        if self.hidden == self.hideable and not one_collective:
+            return (f"overlapped: every transfer that can be hidden has a matmul in flight "
+                    f"({unhideable} have no matmul independent of them)")
+        if one_collective:
+            kind = "collective" if backend else "transfer"
+            return (f"not overlapped: {self.transfers - self.hidden} of {self.transfers} "
+                    f"{kind}s run with no matmul in flight")
+        if self.hidden == 0:
+            return "NOT overlapped: no transfer has a matmul in flight"
+        return f"partly overlapped: {self.transfers - self.hidden} transfers exposed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What overlaps in one compiled program (see `overlap`)."""
+
+    transfers: tuple
+    ops: tuple
+
+    @property
+    def total(self) -> int:
+        return len(self.transfers)
+
+    @property
+    def hidden(self) -> int:
+        return sum(t.hidden for t in self.transfers)
+
+    @property
+    def hideable(self) -> int:
+        """Transfers that some schedule could hide (`Transfer.hideable`)."""
+        return sum(t.hideable for t in self.transfers)
+
+    def op(self, prim: str, backend: str, pass_: str = "forward") -> Optional[OpSummary]:
+        for s in self.ops:
+            if s.op == (prim, backend, pass_):
+                return s
+        return None
+
+    def markdown(self, title: str = "") -> str:
+        """The per-op table a person reads, with the program's totals."""
+        lines = [f"### {title}", ""] if title else []
+        lines += ["| op | backend | pass | transfers hidden | bytes / device | matmuls "
+                  "exposed | verdict |", "|---|---|---|---:|---:|---:|---|"]
+        for s in self.ops:
+            prim, backend, pass_ = s.op
+            lines.append(f"| {prim} | {backend or '-'} | {pass_} | {s.hidden} / "
+                         f"{s.transfers} | {s.bytes:,} | {s.exposed} / {s.matmuls} | "
+                         f"{s.verdict} |")
+        lines += ["", f"{self.hidden} of {self.total} transfers have a matmul in flight"
+                  + (f"; {self.total - self.hideable} have no matmul independent of them."
+                     if self.hideable < self.total else ".")]
+        return "\n".join(lines)
+
+
+def _text(program) -> str:
+    if isinstance(program, str):
+        return program
+    if hasattr(program, "as_text"):
+        return program.as_text()
+    raise TypeError(f"overlap: program must be a compiled program (jax.jit(f).lower(...)"
+                    f".compile()) or its as_text(), got {type(program).__name__}.")
+
+
+def overlap(program) -> Report:
+    """What overlaps in `program` (a `jax.stages.Compiled`, or its `as_text()`).
+
+    A transfer is hidden when a matmul (a dot or convolution, a fusion or loop that
+    runs one, a cuBLAS or Pallas kernel) is scheduled between its start and its done; a
+    synchronous collective hides nothing. A matmul is exposed when no transfer is in
+    flight while it runs. Transfers and matmuls are attributed to the fusedpar op whose
+    name scope they were traced in ("other" for the rest of the program).
+    """
+    module = _hlo.parse(_text(program))
+    multiplying = _hlo.matmul_computations(module)
+    fused = _fused_kernel_names()
+    transfers, matmuls, kernels = [], [], []
+    for comp in _hlo.scheduled_computations(module):
+        instructions = module.computations[comp]
+        by_name = {i.name: i for i in instructions}
+        hideable = _hideable(instructions, multiplying)
+        open_: dict = {}  # start name -> (instruction, kind, matmuls so far)
+        for i in instructions:
+            kind = _hlo.collective_kind(module, i)
+            done = _hlo.started_by(i, by_name)
+            if kind is not None and _hlo.is_async_start(i):
+                open_[i.name] = (i, kind, [])
+            elif done in open_:
+                start, kind, seen = open_.pop(done)
+                transfers.append(_transfer(module, start, kind, by_name, comp, tuple(seen),
+                                           hideable(start.name, i.name)))
+            elif kind is not None:  # synchronous
+                transfers.append(_transfer(module, i, kind, by_name, comp, (),
+                                           hideable(i.name, i.name)))
+            elif _hlo.is_matmul(i, multiplying):
+                for _, _, seen in open_.values():
+                    seen.append(i.name)
+                key = _op_of(i.op_name)
+                if i.opcode == "custom-call" and i.target == "tpu_custom_call":
+                    # A Pallas TPU kernel: its backend from its kernel name, its
+                    # primitive from its name scope if it has one, else from that name.
+                    name = re.sub(r"\.\d+$", "", i.name)
+                    prim, backend = fused.get(name, (name, "pallas_tpu"))
+                    key = (prim if key[0] == "other" else key[0], backend, "fused kernel")
+                    kernels.append(key)
+                matmuls.append((key, not open_))
+        for start, kind, seen in open_.values():  # done in another computation
+            transfers.append(_transfer(module, start, kind, by_name, comp, tuple(seen),
+                                       hideable(start.name, start.name)))
+    keys = list(dict.fromkeys([t.op for t in transfers] + [m[0] for m in matmuls]))
+    ops = []
+    for key in keys:
+        mine = [t for t in transfers if t.op == key]
+        mm = [exposed for k, exposed in matmuls if k == key]
+        ops.append(OpSummary(key, len(mine), sum(t.hidden for t in mine),
+                             sum(t.bytes for t in mine), len(mm), sum(mm),
+                             kernels.count(key), sum(t.hideable for t in mine)))
+    return Report(tuple(transfers), tuple(ops))
+
+
+def _fused_kernel_names() -> dict:
+    """`{a fused kernel's name in a program: (its primitive, its backend)}` of every
+    backend that has fused kernels (`_backends.Backend.fused_kernels`), so the report
+    names it `ag_rows` as it names every other op (without a backend's whose kernels do
+    not import)."""
+    names = {}
+    for backend in _backends.TABLE.values():
+        if backend.fused_kernels is None:
+            continue
+        try:
+            names.update((kernel, (prim, backend.name))
+                         for kernel, prim in backend.fused_kernels().items())
+        except ImportError:  # pragma: no cover - a JAX without Pallas TPU
+            pass
+    return names
+
+
+def _hideable(instructions, multiplying):
+    """`hideable(start, done)`: whether a matmul of the computation is independent of the
+    transfer from `start` to `done` (neither an ancestor of the start nor a descendant of
+    the done, in the dataflow), so that a schedule could run it in flight."""
+    ancestors, descendants = _hlo.dataflow(instructions)
+    index = {i.name: k for k, i in enumerate(instructions)}
+    matmuls = 0
+    for k, i in enumerate(instructions):
+        if _hlo.is_matmul(i, multiplying):
+            matmuls |= 1 << k
+
+    def hideable(start: str, done: str) -> bool:
+        s, d = index[start], index[done]
+        return bool(matmuls & ~(ancestors[s] | descendants[d] | (1 << s) | (1 << d)))
+
+    return hideable
+
+
+def _sent(i, by_name) -> list:
+    """The operands `i` sends: all of a combined collective's (XLA on GPU merges the
+    values and scales of a quantized ppermute into one collective-permute of two arrays),
+    only the input of an in-place collective-permute (input, output buffer, and two
+    tuples of integer offsets)."""
+    operands = [by_name.get(name) for name in i.operands]
+    if (i.opcode.startswith("collective-permute") and len(operands) == 4
+            and all(o is not None and {d for d, _ in _hlo.array_shapes(o.shape)}
+                    <= {"s32", "u32", "s64"} for o in operands[2:])):
+        operands = operands[:1]
+    return operands
+
+
+def _transfer(module, i, kind, by_name, computation, matmuls, hideable=True) -> Transfer:
+    operands = _sent(i, by_name) if i.operands else []
+    if operands and all(o is not None for o in operands):
+        shapes = [o.shape for o in operands]
+    else:  # a parameter of another computation: the start's first result is the operand
+        shapes = [_first_array(i.shape)]
+    nbytes = sum(_hlo.shape_bytes(s) for s in shapes)
+    laid_out = sum(_hlo.laid_out_bytes(s) for s in shapes)
+    arrays = tuple(a for s in shapes for a in _hlo.array_shapes(s))
+    # A collective the compiler wrapped without a name (a TPU reduce-scatter fusion)
+    # belongs to the op whose result it sends.
+    name = _hlo.op_name(module, i) or next(
+        (_hlo.op_name(module, o) for o in operands if o is not None), "")
+    return Transfer(i.name, kind, _op_of(name), nbytes, computation,
+                    matmuls, laid_out, arrays, hideable or bool(matmuls))
+
+
+def _first_array(shape: str) -> str:
+    """The first array of an HLO (tuple) shape, with its layout."""
+    match = re.search(r"[a-z]+\d*[a-z0-9]*\[[\d,]*\](\{[^{}]*\})?", shape)
+    return match.group(0) if match else ""
+
+
+def predict(program, target):
+    """The time `program` (a compiled program or its `as_text()`) is predicted to take
+    per device on `target`, replaying its schedule (`fusedpar._compile._simulate`).
+
+    `target`: a target name (`TARGETS`), a `jax.sharding.Mesh` (its devices say which
+    hardware, and on a TPU slice their coordinates give each transfer's hop count), or a
+    `cost_model.Hardware`. Returns a `Prediction` (seconds, compute, communication,
+    exposed waits, and the lower bound max(compute, communication)).
+    """
+    from . import _simulate
+    from .._hw import _target
+    from .. import cost_model
+
+    coords = None
+    if isinstance(target, cost_model.Hardware):
+        hardware = target
+    else:
+        if isinstance(target, str):
+            target = mesh(target)
+        found = _target.of_mesh(target)
+        if found is None:
+            raise ValueError(f"predict: target must be a target name, a Mesh of devices or "
+                             f"a cost_model.Hardware, got {target!r}.")
+        hardware = cost_model.get_hardware(found.cost_preset)
+        devices = list(target.devices.flat)
+        # Hops count on a TPU torus; GPUs reach every peer in one hop through NVSwitch
+        # (their topology coordinates are not a wiring).
+        if found.platform == "tpu" and all(getattr(d, "coords", None) is not None
+                                           for d in devices):
+            coords = [_registry.position(d, found.kind) for d in devices]
+    return _simulate.predict(_text(program), hardware, coords)
+

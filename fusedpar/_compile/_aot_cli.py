@@ -1,0 +1,245 @@
+"""`python -m fusedpar.aot`: compile a program for a target and print what overlaps."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import importlib.util
+import json
+import os
+import re
+import time
+
+from .._core import _backends  # imported with fusedpar already
+
+PROGRAMS = ("ops", "mlp", "block", "block-qkv", "prefill", "decode", "demo")
+# What `--backend` takes: the backends `auto` weighs (reference, ring, pallas), and auto.
+BACKENDS = tuple(b.name for b in _backends.candidates()) + (_backends.AUTO,)
+# The mesh axes a program gets without --axes: the built-in ones are written for these;
+# the blocks, the demo and your own program (FILE.py:FUNCTION) get ("fsdp", "tp").
+AXES = {"ops": ("x",), "mlp": ("tp",)}
+TWO_AXES = ("fsdp", "tp")
+_MESH = re.compile(r"^[1-9][0-9]*(x[1-9][0-9]*)*$")
+
+
+def _parser():
+    from . import _aot as aot
+
+    p = argparse.ArgumentParser(
+        prog="python -m fusedpar.aot",
+        description="Compile a program for hardware that is not here and print, per op, "
+                    "which transfers have a matmul in flight.")
+    p.add_argument("--target", required=True,
+                   help=f"what to compile for: {', '.join(aot.TARGETS)} (or another TPU "
+                        "slice, or h100xN, h200xN)")
+    p.add_argument("--program", default="mlp",
+                   help="ops (the five primitives, forward and backward), mlp (a "
+                        "sequence-parallel MLP), block (an FSDP x TP transformer block), "
+                        "block-qkv (the block with one q, k, v projection), "
+                        "prefill and decode (the block's forward at a longer sequence "
+                        "and at a few tokens per device), "
+                        "demo (the demo's model), or your own: FILE.py:FUNCTION or "
+                        "module:FUNCTION, a function (mesh, backend) -> (jitted, args), "
+                        "lowered under jax.set_mesh(mesh) (docs/aot.md)")
+    p.add_argument("--backend", default="auto", help=f"one of {', '.join(BACKENDS)}")
+    p.add_argument("--mesh", default=None,
+                   help="mesh shape, one size per axis name, e.g. 2x4; the sizes multiply "
+                        "to the target's device count (default: all devices on one axis "
+                        "for one axis name, 2 x n/2 for two)")
+    p.add_argument("--axes", default=None,
+                   help="mesh axis names, comma-separated (default: x for ops, tp for "
+                        "mlp, fsdp,tp for block, block-qkv, prefill, decode, demo and your "
+                        "own program)")
+    p.add_argument("--cublas", action="store_true",
+                   help="GPU: cuBLAS GEMMs instead of Triton ones")
+    p.add_argument("--compare", action="store_true",
+                   help="compile the program (mlp, block, prefill, decode, or each op of "
+                        "ops) as XLA "
+                        "partitions it without fusedpar (with the platform's defaults and "
+                        "with XLA's collective matmul) and with each fusedpar backend, and "
+                        "print the predicted times side by side, on jax.make_mesh's mesh")
+    p.add_argument("--json", default=None, help="also write the rows as JSON here")
+    return p
+
+
+def _parse(argv):
+    from . import _aot as aot
+
+    p = _parser()
+    args = p.parse_args(argv)
+    try:
+        aot._check_target(args.target)
+    except ValueError as e:
+        p.error(f"--target: {e}")
+    if args.backend not in BACKENDS:
+        p.error(f"--backend: unknown {args.backend!r}; valid: {', '.join(BACKENDS)}")
+    if args.program not in PROGRAMS and ":" not in args.program:
+        p.error(f"--program: {args.program!r} is neither one of {', '.join(PROGRAMS)} nor "
+                "FILE.py:FUNCTION / module:FUNCTION")
+    _check_mesh(p, args)
+    if args.compare:
+        from ._aot_compare import PROGRAMS as COMPARED
+
+        if args.program not in COMPARED + ("ops",):
+            p.error(f"--compare: --program must be ops, or one of {', '.join(COMPARED)}, "
+                    f"got {args.program!r}")
+        if args.mesh or args.axes:
+            p.error("--compare builds jax.make_mesh's mesh of the program's axes: leave "
+                    "out --mesh and --axes")
+    return args
+
+
+def _axes(args) -> tuple:
+    """The mesh axis names: --axes, or the program's default."""
+    if args.axes is not None:
+        return tuple(args.axes.split(","))
+    return AXES.get(args.program, TWO_AXES)
+
+
+def _check_mesh(p, args) -> None:
+    """--mesh and --axes as written (the device count is the target's: see `_mesh`)."""
+    axes = _axes(args)
+    if args.axes is not None and (not all(a.isidentifier() for a in axes)
+                                  or len(set(axes)) < len(axes)):
+        p.error(f"--axes: {args.axes!r} must be distinct names separated by commas, e.g. "
+                "fsdp,tp")
+    if args.mesh is not None:
+        if not _MESH.match(args.mesh.lower()):
+            p.error(f"--mesh: {args.mesh!r} must be positive sizes separated by x, one per "
+                    f"axis name, e.g. 2x4")
+        sizes = args.mesh.lower().split("x")
+        if len(sizes) != len(axes):
+            p.error(f"--mesh: {args.mesh!r} has {len(sizes)} size"
+                    f"{'s' if len(sizes) > 1 else ''} but the mesh's axis "
+                    f"names are {axes} ("
+                    + ("--axes" if args.axes is not None else
+                       f"the default of --program {args.program}")
+                    + "); give one size per name, or --axes with one name per size")
+    elif len(axes) > 2:
+        p.error(f"--axes: {len(axes)} names {axes} need --mesh (e.g. "
+                f"{'x'.join(['2'] * len(axes))}): the default mesh is for one or two axes")
+
+
+def _user_program(spec):
+    where, name = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        loader = importlib.util.spec_from_file_location("aot_user_program", where)
+        if loader is None or not os.path.exists(where):
+            raise SystemExit(f"--program: no file {where!r}")
+        module = importlib.util.module_from_spec(loader)
+        loader.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    if not hasattr(module, name):
+        raise SystemExit(f"--program: {where} has no function {name!r}")
+    return getattr(module, name)
+
+
+def _mesh(args):
+    """The mesh --mesh and --axes (or the program's defaults) ask for, of every device of
+    --target; one that does not use them all exits as a bad argument does (status 2)."""
+    from . import _aot as aot
+
+    axes = _axes(args)
+    n = len(aot.devices(args.target))
+    if args.mesh:
+        shape = tuple(int(v) for v in args.mesh.lower().split("x"))
+    elif len(axes) == 2:
+        shape = (2, n // 2)
+    else:
+        shape = (n,)
+    try:
+        return aot.mesh(args.target, shape, axes)
+    except ValueError as e:
+        _parser().error(f"--mesh: {e} Give --mesh with sizes that multiply to {n}.")
+
+
+def _programs(args):
+    """`(label, mesh, jitted, arguments)` of everything `args` asks to compile."""
+    from . import _aot_programs as progs
+    from .._core import _primitives as prims
+
+    backend = args.backend
+    mesh = _mesh(args)
+    if args.program == "ops":
+        for prim in prims.PRIMITIVES:
+            for bidirectional in (False, True):
+                ring = "bidirectional" if bidirectional else "unidirectional"
+                fn, a = progs.op_program(mesh, prim, backend, bidirectional=bidirectional)
+                yield f"{prim} {ring}", mesh, fn, a
+        return
+    build = {"mlp": progs.mlp_program, "block": progs.block_program,
+             "demo": progs.demo_program,
+             "block-qkv": functools.partial(progs.block_program, fused_qkv=True),
+             "prefill": functools.partial(progs.block_program, program="prefill"),
+             "decode": functools.partial(progs.block_program, program="decode"),
+             }.get(args.program)
+    fn, a = (build or _user_program(args.program))(mesh, backend)
+    yield args.program, mesh, fn, a
+
+
+def _compare(args):
+    """--compare: the table of `fusedpar._compile._aot_compare`, and its rows as JSON."""
+    from . import _aot_compare
+
+    from .._core import _primitives as prims
+
+    out = []
+    for program in prims.PRIMITIVES if args.program == "ops" else (args.program,):
+        rows = _aot_compare.compare(args.target, program, cublas=args.cublas)
+        gemm = " (cuBLAS GEMMs)" if args.cublas else ""
+        print(_aot_compare.markdown(rows, f"{args.target}{gemm}: {program}, XLA and "
+                                          "fusedpar (per device, replayed)"))
+        print()
+        out += [dict(target=args.target, program=program, cublas=args.cublas, **vars(r))
+                for r in rows]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+def main(argv=None):
+    args = _parse(argv)
+    import jax
+
+    from . import _aot as aot
+
+    if args.compare:
+        return _compare(args)
+
+    options = aot.compiler_options(args.target, args.cublas)
+    rows = []
+    for label, mesh, fn, arguments in _programs(args):
+        start = time.perf_counter()
+        # Under the mesh, as the program runs: layers on global arrays need it set (a
+        # program of your own is lowered so too, docs/aot.md).
+        with jax.set_mesh(mesh):
+            compiled = fn.lower(*arguments).compile(compiler_options=options or None)
+        seconds = time.perf_counter() - start
+        report = aot.overlap(compiled)
+        predicted = aot.predict(compiled, mesh)
+        print(report.markdown(f"{args.target}: {label}, backend={args.backend} "
+                              f"(compiled in {seconds:.1f} s)"))
+        print(f"Predicted per device: {predicted.seconds * 1e6:,.0f} us (lower bound "
+              f"{predicted.lower_bound * 1e6:,.0f} us: compute "
+              f"{predicted.compute * 1e6:,.0f} us, communication over all links "
+              f"{predicted.min_comm_s * 1e6:,.0f} us; waiting on transfers "
+              f"{predicted.exposed * 1e6:,.0f} us).")
+        for what in predicted.unread:
+            print(f"Not read by the replay: {what}")
+        print()
+        rows.append(dict(target=args.target, program=label, backend=args.backend,
+                         compile_s=round(seconds, 2), hidden=report.hidden,
+                         predicted_us=round(predicted.seconds * 1e6, 1),
+                         lower_bound_us=round(predicted.lower_bound * 1e6, 1),
+                         transfers=report.total,
+                         ops=[dict(op=s.op[0], backend=s.op[1], direction=s.op[2],
+                                   transfers=s.transfers, hidden=s.hidden, bytes=s.bytes,
+                                   matmuls=s.matmuls, exposed=s.exposed, verdict=s.verdict)
+                              for s in report.ops]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows

@@ -1,0 +1,182 @@
+"""Gradients of the primitives: one custom_vjp whose backward runs the dual primitive.
+
+The gradient of an all-gather-matmul with respect to its non-gathered operand is a
+matmul-reduce-scatter and vice versa, so the backward pass overlaps its collectives the
+same way the forward does, on the same backend — or, when the forward's backend was
+picked by `backend="auto"`, on the one the same policy picks for each dual primitive's
+own shapes: a forward all-gather whose ring pays can have a gradient reduce-scatter
+whose ring does not (on 8 x H100 with per device x (2048, 8192) @ w (8192, 2048),
+ag_rows forward on the ring, its rs_rows gradient on the reference).
+
+With `keep_gathered` the forward of an all-gather returns the gathered operand as a
+residual and the other gradient is a local matmul; without it, that gradient gathers
+again (a second ring, less memory). A reduce-scatter's backward gathers the cotangent
+once and, with `keep_gathered`, reuses it.
+
+An ag_rows that `auto` runs product first (a w JAX proves replicated: `_product_first`)
+has that module's backward: the cotangent reduce-scattered, both gradients local.
+
+Which dual runs, on which operands, is data: each primitive's `backward` and
+`backward_keep` (`_primitives.Grad`); `_grads` computes them in order.
+
+Quantized communication (`comm_dtype`) is straight-through: the backward differentiates
+the lax expression on the operand the forward multiplied (the dequantized one, which is
+the residual `keep_gathered` keeps), with no gradient through rounding or clipping. The
+backward's own collectives send in `grad_comm_dtype` (None: the inputs' dtype). Without
+`keep_gathered` the backward gathers the operand again, in `grad_comm_dtype`: its other
+gradient then multiplies that operand (unquantized by default), not the forward's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+from . import _backends, _definition, _dispatch, _primitives as prims, _product_first, _quantize
+from .. import cost_model
+from ._vma import cotangent_like
+
+
+def scope(prim: str, cfg) -> str:
+    """The name scope every run of `prim` with `cfg` is traced in, e.g.
+    `fusedpar.ag_rows.ring.bidirectional`: compiled programs carry it in each
+    instruction's `op_name`, so `fusedpar.aot` can say which op a transfer belongs to
+    (a backward pass's runs sit under `transpose(...)`)."""
+    if cfg.product_first:  # `_aot` reads the backend as "reference"
+        return f"fusedpar.{prim}.reference.product_first"
+    if _backends.runs_one_collective(cfg.backend):  # no ring: no direction to name
+        return f"fusedpar.{prim}.{cfg.backend}"
+    ring = "bidirectional" if cfg.bidirectional else "unidirectional"
+    return f"fusedpar.{prim}.{cfg.backend}.{ring}"
+
+
+def run(prim, cfg, x, w, return_gathered=False):
+    """Run `prim` on the configured backend, without custom differentiation."""
+    with jax.named_scope(scope(prim, cfg)):
+        if cfg.product_first:
+            return _product_first.forward(cfg, x, w, return_gathered)
+        return _backends.get(cfg.backend).run(prim, cfg, x, w, return_gathered)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def apply(prim, cfg, x, w):
+    """Run `prim` with the backward pass described above."""
+    return run(prim, cfg, x, w)
+
+
+def _fwd(prim, cfg, x, w):
+    # A pre-quantized w keeps its gathered (dequantized) self: it has no transpose to
+    # gather again with, and x's gradient needs it.
+    # Run product first, the backward needs no gathered operand (`_product_first`).
+    if (prim in prims.GATHERS and not cfg.product_first
+            and (cfg.keep_gathered or _is_quantized(w))):
+        out, gathered = run(prim, cfg, x, w, return_gathered=True)
+    else:
+        out, gathered = run(prim, cfg, x, w), None
+    return out, (x, w, gathered)
+
+
+def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None):
+    """`run` for the backward pass, checked first like the forward call was.
+
+    The forward's dispatch checked only the forward primitive's shapes; a dual step can
+    have other ones (its contraction is the forward's output width, say), which a kernel
+    backend may not tile: that is an error here, before any kernel is traced.
+    `beside`: the operands (shapes) of the backward's other gradient matmul, which needs
+    nothing this one computes (under "auto" the reference's collective can hide behind
+    it).
+    """
+    op = prims.of(fwd_prim).op
+    call = cfg.call(op, prim, x, w, gathered=return_gathered)
+    cfg = dataclasses.replace(cfg, product_first=False)  # the forward's, not this run's
+    if cfg.auto:  # this primitive's own pick (the ring shape stays the forward's)
+        if beside is not None and call.platform not in ("", "cpu"):
+            (m, k), (_, n) = beside[0].shape, beside[1].shape
+            seconds = cost_model.matmul_seconds(
+                m, k, n, call.dtype, cost_model.get_hardware(None, call.target))
+            call = dataclasses.replace(call, beside=seconds)
+        # `choose` picks only a backend that can run the call.
+        choice = _dispatch.choose(call, _dispatch.AUTO, cfg.unroll)
+        cfg = dataclasses.replace(cfg, backend=choice.backend,
+                                  bidirectional=choice.bidirectional, unroll=choice.unroll,
+                                  product_first=choice.product_first)
+        return run(prim, cfg, x, w, return_gathered)
+    why = _backends.get(cfg.backend).unavailable(call)
+    if why is not None:
+        raise NotImplementedError(
+            f"{op}: the backward pass of {fwd_prim} runs {prim} on local x{call.x_shape} "
+            f"w{call.w_shape} ({call.dtype}), which backend {cfg.backend!r} cannot run: "
+            f"{why} (the forward pass alone runs on it; backend='ring' runs both).")
+    return run(prim, cfg, x, w, return_gathered)
+
+
+def _local(cfg, a, b, dtype):
+    return _definition.matmul(a, b, precision=cfg.precision, out_dtype=dtype)
+
+
+def _is_quantized(w) -> bool:
+    return isinstance(w, _quantize.Quantized)
+
+
+def _operand(env, name):
+    """`env`'s operand `name`, transposed for a `.T` suffix (`_primitives.Grad`)."""
+    base, _, t = name.partition(".")
+    return env[base].T if t else env[base]
+
+
+def _shape(env, name):
+    """The shape `_operand(env, name)` has, without transposing anything."""
+    shape = tuple(env[name.partition(".")[0]].shape)
+    return shape[::-1] if name.endswith(".T") else shape
+
+
+def _grads(prim, c, env, grads, dtypes):
+    """Compute `grads` (`_primitives.Grad`, in order) from the operands in `env`.
+
+    A dual run whose sibling gradient is a local matmul on operands it does not produce
+    is told their shapes (`beside`): that matmul can hide its collective.
+    """
+    out = {}
+    for g in grads:
+        lhs, rhs = _operand(env, g.lhs), _operand(env, g.rhs)
+        if g.prim is None:
+            r = _local(c, lhs, rhs, dtypes[g.of])
+        else:
+            other = next((o for o in grads if o is not g), None)
+            beside = None
+            if other is not None and other.prim is None and not g.keeps:
+                beside = tuple(jax.ShapeDtypeStruct(_shape(env, n), env["dy"].dtype)
+                               for n in (other.lhs, other.rhs))
+            r = _run_dual(prim, g.prim, c, lhs, rhs, return_gathered=g.keeps, beside=beside)
+            if g.keeps:
+                r, env["g"] = r
+        out[g.of] = r.T if g.transposed else r
+    return out
+
+
+def _bwd(prim, cfg, res, dy):
+    x, w, gathered = res
+    p = prims.of(prim)
+    dtypes = {"x": x.dtype, "w": w.dtype}
+    if _is_quantized(w):  # a stored quantized weight: x's gradient only (a local matmul)
+        c = dataclasses.replace(cfg, out_dtype=x.dtype)
+        env = dict(x=x, w=w, dy=dy.astype(x.dtype), g=gathered)
+        grads = tuple(g for g in p.backward_keep if g.of == "x")
+        return cotangent_like(_grads(prim, c, env, grads, dtypes)["x"], x), None
+    # Gradients are computed in the inputs' dtype, accumulating in f32 as the forward does.
+    dy = dy.astype(x.dtype)
+    # The dual runs send in the backward's comm dtype (and have no backward of their own).
+    c = dataclasses.replace(cfg, out_dtype=x.dtype, comm_dtype=cfg.grad_comm_dtype,
+                            grad_comm_dtype=None)
+    if cfg.product_first:  # y = AG_rows(x @ w), w invariant: both gradients local
+        dx, dw = _product_first.backward(c, x, w, dy)
+        return cotangent_like(dx.astype(x.dtype), x), cotangent_like(dw.astype(w.dtype), w)
+    grads = p.backward_keep if cfg.keep_gathered else p.backward
+    d = _grads(prim, c, dict(x=x, w=w, dy=dy, g=gathered), grads, dtypes)
+    return (cotangent_like(d["x"].astype(x.dtype), x),
+            cotangent_like(d["w"].astype(w.dtype), w))
+
+
+apply.defvjp(_fwd, _bwd)

@@ -1,0 +1,348 @@
+"""The `"pallas_tpu"` backend: one fused Pallas TPU kernel per primitive, the ring inside.
+
+The kernels (`fusedpar.kernels.tpu`) move blocks with remote DMAs between neighbours
+while the MXU multiplies the block in hand. On TPU they compile with Mosaic; on CPU they
+run in TPU interpret mode, which simulates every device, DMA and semaphore (a correctness
+simulator: slow).
+
+This module is the one place that maps the package's primitives and options to the
+kernels' typed parameters (`_params`): which kernel and layout a primitive is, the ring's
+direction as dispatch resolved it, the collective id of the (kernel, mesh axes) pair, the
+TPU generation it is planned for, tiles and interpret mode.
+
+These are collective kernels: the enclosing `jax.shard_map` must use `check_vma=False`.
+
+`comm_dtype` (int8, float8_e4m3fn): an all-gather's travelling operand is quantized once
+on its owner (`_quantize.quantize` along the primitive's `scale_axis`) and the kernel
+moves the 8-bit values and their float32 scales, widening each piece in VMEM and scaling
+the step's product; the gathered operand kept for the backward pass is dequantized
+here. The reduce-scatter kernels do not requantize their travelling accumulator: with a
+`comm_dtype` they are unavailable (backend='ring' does it).
+
+Options (`options={...}` of the public ops): `block_m`, `block_n`, `block_k` (tile
+targets; default: the chip's presets), `vmem` (force every buffer into VMEM, or force the
+tiled HBM path), `chip` (the TPU generation to plan for: "v4", "v5e", "v5p", "v6e", or a
+`fusedpar.kernels.tpu.Chip`; default: the generation of the mesh's devices — on a TPU
+mesh another generation is an error — and "v5e" on CPU), `cores` (TensorCores per device
+to split the tiled steps between; default: the mesh's devices' cores, 2 in megacore mode),
+`interpret` (bool: force or forbid interpret mode; default: interpret on a CPU mesh,
+Mosaic on a TPU mesh, where asking for the interpreter is an error; False on a CPU mesh
+builds for Mosaic, to lower for TPU from there), `interpret_params` (a
+`pltpu.InterpretParams`), and `_broken` (a deliberately broken protocol variant, for the
+tests that prove the checks can fail).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from .. import _batching, _primitives as prims, _quantize, _vma
+from ..._hw import _registry, _target
+from ..._hw._hardware import TPU_KERNELS
+from .._schedule import Ring, ring_for
+from ._backend import Backend
+
+_DTYPES = ("float32", "bfloat16")
+_OPTIONS = frozenset({"block_m", "block_n", "block_k", "vmem", "chip", "cores", "interpret",
+                      "interpret_params", "_broken"})
+# The options that say what the kernels are built for: checked against the target when
+# dispatch asks whether the kernels can run a call.
+_TARGET_OPTIONS = frozenset({"chip", "cores", "interpret", "interpret_params"})
+
+
+def _kernels():
+    # Imported on first use: importing fusedpar does not import Pallas.
+    from ...kernels import tpu
+
+    return tpu
+
+
+def options(platform: str) -> frozenset:
+    return _OPTIONS
+
+
+def _kernel_of(prim):
+    """(kernel module, its name, the layout it runs) of primitive `prim`."""
+    tpu = _kernels()
+    p = prims.of(prim)
+    name = "all_gather_matmul" if p.gathers else "matmul_reduce_scatter"
+    module = getattr(tpu, name)
+    # The kernel's layout is the matmul dimension the ring cuts.
+    layout = {"m": "ROWS", "n": "COLUMNS", "k": "CONTRACTION"}[p.ring_dim]
+    return module, name, getattr(module, layout)
+
+
+def chip(generation: str, cores=None):
+    """The kernels' `Chip` for TPU `generation` ("v5e", ...), from its registry entry
+    (`fusedpar._hw._registry`), with `cores` TensorCores per device (default: megacore
+    where the entry plans for it)."""
+    kind = _registry.tpu_kind(generation)
+    if kind is None:
+        known = ", ".join(k.generation for k in _registry.kinds() if k.platform == "tpu")
+        raise ValueError(f"unknown TPU generation {generation!r}; the hardware registry "
+                         f"knows {known}")
+    if cores is not None and not 1 <= cores <= kind.cores:
+        # A grid axis of 2 "parallel" programs on one TensorCore runs them one after the
+        # other: the first would wait forever for the second at its first hand-over.
+        raise ValueError(f"a TPU {generation} device has {kind.cores} TensorCore(s) to "
+                         f"split a step between, not {cores}")
+    return _kernels().Chip(kind.generation, kind.vmem_bytes, kind.default_scoped_vmem_bytes,
+                           kind.cores if cores is None else cores, tuple(kind.tiles))
+
+
+def _chip(target, name=None, cores=None):
+    """The `Chip` to plan for: on a TPU mesh its devices' generation and cores (`name`,
+    if given, must agree); elsewhere `name` (a generation, or a `Chip` for another or a
+    made-up generation), else the default TPU's generation."""
+    tpu = _kernels()
+    if isinstance(name, tpu.Chip):
+        return name if cores is None else dataclasses.replace(name, cores=cores)
+    if target.platform == "tpu" and target.device_kind:  # not a platform name alone
+        generation = target.tpu_generation
+        if generation is None:
+            raise ValueError(f"no TPU generation is known for the mesh's devices, {target}; "
+                             "pass options={'chip': tpu.Chip(...)} to describe it")
+        if name is not None and name != generation:
+            raise ValueError(f"the mesh's devices are {target}, not TPU {name}: leave "
+                             "options['chip'] out (it is read from the mesh)")
+        if cores is None and target.num_cores in (1, 2):
+            cores = target.num_cores
+        return chip(generation, cores)
+    return chip(name or _registry.default("tpu").generation, cores)
+
+
+def _interpret(option, params, target):
+    """The `interpret` of the kernels: False (compile with Mosaic) or InterpretParams.
+
+    Default: interpret on a CPU mesh, compile on a TPU mesh; `interpret_params` implies
+    interpret mode, which only a CPU mesh runs.
+    """
+    from jax.experimental.pallas import tpu as pltpu
+
+    interpret = option
+    if interpret is None:
+        interpret = params is not None or target.interpret
+    if not interpret:
+        return False
+    if not target.interpret:
+        raise ValueError(f"options['interpret']=True (or interpret_params) runs the kernels "
+                         f"in TPU interpret mode on CPU devices, but {target.devices_are()}: "
+                         "leave it out, and Mosaic compiles them for that TPU")
+    return params if params is not None else pltpu.InterpretParams()
+
+
+def _collective_id(kernel_name, axis_name, broken):
+    """The (kernel, mesh axes) pair's collective id, from the mesh of the shard_map."""
+    tpu = _kernels()
+    if broken == tpu.BROKEN_SHARED_COLLECTIVE_ID:
+        return 0
+    ring_axes = _vma.axis_names(axis_name)
+    mesh_axes = tuple(jax.sharding.get_abstract_mesh().axis_names) or ring_axes
+    return tpu.collective_id(kernel_name, ring_axes, mesh_axes)
+
+
+def _params(prim, *, axis_name, axis_size, bidirectional, out_dtype, reduce_dtype,
+            return_gathered, target, get=lambda name, default=None: default):
+    """The kernel parameters of primitive `prim`; `get(name, default)` reads an option.
+    Without `axis_name` (a dispatch check, outside any shard_map) there is no collective
+    id."""
+    tpu = _kernels()
+    module, kernel_name, layout = _kernel_of(prim)
+    # The ring follows the slice's wires when the mesh's devices are known (`ring_for`).
+    ring = (Ring(axis_size, bidirectional) if axis_name is None
+            else ring_for(axis_name, axis_size, bidirectional))
+    if get("cores") not in (None, 1, 2):
+        raise ValueError(f"{prim}: options['cores']={get('cores')!r} must be 1 or 2 (the "
+                         "TensorCores a TPU device splits a step between; 2 on megacore "
+                         "chips, v4 and v5p)")
+    try:
+        chip = _chip(target, get("chip"), get("cores"))
+    except ValueError as e:
+        raise ValueError(f"{prim}: options['chip']={get('chip')!r}, "
+                         f"options['cores']={get('cores')!r}: {e}") from None
+    broken = get("_broken")
+    targets = tuple(int(get(f"block_{name}", preset)) for name, preset in zip("mkn", chip.tiles))
+    launch = tpu.RingLaunch(
+        axis_name=axis_name, ring=ring,
+        collective_id=(_collective_id(kernel_name, axis_name, broken)
+                       if ring.size > 1 and axis_name is not None else None),
+        chip=chip, interpret=_interpret(get("interpret"), get("interpret_params"), target),
+        vmem=get("vmem"), tile_targets=targets, precision=get("precision"), broken=broken)
+    if module is tpu.all_gather_matmul:
+        return module, module.AllGatherMatmulParams(layout, out_dtype, return_gathered, launch)
+    return module, module.MatmulReduceScatterParams(layout, out_dtype, reduce_dtype, launch)
+
+
+def _misaligned(module, params, x, w, scales=None):
+    """Why Mosaic would refuse a window the kernel cuts (None if every one is aligned)."""
+    for window in (module.windows(params, x, w, scales) if scales is not None
+                   else module.windows(params, x, w)):
+        why = window.problem(params.launch.chip)
+        if why is not None:
+            ring = params.launch.ring
+            return (f"{why} (x {tuple(x.shape)}, w {tuple(w.shape)} over "
+                    f"{ring.size} devices{', bidirectional halves' if ring.bidirectional else ''}"
+                    f"); pad the operands, or use backend='ring'")
+    return None
+
+
+def unavailable(call):
+    """Why the TPU kernels cannot run `call` (a `_primitives.Call`), or None."""
+    if call.platform not in ("tpu", "cpu"):
+        return (f"the fused TPU kernels run on TPU (or interpreted on CPU), not on "
+                f"platform {call.platform!r}")
+    kind = call.target.kind if call.target is not None else None
+    if call.platform == "tpu" and kind is not None and kind.why_not(TPU_KERNELS):
+        return kind.why_not(TPU_KERNELS)
+    if call.automatic_axes:
+        return (f"the enclosing jax.shard_map leaves mesh axes {dict(call.automatic_axes)} "
+                f"to XLA (they are not in its axis_names), and a fused TPU kernel runs only "
+                f"where every mesh axis is manual (it addresses its neighbours by their "
+                f"coordinates on every axis; XLA cannot partition a Mosaic kernel, nor run "
+                f"interpret mode's callbacks, over an automatic axis): make the shard_map "
+                f"manual over every mesh axis (leave axis_names out), or use backend='ring'")
+    if call.dtype not in _DTYPES:
+        return f"dtype {call.dtype} is not supported (supported: {', '.join(_DTYPES)})"
+    x = jax.ShapeDtypeStruct(call.x_shape, call.dtype)
+    w = jax.ShapeDtypeStruct(call.w_shape, call.dtype)
+    scales = None
+    if call.comm_dtype is not None:
+        if call.prim not in prims.GATHERS:
+            return (f"comm_dtype={call.comm_dtype}: the fused TPU reduce-scatter kernels "
+                    f"send their accumulator unquantized; backend='ring' requantizes it "
+                    f"at every hop")
+        x, w, scales = _quantized_structs(call.prim, x, w, call.comm_dtype)
+    # Results in the inputs' dtype (the strictest tiles), f32 accumulators, the gathered
+    # operand returned: every buffer and window a call of the op can have.
+    # Bad option values and options that contradict the target raise (ValueError).
+    module, params = _params(
+        call.prim, axis_name=None, axis_size=call.axis_size,
+        bidirectional=call.runs_bidirectional, out_dtype=call.dtype, reduce_dtype="float32",
+        return_gathered=True, target=call.target or _target.current(),
+        get=lambda name, default=None: (dict(call.options).get(name, default)
+                                        if name in _TARGET_OPTIONS else default))
+    try:
+        _, layout, why = (module.plan(params, x, w, scales) if scales is not None
+                          else module.plan(params, x, w))
+    except ValueError as e:
+        return str(e)
+    if layout is None:
+        return why
+    if call.platform == "tpu":  # the interpreter does not need Mosaic's tiles
+        why = _misaligned(module, params, x, w, scales)
+        return None if why is None else f"on TPU {why}"
+    return None
+
+
+def _quantized_structs(prim, x, w, comm_dtype):
+    """`(x, w, scales)` as the kernel sees a quantized call: the travelling operand's
+    8-bit values and its float32 scales (shapes only)."""
+    p = prims.of(prim)
+    which, t = p.traveller, p.travelling(x, w)
+    scale_shape = list(t.shape)
+    scale_shape[p.scale_axis] = 1
+    values = jax.ShapeDtypeStruct(t.shape, comm_dtype)
+    scales = jax.ShapeDtypeStruct(tuple(scale_shape), "float32")
+    return (values, w, scales) if which == "x" else (x, values, scales)
+
+
+def _gathered(prim, gathered, dtype):
+    """The kernel's gathered `(values, scales)` dequantized to `dtype` (the backward
+    pass's residual: what the forward multiplied with)."""
+    values, scales = gathered
+    if prims.of(prim).ring_dim == "k":  # ag_contract: scales (N, 1, n), a row per block
+        scales = scales.reshape(scales.shape[0], scales.shape[-1])
+    return _quantize.dequantize(_quantize.Quantized(values, scales), dtype)
+
+
+def _run(prim, cfg, x, w, return_gathered=False):
+    """Run primitive `prim` as a fused TPU kernel; see `_primitives.py` for shapes."""
+    tpu = _kernels()
+    if cfg.option("_broken") not in tpu.BROKEN:
+        raise ValueError(f"unknown _broken option {cfg.option('_broken')!r}")
+    scales = None
+    if cfg.comm_dtype is not None:
+        if prim not in prims.GATHERS:
+            raise NotImplementedError(
+                f"{prim}: backend 'pallas_tpu' cannot send the accumulator in "
+                f"comm_dtype={cfg.comm_dtype} (its reduce-scatter kernels do not requantize "
+                f"it); backend='ring' does")
+        dtype, p = x.dtype, prims.of(prim)
+        if p.traveller == "x":
+            x, scales = _quantize.quantize(x, cfg.comm_dtype, p.scale_axis)
+        else:
+            w, scales = _quantize.quantize(w, cfg.comm_dtype, p.scale_axis)
+    get = dict(cfg.options, precision=cfg.precision).get
+    module, params = _params(
+        prim, axis_name=cfg.axis_name, axis_size=cfg.axis_size,
+        bidirectional=cfg.bidirectional, out_dtype=cfg.out_dtype,
+        reduce_dtype=cfg.reduce_dtype, return_gathered=return_gathered, target=cfg.on,
+        get=get)
+    if params.launch.for_mosaic:  # forward and backward calls alike, before lowering
+        why = _misaligned(module, params, x, w, scales)
+        if why is not None:
+            raise NotImplementedError(f"{prim}: backend 'pallas_tpu' cannot build this "
+                                      f"call for TPU: {why}")
+    try:
+        if scales is not None:
+            result = module.all_gather_matmul(x, w, params, scales)
+            if return_gathered:
+                return result[0], _gathered(prim, result[1], dtype)
+            return result
+        if prim in prims.GATHERS:
+            return module.all_gather_matmul(x, w, params)
+        return module.matmul_reduce_scatter(x, w, params)
+    except tpu.PlanError as e:
+        raise NotImplementedError(f"{prim}: {e}") from None
+    except ValueError as e:  # JAX's vma message suggests a fix that is not enough
+        if "vma" in str(e):
+            raise type(e)(f"{e}\n\n{tpu.CHECK_VMA_HINT}") from e
+        raise
+
+
+def kernels(call) -> str:
+    """Which kernel runs `call` and how (what `fusedpar.explain` says of it)."""
+    interpret = call.option("interpret")
+    if interpret is None:
+        interpret = call.option("interpret_params") is not None or call.target.interpret
+    if interpret:
+        mode = "in TPU interpret mode (every device, DMA and semaphore simulated on CPU)"
+    else:
+        chip = _chip(call.target, call.option("chip"), call.option("cores")).name
+        if call.target.tpu_generation or call.option("chip"):
+            mode = f"compiled by Mosaic for TPU {chip}"
+        else:
+            mode = f"compiled by Mosaic for TPU {chip}, the default (no generation named)"
+    return f"pallas_tpu: one fused TPU kernel for {call.prim}, the ring inside it, {mode}"
+
+
+def kernel_names() -> dict:
+    """`{the name a fused kernel has in a compiled program: its primitive}` (the kernels
+    name their `pallas_call` `<kernel>_<layout>`; the rest of the package says `ag_rows`)."""
+    return {f"{name}_{layout}": p for p in prims.PRIMITIVES
+            for _, name, layout in [_kernel_of(p)]}
+
+
+# pallas_call cannot be batched by jax.vmap on these 2-D layouts: fold the mapped
+# dimension into the problem instead (see _batching.py).
+run = _batching.vmappable(_run)
+
+
+def interprets(target, options) -> bool:
+    """Whether the kernels run in TPU interpret mode on `target` with the op's `options`:
+    as `interpret` says, else with `interpret_params`, else on a CPU mesh."""
+    options = dict(options or {})
+    if options.get("interpret") is False:
+        return False
+    return bool(options.get("interpret") or options.get("interpret_params") is not None
+                or target.interpret)
+
+
+# check_vma: collective kernels, which JAX's varying-axes check cannot type.
+BACKEND = Backend(
+    name="pallas_tpu",
+    description="one fused Pallas TPU kernel per op: the ring runs inside it with remote DMAs",
+    run=run, unavailable=unavailable, options=options, check_vma=False, kernels=kernels,
+    cost="kernel", interprets=interprets, fused_kernels=kernel_names)

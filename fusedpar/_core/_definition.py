@@ -1,0 +1,75 @@
+"""What the two ops compute: their pure-lax expressions.
+
+These functions are the definition every backend must match, the `"reference"` backend's
+forward (`_backends/reference.py`), and the test oracle, which the tests differentiate with JAX's
+own autodiff so that it shares no code with the custom VJP rules it checks.
+
+Mixed precision follows `jnp.matmul` users' expectations: products accumulate in
+`accumulation_dtype(dtype)` (float32 for bfloat16/float16 inputs) and the result is cast to
+`out_dtype`. The cross-device sum of `matmul_reduce_scatter` runs in `reduce_dtype`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .._hw import _target
+
+
+def accumulation_dtype(dtype) -> np.dtype:
+    """Dtype a matmul of `dtype` inputs accumulates in: at least float32 (floats), at
+    least int32 (integers, whose sums wrap as the narrow type's would)."""
+    # Not jnp.promote_types: it raises under jax_numpy_dtype_promotion="strict".
+    d = np.dtype(dtype)
+    if d.itemsize >= 4:
+        return d
+    if jnp.issubdtype(d, jnp.floating):
+        return np.dtype(np.float32)
+    return np.dtype(np.int32) if jnp.issubdtype(d, jnp.integer) else d
+
+
+def matmul(x, w, *, precision=None, out_dtype=None):
+    """`jnp.matmul(x, w)` accumulating in `accumulation_dtype`; the result stays in it, or
+    is rounded to `out_dtype`.
+
+    Off CPU, a result in the inputs' own 16-bit dtype is what the dot itself writes (its
+    products still accumulate in float32: the GPU's GEMMs and the TPU's MXU do), as XLA
+    compiles `jnp.matmul` of 16-bit inputs: a float32 result, then a convert, writes the
+    product twice over and reads it back (with cuBLAS GEMMs on 8 H100s, 30% of rs_rows'
+    compute: bench/RESULTS-aot.md).
+    """
+    acc = accumulation_dtype(x.dtype)
+    platform = _target.current(x, w).platform
+    out = acc if out_dtype is None else np.dtype(out_dtype)
+    if out == x.dtype and out != acc and platform not in ("cpu", "") and \
+            jnp.issubdtype(out, jnp.floating):
+        return jnp.matmul(x, w, precision=precision, preferred_element_type=out)
+    if x.dtype != acc and platform == "cpu":
+        # XLA's CPU runtime fails on some bf16 x bf16 -> f32 dots once several share a
+        # program ("Unsupported element type for DotThunk::Execute"). Widening to f32 is
+        # exact, so multiplying the widened operands gives the same result. Only for a
+        # CPU target: a program compiled here for a GPU or TPU keeps its 16-bit dots.
+        x, w = x.astype(acc), w.astype(acc)
+    return jnp.matmul(x, w, precision=precision, preferred_element_type=acc).astype(out)
+
+
+def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, out_dtype=None, precision=None):
+    """`jnp.matmul(all_gather(x), w)` (gather="lhs") or `jnp.matmul(x, all_gather(w))` ("rhs")."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if gather == "lhs":
+        x = lax.all_gather(x, axis_name, axis=dim % x.ndim, tiled=True)
+    else:
+        w = lax.all_gather(w, axis_name, axis=dim % w.ndim, tiled=True)
+    return matmul(x, w, precision=precision, out_dtype=out_dtype)
+
+
+def matmul_reduce_scatter(x, w, axis_name, *, dim=0, out_dtype=None, reduce_dtype=None,
+                          precision=None):
+    """`psum_scatter(jnp.matmul(x, w), scatter_dimension=dim, tiled=True)`."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    reduce_dtype = accumulation_dtype(x.dtype) if reduce_dtype is None else reduce_dtype
+    y = matmul(x, w, precision=precision).astype(reduce_dtype)
+    return lax.psum_scatter(y, axis_name, scatter_dimension=dim % y.ndim,
+                            tiled=True).astype(out_dtype)

@@ -1,0 +1,253 @@
+"""The one dispatch decision: which backend runs a call, with which ring shape, and why.
+
+`choose(call, requested)` is the only place a backend is picked: an explicit request
+that cannot run raises `NotImplementedError` with the reason, and `"auto"` returns its
+choice with a reason a person can read (`fusedpar.explain` shows it; it is also logged
+at DEBUG level on the `"fusedpar"` logger). The `"auto"` policy asks the cost model
+(`cost_model.py`) about the backends that declare themselves candidates; the backends
+themselves are a registry of `Backend` records (`_backends`), which this module reads
+for what a backend declares (its ring, its kernels, its `check_vma`) instead of naming it.
+
+What the layers need to know about a backend (`check_vma`, `check_backend_name`) is
+asked here too, so that no layer reads the table or a backend's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+from . import _backends
+from .. import cost_model
+from ._primitives import AG_ROWS, Call
+
+logger = logging.getLogger("fusedpar")
+
+REFERENCE, RING = "reference", "ring"
+AUTO = _backends.AUTO
+
+# Largest ring an unrolled schedule is used for by default: beyond it the rolled
+# fori_loop keeps trace/compile time flat (see bench/test_compile_cost.py).
+UNROLL_UP_TO = 8
+# A ring backend is chosen only when estimated at most this fraction of the reference,
+# and the Pallas kernels over the lax ring only when at most this fraction of the ring.
+AUTO_MARGIN = 0.9
+# How much faster a bidirectional ring must be estimated to be chosen over a
+# unidirectional one.
+BIDIRECTIONAL_MARGIN = 0.02
+KERNEL_MARGIN = 0.95
+
+__all__ = ["Call", "Choice", "choose", "auto_choice", "auto_ring_shape", "ring_shape", "names",
+           "check_backend_name", "check_options", "check_vma", "product_first"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The backend that runs a call, the ring shape it uses, why, and the target (the
+    hardware, read from the mesh's devices) the decision was made for."""
+
+    backend: str
+    reason: str
+    bidirectional: bool = False
+    unroll: bool = True
+    target: object = None
+    kernels: str = ""  # a kernel backend's: which kernels, compiled for what or interpreted
+    product_first: bool = False  # ag_rows as all_gather(x @ w) (`_product_first`)
+
+    @property
+    def runs_ring(self) -> bool:
+        """Whether the backend runs ring steps (its ring shape and device order apply)."""
+        return not _backends.runs_one_collective(self.backend)
+
+    def __str__(self):
+        ring = "bidirectional" if self.bidirectional else "unidirectional"
+        loop = "unrolled" if self.unroll else "rolled (fori_loop)"
+        extra = f", {ring}, {loop}" if self.runs_ring else ""
+        extra += ", product first (multiply, then gather the product)" \
+            if self.product_first else ""
+        extra += f" ({self.kernels})" if self.kernels else ""
+        where = "" if self.target is None else f" [target: {self.target}]"
+        return f"{self.backend}{extra}: {self.reason}{where}"
+
+
+def names() -> tuple[str, ...]:
+    """The backend names `backend=` accepts, besides "auto"."""
+    return _backends.names()
+
+
+def check_backend_name(where: str, backend) -> None:
+    """Raise unless `backend` is "auto" or a backend name (`where` names the caller)."""
+    valid = (AUTO,) + names()
+    if backend not in valid:
+        raise ValueError(f"{where}: unknown backend={backend!r}; valid backends are "
+                         f"{', '.join(repr(n) for n in valid)}.")
+
+
+def check_vma(backend: str, platform: str) -> bool:
+    """The `check_vma` of a `shard_map` whose body runs ops on `backend` on `platform`.
+
+    Collective Pallas kernels need `check_vma=False`, so a backend that is one, or that
+    may become one (`"auto"` off CPU, where it may pick any candidate), gets it.
+    """
+    if backend == AUTO:
+        return platform == "cpu" or all(b.check_vma for b in _backends.candidates())
+    return _backends.get(backend).check_vma
+
+
+def check_options(op: str, options, requested: str, chosen: str, platform: str) -> None:
+    """Reject `options` keys the backend does not read (any backend's, under "auto")."""
+    if not options:
+        return
+    if requested == AUTO:
+        known = frozenset().union(*(_backends.get(n).options(platform) for n in names()))
+        where = "any backend"
+    else:
+        known, where = _backends.get(chosen).options(platform), f"backend {chosen!r}"
+    unknown = sorted(set(options) - known)
+    if unknown:
+        # Keys starting with "_" are for the tests (deliberately broken kernels).
+        valid = ", ".join(repr(k) for k in sorted(known) if not k.startswith("_")) or "none"
+        raise ValueError(f"{op}: options {unknown} are not read by {where}; valid keys: "
+                         f"{valid}.")
+
+
+def ring_shape(call: Call, unroll: Optional[bool]) -> tuple[bool, bool]:
+    """`(bidirectional, unroll)`: as requested, else bidirectional when the ring has more
+    than 2 devices and blocks split evenly, unrolled up to `UNROLL_UP_TO` devices."""
+    if unroll is None:
+        unroll = call.axis_size <= UNROLL_UP_TO
+    return bool(call.runs_bidirectional), bool(unroll)
+
+
+def _why_not(backend, call: Call) -> Optional[str]:
+    """Why `backend` (a `_backends.Backend`) cannot run `call`, or None, for `auto`."""
+    try:
+        return backend.unavailable(call)
+    except Exception as e:  # kernels that fail to import cannot be chosen
+        return f"{type(e).__name__}: {e}"
+
+
+def auto_ring_shape(call: Call) -> tuple[bool, str]:
+    """`(bidirectional, why)`: the ring shape a call runs with when none was requested,
+    for the call's target (whatever the backend: the shape is the hardware's question).
+
+    Where a bidirectional ring is possible (more than 2 devices, even blocks) it is used
+    only if the cost model estimates it faster than the unidirectional one: on hardware
+    with one link per neighbour and direction (TPU ICI) it halves each step's transfer;
+    through a shared switch (NVSwitch) it does not, and only adds a launch per step.
+    """
+    default = call.runs_bidirectional
+    if call.bidirectional is not None or not default or call.platform in ("cpu", ""):
+        return default, ""
+    hw = cost_model.get_hardware(None, call.target)
+    uni, bi = (cost_model.estimate_call(dataclasses.replace(call, bidirectional=b), hw)[RING]
+               for b in (False, True))
+    # A near tie keeps the unidirectional ring: half the transfers and whole-block matmuls
+    # (on 8 H100s the model put a bidirectional reduce-scatter 0.15% ahead; replayed, it
+    # was 5% behind, 1,598 against 1,517 us for the MLP's training step).
+    if bi.seconds < (1 - BIDIRECTIONAL_MARGIN) * uni.seconds:
+        return True, ""
+    return False, (f"unidirectional ring: on {hw.name} a bidirectional one is no faster "
+                   f"({cost_model.describe({'bidirectional': bi})})")
+
+
+def auto_choice(call: Call) -> tuple[str, str]:
+    """The `"auto"` policy: (backend name, reason), from the cost model.
+
+    A decomposed ring must beat the reference's estimate by `AUTO_MARGIN` (the model is
+    rough; a near tie is not worth the extra code path), and the Pallas kernels, when
+    they can run the call, must beat the lax ring by `KERNEL_MARGIN`. CPU always stays
+    on the reference: its simulated devices share the cores, and Pallas there is an
+    interpreter.
+    """
+    if call.axis_size == 1:
+        return REFERENCE, "ring of 1 device: there is no communication to overlap"
+    if call.platform == "cpu":
+        return REFERENCE, ("on CPU the collectives are memory copies: decomposing the "
+                           "matmul into ring steps only adds overhead")
+    hw = cost_model.get_hardware(None, call.target)
+    est = cost_model.estimate_call(call, hw)
+    if call.beside > 0:  # the reference's collective hides behind that much other work
+        r = est[REFERENCE]
+        exposed = max(r.transfer_step - call.beside, 0.0)
+        est[REFERENCE] = dataclasses.replace(r, seconds=r.compute_step + exposed)
+    candidates, why_not = [], {}
+    for backend in _backends.candidates():
+        if backend.name == REFERENCE:
+            continue
+        why = _why_not(backend, call)
+        if why is None:
+            candidates.append(backend)
+        else:
+            why_not[backend.name] = why
+    # Simplest first (table order): a kernel backend must beat the best before it (the
+    # lax ring) by KERNEL_MARGIN too.
+    best = None
+    for backend in candidates:
+        margin = KERNEL_MARGIN if backend.cost == "kernel" else 1.0
+        if best is None or est[backend.name].seconds < margin * est[best].seconds:
+            best = backend.name
+    names_ = [REFERENCE] + [b.name for b in candidates]
+    summary = f"{hw.name}: {cost_model.describe({n: est[n] for n in names_})}"
+    for name, why in why_not.items():
+        summary += f"; {name} cannot run it: {why}"
+    if best is None:
+        return REFERENCE, f"no ring backend can run it; {summary}"
+    if call.beside > 0:
+        summary += (f"; the reference's collective can hide behind "
+                    f"{call.beside * 1e6:.3g} us of other matmuls")
+    ref, fast = est[REFERENCE].seconds, est[best].seconds
+    if fast < AUTO_MARGIN * ref:
+        return best, (f"{best} is estimated {ref / fast:.2f}x faster than reference "
+                      f"over a ring of {call.axis_size}; {summary}")
+    return REFERENCE, (f"decomposing does not pay at this size (best: {best}, estimated "
+                       f"at {fast / ref:.2f}x the reference's time); {summary}")
+
+
+def product_first(call: Call, chosen: str) -> str:
+    """Why `"auto"` runs `call` as `all_gather(x @ w)` (`_product_first`) rather than on
+    `chosen`, or "" where it does not: only an ag_rows whose w JAX proves invariant over
+    the ring (`Call.w_invariant`), sending its own dtype, and only where the cost model
+    estimates it faster than `chosen`."""
+    if not (call.prim == AG_ROWS and call.w_invariant and call.comm_dtype is None
+            and call.axis_size > 1):
+        return ""
+    hw = cost_model.get_hardware(None, call.target)
+    first = cost_model.product_first(call, hw)
+    other = cost_model.estimate_call(call, hw)[chosen]
+    if first.seconds >= other.seconds:
+        return ""
+    gathered = ", and x gathered for the backward" if call.gathered else ""
+    return (f"w is invariant over the ring's axis, so each device multiplies only its own "
+            f"rows (1/{call.axis_size} of the FLOPs) and all-gathers the product{gathered}: "
+            f"{hw.name}: estimated {first.seconds * 1e6:.3g} us against {chosen}'s "
+            f"{other.seconds * 1e6:.3g} us")
+
+
+def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
+    """Pick the backend for `call`: `requested` itself, or the `"auto"` policy's pick
+    (which may run an ag_rows product first, `product_first`)."""
+    bidirectional, why = auto_ring_shape(call)
+    call = dataclasses.replace(call, bidirectional=bidirectional)
+    first = ""
+    if requested == AUTO:
+        name, reason = auto_choice(call)
+        first = product_first(call, name)
+        if first:
+            name, reason = REFERENCE, first
+        reason = "auto: " + reason + (f"; {why}" if why and name != REFERENCE else "")
+    else:  # ("auto" picks only the reference or a backend whose `unavailable` it asked)
+        check_backend_name(call.op, requested)
+        name, reason = requested, "requested explicitly"
+        why_not = _backends.get(name).unavailable(call)
+        if why_not is not None:
+            raise NotImplementedError(
+                f"{call.op}: backend {name!r} cannot run this call: {why_not}")
+    bidirectional, unroll = ring_shape(call, unroll)
+    describe = _backends.get(name).kernels
+    choice = Choice(name, reason, bidirectional, unroll, call.target,
+                    describe(call) if describe else "", bool(first))
+    logger.debug("fusedpar: %s %s x%s w%s %s over %d devices -> %s", call.op, call.prim,
+                 call.x_shape, call.w_shape, call.dtype, call.axis_size, choice)
+    return choice

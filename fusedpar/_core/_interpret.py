@@ -1,0 +1,91 @@
+"""Threads for the Pallas TPU interpreter on CPU.
+
+In TPU interpret mode every simulated device of a collective kernel blocks a thread of
+the CPU client's pool while it waits for the others' DMAs and semaphores. With fewer
+threads than devices + 1 the kernel deadlocks (measured on 2 cores: 8 devices hang with 8
+threads and run with 9). XLA sizes that pool once, when JAX starts its CPU backend, from
+the environment variable `PJRT_NPROC` or `NPROC` (else the number of cores).
+
+- `setup_threads` (run when `fusedpar` is imported, and by the demo) raises `NPROC` to the
+  configured number of CPU devices + 1 while the backend has not started yet.
+- `check_threads` (run by the ops before an interpreted kernel is traced) raises an error
+  naming the variable and its value instead of letting the kernel hang.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+_VARS = ("PJRT_NPROC", "NPROC")  # XLA's order: the first one set wins
+
+
+def _threads() -> tuple:
+    """`(variable or None, size of the CPU client's thread pool)` read from the environment."""
+    for var in _VARS:
+        value = os.environ.get(var, "").strip()
+        if value.isdigit():
+            return var, int(value)
+    try:
+        return None, len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return None, os.cpu_count() or 1
+
+
+def _configured_devices() -> int:
+    """The CPU devices JAX will simulate (`jax_num_cpu_devices` or XLA_FLAGS), or 1."""
+    import jax
+
+    n = getattr(jax.config, "jax_num_cpu_devices", -1) or -1
+    flags = re.findall(r"--xla_force_host_platform_device_count=(\d+)",
+                       os.environ.get("XLA_FLAGS", ""))
+    return max([n, 1] + [int(f) for f in flags])
+
+
+def setup_threads(devices: int | None = None) -> bool:
+    """Make the CPU thread pool at least `devices` + 1 (default: the configured CPU
+    devices) by raising `NPROC`, if JAX's backends have not started; True if they had not.
+    """
+    try:
+        from jax._src import xla_bridge
+
+        if xla_bridge.backends_are_initialized():
+            return False
+    except (ImportError, AttributeError):  # pragma: no cover - then only check_threads
+        return False
+    devices = _configured_devices() if devices is None else devices
+    var, threads = _threads()
+    if devices > 1 and threads < devices + 1:
+        os.environ[var or "NPROC"] = str(devices + 1)
+    return True
+
+
+def check_threads(op: str, backend: str, options, target) -> None:
+    """Raise before tracing an interpreted TPU kernel that the thread pool cannot run.
+
+    `backend`: the backend's name; whether it interprets collective kernels here is its
+    own to say (`_backends.Backend.interprets`). `options`: the op's backend options
+    (`interpret=False` compiles with Mosaic instead); `target`: the
+    `fusedpar._hw._target.Target` of the mesh (interpreted on CPU devices).
+    """
+    import jax
+
+    # Imported here: this module runs when fusedpar is imported, before anything else.
+    from . import _backends
+
+    if not _backends.get(backend).interprets(target, options):
+        return
+    mesh = jax.sharding.get_abstract_mesh()
+    devices = mesh.size if not mesh.empty else jax.device_count()
+    var, threads = _threads()
+    if devices < 2 or threads >= devices + 1:
+        return
+    have = (f"{var}={os.environ[var]}" if var else
+            f"neither PJRT_NPROC nor NPROC is set, so it has {threads} threads (the cores)")
+    raise RuntimeError(
+        f"{op}: backend {backend!r} runs the TPU kernels in interpret mode here, where each "
+        f"of the {devices} simulated devices blocks a thread of the CPU client's pool, which "
+        f"needs at least {devices + 1} threads ({have}); the kernel would hang. Set "
+        f"NPROC={devices + 1} (or more) in the environment before JAX starts (importing "
+        "fusedpar before configuring the CPU devices sets it only for the devices "
+        "configured by then), or use backend='ring'.")

@@ -1,0 +1,241 @@
+"""The public ops: validate, choose a backend, canonicalise, run with the shared custom VJP."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import numpy as np
+
+from . import _autodiff, _definition, _dispatch, _interpret, _quantize, _schedule, _validate, _vma
+from .._hw import _target, _xla_flags
+from . import _primitives as prims
+from ._dispatch import AUTO, Choice
+from ._primitives import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, Config
+
+
+def _explain_target(target, platform) -> _target.Target:
+    """The `Target` `explain` decides for: `target` (a mesh, a device or a `Target`), or
+    a platform name, else the mesh in context, else the local default device."""
+    if target is not None and platform is not None:
+        raise ValueError("explain: pass target= or platform=, not both.")
+    if platform is not None:
+        valid = _target.PLATFORMS + ("cuda",)
+        if platform not in valid:
+            raise ValueError(f"explain: platform must be one of "
+                             f"{', '.join(map(repr, valid))} (or None: the mesh in "
+                             f"context, else the local devices), got {platform!r}.")
+        return _target.of_platform(platform)
+    if target is None:
+        return _target.current()
+    if isinstance(target, _target.Target):
+        return target
+    if isinstance(target, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        found = _target.of_mesh(target)
+        if found is None:
+            raise ValueError(f"explain: target mesh {target} does not say what its devices "
+                             "are (an empty mesh, or an AbstractMesh built without devices).")
+        return found
+    if hasattr(target, "platform") and hasattr(target, "device_kind"):
+        return _target.of_device(target)
+    raise TypeError(f"explain: target must be a jax.sharding.Mesh, an AbstractMesh, a "
+                    f"jax.Device or a fusedpar Target, got {type(target).__name__}.")
+
+
+def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
+            bidirectional=None, unroll=None, precision=None, options=None,
+            platform=None, target=None, comm_dtype=None, w_invariant=False) -> Choice:
+    """Which backend (and ring shape) `op` would use for these local operands, and why.
+
+    `x` and `w` may be arrays or `jax.ShapeDtypeStruct`s with per-device shapes;
+    `axis_size` is the size of the mesh axis the op runs over. The hardware decided for
+    (`Choice.target`) is `target` (a `jax.sharding.Mesh`, its devices say; or a device),
+    else the mesh in context (`jax.set_mesh`, or inside `shard_map`), else this process's
+    default device; `platform` ("cpu", "gpu", "tpu") instead names only a platform, with
+    its default cost preset. The other arguments are the op's (`comm_dtype`: a backend
+    that cannot send quantized payloads is not chosen, or is refused if requested).
+    `w_invariant=True` says w is replicated over the ring's axis and the op can see it
+    (inside `shard_map(check_vma=True)`, JAX's default): `"auto"` may then run a
+    `gather="lhs"` call by multiplying first and gathering the product
+    (`Choice.product_first`).
+
+    Called inside a `jax.shard_map` that leaves mesh axes to XLA, it decides as the op
+    would there (the fused TPU kernels cannot run: every mesh axis must be manual). On a
+    TPU whose devices it does not know (an abstract mesh, a device, a platform), the
+    reason says how to get a ring whose hops are single ICI links.
+    """
+    if op not in prims.OPS:
+        raise ValueError(f"explain: op must be {ALL_GATHER_MATMUL!r} or "
+                         f"{MATMUL_REDUCE_SCATTER!r}, got {op!r}.")
+    _validate.ring_size("explain", axis_size)
+    where = _explain_target(target, platform)
+    _, call, _ = _validate.op_call(op, x, w, axis_size, gather, dim, bidirectional,
+                                   comm_dtype, unroll=unroll, where="explain")
+    _validate.flag("explain", "w_invariant", w_invariant)
+    call = dataclasses.replace(call, automatic_axes=_target.automatic_axes(),
+                               w_invariant=bool(w_invariant))
+    choice = _choose(call, backend, unroll, precision, options, where)
+    missing = _missing_flags(where.platform, choice)
+    if missing:  # XLA reads them once: say so, rather than set them behind your back
+        choice = dataclasses.replace(choice, reason=f"{choice.reason}; {missing}")
+    if (where.platform == "tpu" and axis_size > 2 and choice.runs_ring
+            and not _devices_known(target)):
+        choice = dataclasses.replace(choice,
+                                     reason=f"{choice.reason}; {_schedule.INDEX_ORDER_HINT}")
+    return choice
+
+
+def _devices_known(target) -> bool:
+    """Whether the ring `explain` describes is ordered by its devices' coordinates: the
+    target is a concrete mesh, or none is given and the context has one
+    (`_target.concrete_mesh`)."""
+    if target is None:
+        return _target.concrete_mesh() is not None
+    return isinstance(target, jax.sharding.Mesh)
+
+
+def _missing_flags(platform: str, choice: Choice) -> str:
+    """What `explain` says of the overlap flags (`fusedpar.set_overlap_flags`) this
+    process's environment lacks on `platform`, or ""."""
+    if platform == "gpu" and choice.runs_ring:
+        missing = _xla_flags.missing_overlap_flags("gpu", choice.bidirectional)
+        why = "which a GPU ring needs for its transfers to overlap"
+    elif platform == "tpu":
+        missing = _xla_flags.missing_overlap_flags("tpu")
+        why = ("which XLA's own all-gathers beside this op (an FSDP weight gather) need to "
+               "run beside matmuls")
+    else:
+        return ""
+    if not missing:
+        return ""
+    return (f"{_xla_flags.VARIABLES[platform]} lacks {' '.join(missing)}, {why}: call "
+            "fusedpar.set_overlap_flags() before JAX starts")
+
+
+def _choose(call, backend, unroll, precision, options, target) -> Choice:
+    """The backend for `call` on `target`, its `options` checked against it."""
+    choice = _dispatch.choose(dataclasses.replace(
+        call, target=target, precision=precision, options=_pairs(options)),
+        backend, unroll)
+    _dispatch.check_options(call.op, options, backend, choice.backend, target.platform)
+    return choice
+
+
+def _pairs(options) -> tuple:
+    return tuple(sorted((options or {}).items()))
+
+
+def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, keep_gathered,
+         preferred_element_type, reduce_dtype, precision, options, comm_dtype,
+         grad_comm_dtype):
+    """Validate the call (once: `_validate.op_call`), choose its backend, run it."""
+    n = _validate.axis_size(op, axis_name)
+    dim, call, grad_comm_dtype = _validate.op_call(op, x, w, n, gather, dim, bidirectional,
+                                                   comm_dtype, grad_comm_dtype, unroll)
+    if not isinstance(keep_gathered, bool):
+        raise TypeError(f"{op}: keep_gathered must be True or False, got {keep_gathered!r}.")
+    out_dtype = _validate.float_dtype(op, "preferred_element_type", preferred_element_type)
+    reduce_dtype = _validate.float_dtype(op, "reduce_dtype", reduce_dtype)
+    target = _target.current(x, *jax.tree.leaves(w))
+    automatic = _target.automatic_axes()
+    # Multiplying first needs w typed invariant (never guessed), and gradients that
+    # travel in x's own dtype (`_product_first` has no quantized backward).
+    invariant = (grad_comm_dtype is None and not isinstance(w, _quantize.Quantized)
+                 and _vma.invariant(w, axis_name))
+    call = dataclasses.replace(call, automatic_axes=automatic, w_invariant=invariant,
+                               reduce_dtype=None if reduce_dtype is None else reduce_dtype.name)
+    choice = _choose(call, backend, unroll, precision, options, target)
+    _interpret.check_threads(op, choice.backend, options, target)  # before a hang
+    cfg = Config(
+        backend=choice.backend, axis_name=axis_name, axis_size=n,
+        bidirectional=choice.bidirectional, unroll=choice.unroll,
+        out_dtype=np.dtype(x.dtype if out_dtype is None else out_dtype),
+        reduce_dtype=np.dtype(_definition.accumulation_dtype(x.dtype)
+                              if reduce_dtype is None else reduce_dtype),
+        precision=precision, keep_gathered=keep_gathered, options=_pairs(options),
+        target=target, comm_dtype=call.comm_dtype, grad_comm_dtype=grad_comm_dtype,
+        auto=backend == AUTO, automatic_axes=automatic, product_first=choice.product_first)
+    c = prims.canonicalize(op, gather, dim, x, w, n)
+    return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
+
+
+def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, backend=AUTO,
+                      bidirectional: Optional[bool] = None, unroll: Optional[bool] = None,
+                      keep_gathered: bool = True, preferred_element_type=None,
+                      reduce_dtype=None, precision=None, options: Optional[dict] = None,
+                      comm_dtype=None, grad_comm_dtype=None):
+    """All-gather one operand over `axis_name` and multiply, overlapping the two.
+
+    Call inside `jax.shard_map` with `axis_name` bound. Equal to
+
+    - `gather="lhs"`: `jnp.matmul(lax.all_gather(x, axis_name, axis=dim, tiled=True), w)`,
+      `dim` any non-contracting dimension of `x`;
+    - `gather="rhs"`: `jnp.matmul(x, lax.all_gather(w, axis_name, axis=dim, tiled=True))`,
+      `dim=0` the contracting rows of `w`, `dim=1` its output columns (the FSDP gather).
+
+    **Arguments:**
+
+    - `x`: local `(..., k)` array; `w`: local `(k, n)` array of the same floating dtype.
+    - `backend`: `"auto"`, `"reference"`, `"ring"`, `"pallas"`, `"pallas_tpu"`,
+      `"pallas_gpu"`.
+    - `bidirectional`: split each block in halves sent both ways (default: when the ring has
+      more than 2 devices and blocks split evenly). `unroll`: unrolled steps, or a
+      `fori_loop` (default: unrolled up to 8 devices).
+    - `keep_gathered`: the forward keeps the gathered operand for the backward pass
+      (default, more memory) instead of gathering it again (more communication).
+    - `preferred_element_type`: result dtype (default: the inputs'); products accumulate in
+      float32 for bfloat16/float16 inputs. `reduce_dtype`: dtype of the accumulator the
+      backward's reduce-scatter sends round the ring (default float32, see
+      `matmul_reduce_scatter`). `precision`: passed to every matmul.
+    - `options`: backend-specific settings (e.g. kernel tile sizes).
+    - `comm_dtype`: `None` (send the operand as it is), `jnp.int8` or
+      `jnp.float8_e4m3fn`: the travelling operand is quantized once on its owner, one
+      float32 scale per row of x (`gather="lhs"`) or per column of w (`"rhs"`; with
+      `dim=0` per column of each device's block), sent as values and scales, and
+      dequantized to the input dtype where a step multiplies it: the result is the lax
+      expression on the dequantized operand (docs/quantized.md). `pallas_tpu` sends it
+      inside its fused kernels (values and scales by remote DMA).
+    - `grad_comm_dtype`: the same for the backward pass's collectives (default `None`:
+      the input dtype). Gradients are straight-through: those of the lax expression on
+      the operand the forward multiplied (with `keep_gathered=False` the backward gathers
+      the operand again, in `grad_comm_dtype`).
+    - `w` may also be a `_quantize.Quantized(values, scales)` with `gather="rhs"`: a
+      weight stored quantized (`fusedpar.QuantizedArray.as_payload()`), sent as it is
+      (`comm_dtype` is its values' dtype); it gets no gradient, `x` does.
+
+    **Returns:** the product, with `x`'s dim `dim` (lhs) or `w`'s (rhs) `N` times larger.
+    """
+    return _run(ALL_GATHER_MATMUL, x, w, axis_name, gather, dim, backend=backend,
+                bidirectional=bidirectional, unroll=unroll, keep_gathered=keep_gathered,
+                preferred_element_type=preferred_element_type, reduce_dtype=reduce_dtype,
+                precision=precision, options=options, comm_dtype=comm_dtype,
+                grad_comm_dtype=grad_comm_dtype)
+
+
+def matmul_reduce_scatter(x, w, axis_name, *, dim=0, backend=AUTO,
+                          bidirectional: Optional[bool] = None, unroll: Optional[bool] = None,
+                          keep_gathered: bool = True, preferred_element_type=None,
+                          reduce_dtype=None, precision=None, options: Optional[dict] = None,
+                          comm_dtype=None, grad_comm_dtype=None):
+    """Multiply and reduce-scatter the product over `axis_name`, overlapping the two.
+
+    Call inside `jax.shard_map` with `axis_name` bound. Equal to
+    `lax.psum_scatter(jnp.matmul(x, w), axis_name, scatter_dimension=dim, tiled=True)`,
+    `dim` any dimension of the product, which must divide by the axis size.
+
+    The partial sums travel the ring in `reduce_dtype`: float32 by default, more accurate
+    than summing in bfloat16 but twice the bytes per step for bfloat16 inputs; pass
+    `reduce_dtype=jnp.bfloat16` to halve the traffic. With `comm_dtype` (`jnp.int8`,
+    `jnp.float8_e4m3fn`) they travel quantized, one float32 scale per row of the segment,
+    requantized at every hop (the `reference` backend instead sends each device's
+    partial product quantized once); the error grows with the ring size
+    (docs/quantized.md has the figures). The other arguments are those of
+    `all_gather_matmul`; `keep_gathered` here makes the backward gather the cotangent
+    once and reuse it for both gradients.
+    """
+    return _run(MATMUL_REDUCE_SCATTER, x, w, axis_name, "lhs", dim, backend=backend,
+                bidirectional=bidirectional, unroll=unroll, keep_gathered=keep_gathered,
+                preferred_element_type=preferred_element_type, reduce_dtype=reduce_dtype,
+                precision=precision, options=options, comm_dtype=comm_dtype,
+                grad_comm_dtype=grad_comm_dtype)

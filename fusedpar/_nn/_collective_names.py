@@ -1,0 +1,75 @@
+"""What `fusedpar.describe` says a linear layer sends: its collectives, forward and
+backward, each with the dtype it travels in where that is narrower than the data's."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .._core._quantized_array import QuantizedArray
+from .._sharding._styles import FSDP, Row
+
+
+def _in(layer, style, name) -> str:
+    """" in int8" where the collective of `style` sends a narrow dtype (its `name`, or
+    the FSDP gather of a stored QuantizedArray weight), else ""."""
+    if style is None:
+        return ""
+    d = getattr(style, name)
+    w = layer.weight
+    if name == "comm_dtype" and isinstance(style, FSDP) and isinstance(w, QuantizedArray):
+        d = w.values.dtype
+    return "" if d is None else f" in {jnp.dtype(d).name}"
+
+
+def _bias_grad_sum(layer) -> list:
+    """A bias is added to every shard of an output sharded along the batch (FSDP) or the
+    sequence (a sequence-parallel RowLinear), so its gradient is summed over those axes."""
+    rule = layer.rule
+    axes = [rule.fsdp.axis] if rule.fsdp is not None else []
+    if isinstance(rule.tp, Row) and rule.tp.sequence_parallel:
+        axes.append(rule.tp.axis)
+    return [f"psum db over {', '.join(axes)}"] if axes and layer.bias is not None else []
+
+
+def column(layer) -> tuple[list, list]:
+    """A `ColumnLinear`'s collectives: `(forward, backward)`."""
+    tp, f = layer.rule.tp, layer.rule.fsdp
+    fw, fg = _in(layer, f, "comm_dtype"), _in(layer, f, "grad_comm_dtype")
+    fwd, bwd = [], []
+    if tp.sequence_parallel:
+        fwd += [f"all_gather W over {f.axis}{fw}"] if f else []
+        fwd.append(f"all_gather_matmul x(seq) over {tp.axis}{_in(layer, tp, 'comm_dtype')}")
+        bwd.append(f"matmul_reduce_scatter dx(seq) over {tp.axis}"
+                   f"{_in(layer, tp, 'grad_comm_dtype')}")
+        bwd += [f"reduce_scatter dW over {f.axis}"] if f else []
+    else:
+        fwd += [f"all_gather_matmul W over {f.axis}{fw}"] if f else []
+        bwd += [f"matmul_reduce_scatter dW over {f.axis}{fg}"] if f else []
+        bwd.append(f"psum dx over {tp.axis}")
+    fwd += [f"all_gather y over {tp.axis}"] if tp.gather_output else []
+    return fwd, bwd + _bias_grad_sum(layer)
+
+
+def row(layer) -> tuple[list, list]:
+    """A `RowLinear`'s collectives: `(forward, backward)`."""
+    tp, f = layer.rule.tp, layer.rule.fsdp
+    fw, fg = _in(layer, f, "comm_dtype"), _in(layer, f, "grad_comm_dtype")
+    if tp.sequence_parallel:
+        fwd = ([f"all_gather W over {f.axis}{fw}"] if f else []) + [
+            f"matmul_reduce_scatter y(seq) over {tp.axis}{_in(layer, tp, 'comm_dtype')}"]
+        bwd = [f"all_gather_matmul dy(seq) over {tp.axis}"
+               f"{_in(layer, tp, 'grad_comm_dtype')}"] + (
+            [f"reduce_scatter dW over {f.axis}"] if f else [])
+    else:
+        fwd = ([f"all_gather_matmul W over {f.axis}{fw}"] if f else []) + [
+            f"psum y over {tp.axis}"]
+        bwd = [f"matmul_reduce_scatter dW over {f.axis}{fg}"] if f else []
+    return fwd, bwd + _bias_grad_sum(layer)
+
+
+def fsdp(layer) -> tuple[list, list]:
+    """An `FSDPLinear`'s collectives: `(forward, backward)`."""
+    f = layer.rule.fsdp
+    return ([f"all_gather_matmul W over {f.axis}{_in(layer, f, 'comm_dtype')}"],
+            [f"matmul_reduce_scatter dW over {f.axis}{_in(layer, f, 'grad_comm_dtype')}"]
+            + _bias_grad_sum(layer))

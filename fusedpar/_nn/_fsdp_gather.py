@@ -1,0 +1,77 @@
+"""The FSDP weight gather of the tensor-parallel layers, and the FSDP matmul.
+
+`fsdp_matmul` overlaps the gather with the matmul (`all_gather_matmul(gather="rhs")`,
+the ops and their backends). `gather_fsdp` gathers the whole weight first, for the
+sequence-parallel layers whose ring moves the activations, with the ops layer's
+`_gather` (plain, or quantized with a straight-through gradient); a stored
+`QuantizedArray` is gathered as its values and scales.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .._core import _gather
+from ._layer_math import matmul_t
+from .._core._ops import all_gather_matmul
+from .._core._quantized_array import QuantizedArray
+from .._sharding._rules import Rule
+
+
+def gather_fsdp(w, rule: Rule):
+    """Gather the FSDP shards of the local weight (its transpose reduce-scatters the grad).
+
+    With the FSDP style's `comm_dtype` each device quantizes its shard (one scale per
+    output channel of the shard) and the gather moves values and scales; the result is
+    dequantized, with a straight-through gradient. A `QuantizedArray` weight is
+    gathered as values and scales (scales along the features only where FSDP splits
+    the output features: a scale covers a whole row) and stays quantized; one with a
+    `master` is gathered the same way (the master stays home) and dequantized, its
+    gradient reduce-scattered to the master.
+    """
+    f = rule.fsdp
+    if f is None:
+        return w
+    d = rule.fsdp_dim
+    if isinstance(w, QuantizedArray):
+        one = w.scales.shape[-1] == 1 and d == 1  # one scale per row: nothing to gather
+        gather = functools.partial(_gather.gather_payload, axis_name=f.axis, dim=d)
+        g = QuantizedArray(gather(w.values), w.scales if one else gather(w.scales),
+                           axis=w.axis, dtype=w.dtype,
+                           allow_materialise=w.allow_materialise)
+        if w.master is None:
+            return g
+        # Training: the master stays home; its gradient is the gathered weight's,
+        # reduce-scattered (straight through the quantization).
+        full = g.dequantize()
+        return _gather.straight_through(full, w.master.astype(full.dtype), f.axis, d)
+    if f.grad_comm_dtype is not None and f.comm_dtype is not None:
+        raise NotImplementedError(
+            f"FSDP(grad_comm_dtype={f.grad_comm_dtype}): a sequence-parallel layer gathers "
+            "its FSDP weight with lax.all_gather, whose gradient is a psum_scatter in the "
+            "weight's dtype; grad_comm_dtype applies where the gather is an "
+            "all_gather_matmul (the non-sequence-parallel layers).")
+    return _gather.gather(w, f.axis, d, f.comm_dtype)
+
+
+def fsdp_matmul(x, w, rule: Rule, backend, out_dtype=None):
+    """`x @ w.T` with the full weight: the FSDP gather overlapped with the matmul.
+
+    The weight's FSDP dimension `d` is `w.T`'s dimension `1 - d`: the contracting rows
+    (gather="rhs", dim=0) or the output columns (dim=1). The op's backward
+    reduce-scatters the weight gradient over the FSDP axis. The gather sends the FSDP
+    style's `comm_dtype`; a `QuantizedArray` weight travels as its stored values and
+    scales (no gradient), or, carrying a `master`, as the master quantized by the op
+    to the values' dtype (straight-through gradient to the master).
+    """
+    f = rule.fsdp
+    if f is None:
+        return matmul_t(x, w, out_dtype)
+    comm, grad_comm = f.comm_dtype, f.grad_comm_dtype
+    if isinstance(w, QuantizedArray) and w.master is not None:
+        w, comm = w.master.astype(w.dtype), w.values.dtype
+    wt = w.T.as_payload() if isinstance(w, QuantizedArray) else w.T
+    return all_gather_matmul(x, wt, f.axis, gather="rhs", dim=1 - rule.fsdp_dim,
+                             backend=backend, preferred_element_type=out_dtype,
+                             comm_dtype=comm, grad_comm_dtype=grad_comm,
+                             reduce_dtype=f.reduce_dtype)

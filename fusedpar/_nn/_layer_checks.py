@@ -1,0 +1,54 @@
+"""The checks a linear layer makes of its arguments and inputs, and the layout hint its
+errors give."""
+
+from __future__ import annotations
+
+from .._sharding import _specs
+from .._core._quantized_array import QuantizedArray
+
+
+def features(where, name, v):
+    """A positive int, or "scalar" as `eqx.nn.Linear` takes it (a dimension of 1)."""
+    if v != "scalar" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(f"{where}: {name} must be a positive int or 'scalar', got {v!r}.")
+
+
+def length(features) -> int:
+    """The length of a features dimension (`"scalar"` is 1)."""
+    return 1 if features == "scalar" else features
+
+
+def check_quantized_weight(where, w) -> None:
+    """A QuantizedArray weight `(out, in)` must be scaled along `in` (per output channel,
+    or per block of `in`), the contraction every fusedpar layer applies its scales to."""
+    if isinstance(w, QuantizedArray) and w.axis != -1:
+        raise ValueError(f"{where}: a QuantizedArray weight (out, in) must be quantized "
+                         f"along in_features (axis=-1), got axis={w.axis % w.ndim}.")
+
+
+def layout_hint(rule) -> str:
+    """What input layout a layer under `rule` takes, and the style for other layouts."""
+    tp, parts = rule.tp, []
+    if isinstance(tp, _specs.Column) and tp.sequence_parallel:
+        parts.append(f"a sequence-parallel ColumnLinear gathers its input's sequence (dim -2) "
+                     f"over {tp.axis!r}; an input replicated over {tp.axis!r} needs "
+                     "sequence_parallel=False")
+    elif isinstance(tp, _specs.Column):
+        parts.append(f"a ColumnLinear takes an input replicated over {tp.axis!r}; one sharded "
+                     f"along the sequence (dim -2) over {tp.axis!r} needs "
+                     "sequence_parallel=True, one sharded on its features goes into a "
+                     "RowLinear")
+    elif isinstance(tp, _specs.Row):
+        parts.append(f"a RowLinear takes its input's features sharded over {tp.axis!r} (a "
+                     "ColumnLinear's output); a replicated input goes into a ColumnLinear")
+    if rule.fsdp is not None:
+        parts.append(f"FSDP takes the batch (dim 0) sharded over {rule.fsdp.axis!r}")
+    return "; ".join(parts)
+
+
+def check_sequence(where, rule, x):
+    """A sequence-parallel layer's input has a sequence dimension (dim -2)."""
+    if rule.sequence_parallel and x.ndim < 2:
+        raise ValueError(
+            f"{where}: sequence_parallel=True needs an input (..., seq, features) whose "
+            f"dim -2 is the sequence, got x of shape {x.shape}.")
