@@ -42,7 +42,9 @@ def _imports(path: pathlib.Path):
     as the installed package sees them (kernels/ is fusedpar.kernels)."""
     import ast
 
-    package = ["fusedpar", *path.parent.relative_to(ROOT).parts]  # kernels -> fusedpar.kernels
+    package = list(path.parent.relative_to(ROOT).parts)
+    if package[0] == "kernels":
+        package.insert(0, "fusedpar")  # kernels -> fusedpar.kernels
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -72,3 +74,20 @@ def test_the_package_ring_is_what_the_kernels_ask_for():
 
     assert isinstance(Ring(4, bidirectional=True), RingSchedule)
     assert not isinstance(object(), RingSchedule)
+
+
+# fusedpar's private subpackages, top to bottom (docs/architecture.md): each imports only
+# the ones after it; the public modules (cost_model, demo, aot) are not layers.
+LAYERS = ["_compile", "_nn", "_sharding", "_core", "_hw"]
+
+
+def test_subpackages_import_only_the_layers_below():
+    on_disk = sorted(p.parent.name for p in (ROOT / "fusedpar").glob("_*/__init__.py"))
+    assert on_disk == sorted(LAYERS), "a new subpackage needs its place in LAYERS"
+    upward = [f"{p.relative_to(ROOT)}:{line}: {name}"
+              for i, layer in enumerate(LAYERS)
+              for p in sorted((ROOT / "fusedpar" / layer).rglob("*.py"))
+              for line, name in _imports(p)
+              if name.split(".")[:1] == ["fusedpar"] and name.split(".")[1:2] in
+              [[above] for above in LAYERS[:i]]]
+    assert not upward, "a layer imports one above it:\n" + "\n".join(upward)
