@@ -179,8 +179,7 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
             # ring._folded_reduce_scatter: per direction two chunks half a step apart,
             # each step's add in its matmul; two transfers of half the bytes a step, whose
             # latencies pipeline behind each other's chunk matmul (one latency a step, as
-            # the replay of the compiled ring shows: counting two made a bidirectional
-            # unfolded ring look faster on 8 H100s, 1,598 us replayed against 1,517).
+            # the replay of the compiled ring shows: docs/measurements.md).
             # Exposed: chunk a's first product and chunk b's last step.
             ce = extra // (2 * dirs)
             c = 2 * dirs * _matmul_time(hw, *chunk, dtype, out_b, ce)

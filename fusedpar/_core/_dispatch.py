@@ -144,8 +144,7 @@ def auto_ring_shape(call: Call) -> tuple[bool, str]:
     uni, bi = (cost_model.estimate_call(dataclasses.replace(call, bidirectional=b), hw)[RING]
                for b in (False, True))
     # A near tie keeps the unidirectional ring: half the transfers and whole-block matmuls
-    # (on 8 H100s the model put a bidirectional reduce-scatter 0.15% ahead; replayed, it
-    # was 5% behind, 1,598 against 1,517 us for the MLP's training step).
+    # (a 0.15% modelled lead replayed 5% behind: docs/measurements.md).
     if bi.seconds < (1 - BIDIRECTIONAL_MARGIN) * uni.seconds:
         return True, ""
     return False, (f"unidirectional ring: on {hw.name} a bidirectional one is no faster "

@@ -38,14 +38,9 @@ from ..kernels._ring import mesh_coordinates as mesh_coordinates
 
 # The fewest rows (columns) a folded reduce-scatter's chunk may have, by platform.
 # Folding doubles the step matmuls: each reads the whole stationary operand, which
-# bounds a thin matmul (a bf16 GEMM's FLOPs per byte of that operand are its rows; an
-# H100 needs ~256 at 0.75 of peak from 0.87 of its HBM, a v5e ~190), and on a GPU pays
-# a launch (6 us on an H100, measured). Replayed on 8 H100s, rs_rows with 128-row blocks
-# took 392 us folded against 215 us not, rs_cols with 512-column blocks 280 against 172;
-# the MLP's 1024-row blocks gain (hidden waits; cuBLAS adds in the GEMM's epilogue), as
-# do v5e's 256-row chunks of its 512-row bidirectional blocks (6,088 -> 5,736 us). On
-# CPU (simulated devices: overheads, not speed) it folds at any size, so that the tests'
-# small shapes run the folded schedule.
+# bounds a thin matmul, and on a GPU pays a launch; thinner chunks replayed slower than
+# separate adds (docs/measurements.md). On CPU (simulated devices: overheads, not speed)
+# it folds at any size, so that the tests' small shapes run the folded schedule.
 FOLD_MIN_CHUNK = {"gpu": 512, "tpu": 256, "cpu": 1}
 
 

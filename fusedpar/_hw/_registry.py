@@ -148,15 +148,10 @@ def _nvswitch(name, flops, hbm_bandwidth, egress):
     lax ring's until measured (so "auto", which asks the kernels to be 5% faster, does
     not pick them on GPU).
 
-    `hbm_bandwidth` is the datasheet's; the compute side is calibrated on an H200 (JAX
-    0.11.2, 2026-11-26; bench/compute_stream.py, bench/RESULTS.md): one device's
-    compute stream of six layer programs (MLP and FSDP x TP block; reference, ring and
-    Pallas kernels), queued time against the replay of the very module the GPU ran,
-    searched over the matmul efficiency, the HBM fraction and the launch cost: matmuls
-    at 0.75 of peak, 0.87 of the datasheet's HBM bandwidth (a large copy reached 0.9 on
-    these machines, H100 and H200 alike), 6 us per matmul launch. The replay lands
-    within 2.2% of all six (with the earlier 0.7, the whole datasheet HBM and 5 us: 8%
-    under to 6% over). The H100 runs the same SMs at the same clocks: the same
+    `hbm_bandwidth` is the datasheet's; the compute side is calibrated on an H200 (the
+    replay of six layer programs against their measured compute stream: matmuls at 0.75
+    of peak, 0.87 of the datasheet's HBM bandwidth, 6 us per matmul launch; how, in
+    docs/measurements.md). The H100 runs the same SMs at the same clocks: the same
     fractions, its own HBM."""
     return Hardware(name, flops, efficiency=0.75, hbm_bandwidth=0.87 * hbm_bandwidth,
                     link_bandwidth=egress, egress_bandwidth=egress, step_latency=10e-6,

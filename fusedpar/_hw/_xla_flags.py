@@ -29,15 +29,10 @@ _GPU_FLAGS = (
     ("xla_gpu_enable_latency_hiding_scheduler", "true"),
     ("xla_gpu_experimental_parallel_collective_overlap_limit", "2"),
 )
-# The "continuation fusion" of XLA's all-gathers, as MaxText sets it for TPU training.
-# Measured on an FSDP x TP block's training step (FSDP 2 x TP 4, ring backend, compiled
-# deviceless and replayed): the forward weight gathers hidden, 51 -> 55 of 66 transfers
-# on v6e:2x4 (5.78 -> 5.64 ms predicted), 43 -> 49 of 60 on v5p:2x2x2 (6.25 -> 5.85 ms),
-# 45 -> 49 on v4:2x2x2 (11.59 -> 11.20 ms); v5e's compiler leaves the program as it was. We
-# leave out the same fusion for all-reduces and reduce-scatters: on v6e it also hid the
-# bias gradients' psums, but libtpu then ran out of scoped VMEM compiling the step for
-# v5e and v5p, and a larger `xla_tpu_scoped_vmem_limit_kib` does not fit v4. The weight
-# gradients' reduce-scatters stay synchronous with every flag we tried.
+# The "continuation fusion" of XLA's all-gathers, as MaxText sets it for TPU training: it
+# hides the forward FSDP weight gathers (not on v5e, whose compiler ignores it). The same
+# fusion for reduce-scatters and all-reduces runs out of scoped VMEM on v5e, v5p and v4
+# (docs/measurements.md has the replayed numbers).
 _TPU_FLAGS = (
     ("xla_tpu_enable_async_collective_fusion", "true"),
     ("xla_tpu_enable_async_collective_fusion_fuse_all_gather", "true"),
@@ -46,19 +41,9 @@ _TPU_FLAGS = (
     ("xla_enable_async_all_gather", "true"),
 )
 # Added for one TPU generation: the same asynchronous fusion for XLA's reduce-scatters (an
-# FSDP layer's weight-gradient reduce-scatter), which the TPU compiler otherwise runs
-# synchronously. It needs a scoped VMEM limit of 32 MiB: with the default 16 MiB libtpu
-# ran out (by 64 KiB) compiling the block for v5e. Measured on the FSDP x TP block's
-# training step (FSDP 2 x TP 4, compiled deviceless and replayed, `bench/fsdp_gathers.py`):
-# on v5e:2x4 the step waited 640 us for its FSDP collectives, 520 us of them the weight
-# gradients' reduce-scatters; with these flags they run beside the backward's matmuls,
-# 14.70 -> 14.26 ms predicted with the ring, 14.73 -> 14.31 with auto, 14.12 -> 13.88
-# with the reference (temporary memory 859 -> 900 MiB with the ring); the block with one
-# q, k, v projection 14.28 -> 13.98 ms (794 -> 693 MiB), the MLP 6.34 -> 6.33. Only one
-# weight gradient's reduce-scatter (the MLP's, 34 MB) goes asynchronous, and none at the
-# smaller sizes of the tests (dim 1024 or 2048), so no test shows it. Not for the other
-# generations: v5p gains nothing (5.89 -> 5.90 ms), v6e 0.6% (5.72 -> 5.68), and v4 runs
-# out of VMEM (16 MiB, all of it) with the fusion at any limit.
+# FSDP layer's weight-gradient reduce-scatter, otherwise synchronous), which needs a 32
+# MiB scoped VMEM limit. It pays on v5e only; v5p and v6e gain nothing, v4 runs out of
+# VMEM (docs/measurements.md).
 _TPU_GENERATION_FLAGS = {
     "v5e": (
         ("xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter", "true"),

@@ -258,11 +258,8 @@ def ring_reduce_scatter(cfg, accumulate, out_len, axis, fold_adds=False):
 def _folded_reduce_scatter(cfg, ring, me, accumulate, length, axis):
     """`ring_reduce_scatter` with each step's add in its matmul (`dot + acc`, one fusion
     where the compiler folds it: a cuBLAS GEMM's epilogue, the TPU's output fusion), not
-    a separate f32 pass that reads the product and the accumulator and writes the sum.
-    Replayed for a sequence-parallel MLP's training step (`python -m fusedpar.aot
-    --program mlp --backend ring`): 8 x H100 with cuBLAS 1,586 -> 1,519 us (the adds
-    128 -> 33 us), v5e:2x4 6,088 -> 5,736 us; XLA's Triton GEMMs keep the add apart
-    (1,523 -> 1,501 us: the transfers that waited, 78 us, are hidden instead).
+    a separate f32 pass that reads the product and the accumulator and writes the sum
+    (what it saves: docs/measurements.md).
 
     A matmul that adds the accumulator in must wait for it to arrive, so one stream of
     accumulators could not overlap anything. Each direction's block is cut into two
@@ -330,8 +327,7 @@ def gathered_buffer(cfg, own, axis, dtype):
 def gather_out(prim, cfg, x, w, first_product_starts_sum=False):
     """The output an all-gather's steps fill in: uninitialised (`lax.empty`) for ag_rows
     and ag_cols, whose steps write every segment of it (a zero fill was one more write
-    of the whole output per op: on 8 x H100 a sequence-parallel MLP's step spent 50 us
-    on three); zeros for the `ag_contract` sum (in f32), or None where the step's
+    of the whole output per op); zeros for the `ag_contract` sum (in f32), or None where the step's
     function starts the sum with step 0's product (`first_product_starts_sum`)."""
     p = prims.of(prim)
     shape = p.out_shape(x.shape, w.shape, cfg.axis_size)
