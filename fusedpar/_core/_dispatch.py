@@ -18,9 +18,9 @@ import dataclasses
 import logging
 from typing import Optional
 
-from . import _backends
 from .. import cost_model
-from ._primitives import AG_ROWS, Call
+from . import _backends, _primitives as prims
+from ._primitives import Call
 
 logger = logging.getLogger("fusedpar")
 
@@ -209,8 +209,9 @@ def product_first(call: Call, chosen: str) -> str:
     `chosen`, or "" where it does not: only an ag_rows whose w JAX proves invariant over
     the ring (`Call.w_invariant`), sending its own dtype, and only where the cost model
     estimates it faster than `chosen`."""
-    if not (call.prim == AG_ROWS and call.w_invariant and call.comm_dtype is None
-            and call.axis_size > 1):
+    # The gather whose travelling operand is x (ag_rows): w is the stationary one.
+    if not (prims.of(call.prim).traveller == "x" and call.w_invariant
+            and call.comm_dtype is None and call.axis_size > 1):
         return ""
     hw = cost_model.get_hardware(None, call.target)
     first = cost_model.product_first(call, hw)
