@@ -10,7 +10,8 @@ shardings) reduce-scatters the bfloat16 products: NCCL and the TPU's ICI add bfl
 partial sums. This prints, for bfloat16 inputs, the error against the float64 product
 (relative Frobenius norm, and the largest element's error relative to the largest
 element) of: the ring and the reference with float32 and with bfloat16 partial sums,
-and the XLA-style program (`psum_scatter` of a bfloat16 `x @ w`).
+the XLA-style program (`psum_scatter` of a bfloat16 `x @ w`; XLA's CPU runtime adds the
+parts once), and that program's arithmetic on GPUs, NCCL's ring, emulated in numpy.
 """
 
 from __future__ import annotations
@@ -35,6 +36,25 @@ def _errors(got, want):
     return rel, top
 
 
+def _nccl_style(x, w, n):
+    """What XLA's program gives on GPUs: each device's product rounded to bfloat16 (the
+    dot's result dtype), then a ring reduce-scatter (NCCL's) that adds the arriving
+    bfloat16 sum to the device's bfloat16 part and rounds, hop by hop. Emulated in
+    numpy (float32 adds, bfloat16 roundings) in the order a unidirectional ring adds."""
+    bf16 = jnp.bfloat16
+    xs = np.split(np.asarray(x, np.float32), n, axis=1)
+    ws = np.split(np.asarray(w, np.float32), n, axis=0)
+    parts = [np.asarray((a @ b).astype(bf16), np.float32) for a, b in zip(xs, ws)]
+    blocks = []
+    for b in range(n):
+        rows = slice(b * x.shape[0] // n, (b + 1) * x.shape[0] // n)
+        acc = parts[(b + 1) % n][rows]
+        for hop in range(2, n + 1):  # from device b+1 round to b
+            acc = np.asarray((acc + parts[(b + hop) % n][rows]).astype(bf16), np.float32)
+        blocks.append(acc)
+    return np.concatenate(blocks)
+
+
 def run(n=8, rows=512, k=512, cols=1024, seed=0):
     mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
     kx, kw = jax.random.split(jax.random.key(seed))
@@ -52,7 +72,9 @@ def run(n=8, rows=512, k=512, cols=1024, seed=0):
     xla = jax.jit(jax.shard_map(lambda x, w: jax.lax.psum_scatter(
         jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16), "x",
         scatter_dimension=0, tiled=True), **spec))
-    rows_out = [("XLA-style: bf16 products reduce-scattered", xla(x, w))]
+    rows_out = [("XLA-style: bf16 products reduce-scattered", xla(x, w)),
+                ("NCCL-style ring (emulated): bf16 products, rounded at every hop",
+                 _nccl_style(x, w, n))]
     for backend in ("reference", "ring"):
         for rd in (jnp.float32, jnp.bfloat16):
             rows_out.append((f"{backend}, reduce_dtype={jnp.dtype(rd).name}",

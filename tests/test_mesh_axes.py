@@ -118,3 +118,32 @@ def test_fused_tpu_kernels_refused_where_an_axis_is_left_to_xla():
             assert part in message, message
     assert_close(run("auto"), x @ w, F32, "auto in a partially manual shard_map")
     assert seen == [("reference", (("data", 2),))]
+
+
+def test_auto_never_picks_kernels_that_need_check_vma_off_in_a_checked_shard_map():
+    """`jax.shard_map` checks varying axes by default (check_vma=True), where the fused
+    TPU kernels cannot trace. Compiled for a v6e slice at a size where auto picks them
+    in a shard_map with check_vma=False, the same op in a checked shard_map lowers
+    with a backend that can run there (it used to pick the kernels, and fail)."""
+    from fusedpar import aot
+
+    m = aot.mesh("v6e:2x4", (8,), ("x",))
+    x = jax.ShapeDtypeStruct((1024, 8 * 2048), jnp.bfloat16,
+                             sharding=jax.NamedSharding(m, P(None, "x")))
+    w = jax.ShapeDtypeStruct((8 * 2048, 8 * 2048), jnp.bfloat16,
+                             sharding=jax.NamedSharding(m, P("x")))
+
+    def lowered(check_vma):
+        body = lambda x, w: fusedpar.matmul_reduce_scatter(x, w, "x", dim=1)  # noqa: E731
+        f = jax.shard_map(body, mesh=m, in_specs=(P(None, "x"), P("x")),
+                          out_specs=P(None, "x"), check_vma=check_vma)
+        return jax.jit(f).lower(x, w).as_text()
+
+    assert "tpu_custom_call" in lowered(False)  # auto's pick where it may
+    assert "tpu_custom_call" not in lowered(True)
+    local = (jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16),
+             jax.ShapeDtypeStruct((2048, 8 * 2048), jnp.bfloat16))
+    picks = [fusedpar.explain("matmul_reduce_scatter", *local, 8, dim=1, target=m,
+                              check_vma=c).backend for c in (False, True)]
+    kernels = ("pallas", "pallas_tpu")  # "pallas" is pallas_tpu on a TPU
+    assert picks[0] in kernels and picks[1] not in kernels, picks

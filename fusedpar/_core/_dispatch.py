@@ -122,6 +122,11 @@ def ring_shape(call: Call, unroll: Optional[bool]) -> tuple[bool, bool]:
 
 def _why_not(backend, call: Call) -> Optional[str]:
     """Why `backend` (a `_backends.Backend`) cannot run `call`, or None, for `auto`."""
+    if call.vma_typed and not backend.check_vma:
+        # Chosen there, its kernels would fail to trace (jax.shard_map's default is
+        # check_vma=True): auto must pick among the backends that can run.
+        return ("the enclosing jax.shard_map checks varying axes (check_vma=True, its "
+                "default) and these collective kernels need check_vma=False")
     try:
         return backend.unavailable(call)
     except Exception as e:  # kernels that fail to import cannot be chosen

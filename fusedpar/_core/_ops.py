@@ -45,7 +45,8 @@ def _explain_target(target, platform) -> _target.Target:
 
 def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
             bidirectional=None, unroll=None, precision=None, options=None,
-            platform=None, target=None, comm_dtype=None, w_invariant=False) -> Choice:
+            platform=None, target=None, comm_dtype=None, w_invariant=False,
+            check_vma=False, reduce_dtype=None) -> Choice:
     """Which backend (and ring shape) `op` would use for these local operands, and why.
 
     `x` and `w` may be arrays or `jax.ShapeDtypeStruct`s with per-device shapes;
@@ -58,7 +59,10 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     `w_invariant=True` says w is replicated over the ring's axis and the op can see it
     (inside `shard_map(check_vma=True)`, JAX's default): `"auto"` may then run a
     `gather="lhs"` call by multiplying first and gathering the product
-    (`Choice.product_first`).
+    (`Choice.product_first`). `check_vma=True` says the op runs inside a `jax.shard_map`
+    that checks varying axes (its default): a backend whose kernels need
+    `check_vma=False` (the fused TPU kernels) is not chosen there, as the op does.
+    `reduce_dtype`: the op's (the reduce-scatter's partial sums, estimated in it).
 
     Called inside a `jax.shard_map` that leaves mesh axes to XLA, it decides as the op
     would there (the fused TPU kernels cannot run: every mesh axis must be manual). On a
@@ -73,8 +77,11 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     _, call, _ = _validate.op_call(op, x, w, axis_size, gather, dim, bidirectional,
                                    comm_dtype, unroll=unroll, where="explain")
     _validate.flag("explain", "w_invariant", w_invariant)
+    _validate.flag("explain", "check_vma", check_vma)
+    reduce_dtype = _validate.float_dtype("explain", "reduce_dtype", reduce_dtype)
     call = dataclasses.replace(call, automatic_axes=_target.automatic_axes(),
-                               w_invariant=bool(w_invariant))
+                               w_invariant=bool(w_invariant), vma_typed=bool(check_vma),
+                               reduce_dtype=None if reduce_dtype is None else reduce_dtype.name)
     choice = _choose(call, backend, unroll, precision, options, where)
     missing = _missing_flags(where.platform, choice)
     if missing:  # XLA reads them once: say so, rather than set them behind your back
@@ -143,7 +150,9 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
     # travel in x's own dtype (`_product_first` has no quantized backward).
     invariant = (grad_comm_dtype is None and not isinstance(w, _quantize.Quantized)
                  and _vma.invariant(w, axis_name))
+    typed = any(_vma.typed(a) for a in _vma.axis_names(axis_name))
     call = dataclasses.replace(call, automatic_axes=automatic, w_invariant=invariant,
+                               vma_typed=typed,
                                reduce_dtype=None if reduce_dtype is None else reduce_dtype.name)
     choice = _choose(call, backend, unroll, precision, options, target)
     _interpret.check_threads(op, choice.backend, options, target)  # before a hang

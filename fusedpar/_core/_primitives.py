@@ -234,7 +234,9 @@ class Call(_Options):
     proves w the same on every device of the ring (`_vma.invariant`: an ag_rows can then
     multiply first and gather the product, `_product_first`); `gathered` whether the run
     must also return the gathered operand (what that path gathers separately);
-    `reduce_dtype` the name of the dtype reduce-scatter partial sums travel in (None:
+    `vma_typed` whether the enclosing `shard_map` types varying axes (`check_vma=True`,
+    `jax.shard_map`'s default: `_vma.typed`), where a backend whose kernels need
+    `check_vma=False` (`Backend.check_vma`) cannot run; `reduce_dtype` the name of the dtype reduce-scatter partial sums travel in (None:
     the accumulation dtype, float32 for 16-bit inputs).
     """
 
@@ -253,6 +255,7 @@ class Call(_Options):
     automatic_axes: tuple = ()
     w_invariant: bool = False
     gathered: bool = False
+    vma_typed: bool = False
     reduce_dtype: Optional[str] = None
 
     def __post_init__(self):
