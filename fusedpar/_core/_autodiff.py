@@ -92,11 +92,12 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None):
     call = cfg.call(op, prim, x, w, gathered=return_gathered)
     cfg = dataclasses.replace(cfg, product_first=False)  # the forward's, not this run's
     if cfg.auto:  # this primitive's own pick (the ring shape stays the forward's)
-        if beside is not None and call.platform not in ("", "cpu"):
+        hw = cost_model.get_hardware(None, call.target)
+        if (beside is not None and call.platform not in ("", "cpu")
+                and hw.collective_beside_matmul):
             (m, k), (_, n) = beside[0].shape, beside[1].shape
-            seconds = cost_model.matmul_seconds(
-                m, k, n, call.dtype, cost_model.get_hardware(None, call.target))
-            call = dataclasses.replace(call, beside=seconds)
+            call = dataclasses.replace(
+                call, beside=cost_model.matmul_seconds(m, k, n, call.dtype, hw))
         # `choose` picks only a backend that can run the call.
         choice = _dispatch.choose(call, _dispatch.AUTO, cfg.unroll)
         cfg = dataclasses.replace(cfg, backend=choice.backend,

@@ -47,6 +47,11 @@ class Hardware:
     - `overlap`: fraction of the shorter of (compute, transfer) that hides behind the
       longer one: 1 on accelerators with DMA engines, 0 where "transfers" are copies made
       by the same cores that compute (the simulated CPU devices).
+    - `collective_beside_matmul`: whether XLA runs a reference collective of the
+      backward (a plain reduce-scatter or all-gather) beside the backward's other,
+      independent gradient matmul. On 8 H100s it does (1 of the 2 collectives of each
+      ag op's training step hidden); on v5e, v5p and v6e the same programs hid none (XLA
+      makes them synchronous), so `auto` must not count on it there.
     - `torus_period`: on a TPU, the chips along each axis of a slice that is a whole
       torus (wrap-around links joining each axis' ends) when its extents are multiples
       of it; 0 where the links form no torus (a GPU's NVSwitch). The ring order and the
@@ -69,6 +74,7 @@ class Hardware:
     overlap: float = 1.0
     torus_period: int = 0
     torus_axes: int = 0
+    collective_beside_matmul: bool = True
 
     def matmul_flops(self, dtype) -> float:
         name = np.dtype(dtype).name

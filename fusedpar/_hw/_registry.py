@@ -216,7 +216,7 @@ def _tpu(name, peak_tflops, hbm_gbs, link_gbs, links, torus_period, torus_axes,
                     link_bandwidth=link_gbs * _G, egress_bandwidth=links * link_gbs * _G,
                     step_latency=5e-6, kernel_step_latency=1.5e-6, hop_latency=1e-6,
                     launch_overhead=2e-6, overlap=1.0, torus_period=torus_period,
-                    torus_axes=torus_axes)
+                    torus_axes=torus_axes, collective_beside_matmul=False)
 
 
 # TPU entries. VMEM per TensorCore from JAX's TPU table (`pltpu.get_tpu_info_for_chip`);
