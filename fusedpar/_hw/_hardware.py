@@ -50,8 +50,11 @@ class Hardware:
     - `collective_beside_matmul`: whether XLA runs a reference collective of the
       backward (a plain reduce-scatter or all-gather) beside the backward's other,
       independent gradient matmul. On 8 H100s it does (1 of the 2 collectives of each
-      ag op's training step hidden); on v5e, v5p and v6e the same programs hid none (XLA
-      makes them synchronous), so `auto` must not count on it there.
+      ag op's training step hidden); on v5p and v6e none did (XLA makes them
+      synchronous), so `auto` must not count on it there: v5p ag_cols 972 -> 609 us
+      predicted once it did not. v5e keeps it: there the async collective fusion flags
+      (`set_overlap_flags`) run a block's weight-gradient reduce-scatter beside its
+      matmuls, and the v5e block was 0.7% slower without it.
     - `torus_period`: on a TPU, the chips along each axis of a slice that is a whole
       torus (wrap-around links joining each axis' ends) when its extents are multiples
       of it; 0 where the links form no torus (a GPU's NVSwitch). The ring order and the
