@@ -337,3 +337,31 @@ def test_product_first_estimate():
     assert _dispatch.product_first(call, "reference")
     assert not _dispatch.product_first(dataclasses.replace(call, w_invariant=False),
                                        "reference")
+
+
+def test_the_backward_counts_on_hiding_the_reference_collective_only_where_xla_does():
+    """On v5p XLA runs the reference's reduce-scatter synchronously (the compiled
+    training steps hid none), so the backward of an ag_cols under auto must not count
+    on the other gradient's matmul to hide it: it picks a ring there. A preset that says
+    XLA would hide it (`collective_beside_matmul`, as on H100) picks the reference."""
+    import re
+
+    from fusedpar import aot
+    from fusedpar._compile import _aot_programs
+
+    mesh = aot.mesh("v5p:2x2x2", (8,), ("x",))
+
+    def backward_backend():
+        program, args = _aot_programs.op_program(mesh, "ag_cols", "auto")
+        text = program.lower(*args).as_text(debug_info=True)  # with the ops' scopes
+        return set(re.findall(r"fusedpar\.rs_cols\.([a-z_]+)", text))
+
+    hw = cost_model.get_hardware("tpu_v5p")
+    assert not hw.collective_beside_matmul
+    assert backward_backend() - {"reference"}  # a ring or the kernels, named
+    assert "reference" not in backward_backend()
+    cost_model.set_hardware(dataclasses.replace(hw, collective_beside_matmul=True))
+    try:
+        assert backward_backend() == {"reference"}
+    finally:
+        cost_model.set_hardware(None)
