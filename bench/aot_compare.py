@@ -156,6 +156,41 @@ def summary(cache) -> str:
             + (", ".join(peer) if peer else "none of them") + ".")
 
 
+# What fusedpar aims for in each layer program, per target: auto at least this much faster
+# than the best xla row (H100 with Triton and with cuBLAS GEMMs; the TPU slices), the
+# ring's compute at most GOAL_COMPUTE times the reference's, auto's temporary memory at
+# most GOAL_MEMORY times the best xla row's.
+GOAL_SPEEDUP = {"h100x8": {"mlp": 1.25, "block": 1.15, "prefill": 1.25},
+                "tpu": {"mlp": 1.10, "block": 1.10, "prefill": 1.10}}
+GOAL_COMPUTE, GOAL_MEMORY = 1.10, 1.05
+
+
+def goals(cache) -> str:
+    """One line per target and layer program: auto's speed-up over the best xla row, the
+    ring's compute over the reference's and auto's temporary memory over the best xla
+    row's, each beside its goal ("met" or how far)."""
+    lines = ["| target | program | auto vs best xla (goal) | ring compute / reference "
+             f"(goal <= {GOAL_COMPUTE:.2f}) | auto temp / best xla (goal <= "
+             f"{GOAL_MEMORY:.2f}) |", "|---|---|---:|---:|---:|"]
+    for key in sorted(cache, key=_order):
+        name, program = key.split("|")
+        wanted = GOAL_SPEEDUP["h100x8" if name.startswith("h100") else "tpu"].get(program)
+        if wanted is None:
+            continue
+        by = {_label(r["backend"], r["settings"]): r for r in cache[key] if not r["error"]}
+        auto, ring, ref = by.get("auto"), by.get("ring"), by.get("reference")
+        speed = (f"{auto['speedup']:.2f}x ({wanted:.2f}x"
+                 + (", met)" if auto["speedup"] >= wanted else ")")) if auto else "-"
+        compute = "-"
+        if ring and ref and ref["compute"]:
+            c = ring["compute"] / ref["compute"]
+            compute = f"{c:.2f}" + (" (met)" if c <= GOAL_COMPUTE else "")
+        ratio = _memory(cache[key], by)[1]
+        memory = ratio + (" (met)" if ratio != "-" and float(ratio) <= GOAL_MEMORY else "")
+        lines.append(f"| {name} | {program} | {speed} | {compute} | {memory} |")
+    return "\n".join(lines)
+
+
 def markdown(cache) -> str:
     return "\n".join([
         BEGIN, "## fusedpar against XLA's own partitioning",
@@ -195,7 +230,13 @@ def markdown(cache) -> str:
         "`bench/aot_reduce_dtype.py` puts auto with bfloat16 sums beside these rows "
         "(docs/ops.md).",
         "",
-        table(cache), "", summary(cache), "", _bfloat16_sums(), END, ""])
+        table(cache), "", summary(cache), "",
+        "### Against fusedpar's goals", "",
+        "The layer programs above against what fusedpar aims for: auto faster than the "
+        "best xla row by the goal's factor, the lax ring's compute (the replay's compute "
+        "stream) at most 1.10x the reference's, auto's temporary memory at most 1.05x the "
+        "best xla row's ('-': not recorded for that row).", "",
+        goals(cache), "", _bfloat16_sums(), END, ""])
 
 
 def _bfloat16_sums() -> str:
