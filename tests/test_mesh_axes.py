@@ -123,8 +123,9 @@ def test_fused_tpu_kernels_refused_where_an_axis_is_left_to_xla():
 def test_auto_never_picks_kernels_that_need_check_vma_off_in_a_checked_shard_map():
     """`jax.shard_map` checks varying axes by default (check_vma=True), where the fused
     TPU kernels cannot trace. Compiled for a v6e slice at a size where auto picks them
-    in a shard_map with check_vma=False, the same op in a checked shard_map lowers
-    with a backend that can run there (it used to pick the kernels, and fail)."""
+    in a shard_map with check_vma=False, the same op and its backward in a checked
+    shard_map lower with backends that can run there (it used to pick the kernels, and
+    fail)."""
     from fusedpar import aot
 
     m = aot.mesh("v6e:2x4", (8,), ("x",))
@@ -134,9 +135,13 @@ def test_auto_never_picks_kernels_that_need_check_vma_off_in_a_checked_shard_map
                              sharding=jax.NamedSharding(m, P("x")))
 
     def lowered(check_vma):
-        body = lambda x, w: fusedpar.matmul_reduce_scatter(x, w, "x", dim=1)  # noqa: E731
-        f = jax.shard_map(body, mesh=m, in_specs=(P(None, "x"), P("x")),
-                          out_specs=P(None, "x"), check_vma=check_vma)
+        def loss(x, w):  # forward and backward: each dual picks its own backend
+            y = fusedpar.matmul_reduce_scatter(x, w, "x", dim=1)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+
+        f = jax.shard_map(jax.grad(loss, argnums=(0, 1)), mesh=m,
+                          in_specs=(P(None, "x"), P("x")), out_specs=(P(None, "x"), P("x")),
+                          check_vma=check_vma)
         return jax.jit(f).lower(x, w).as_text()
 
     assert "tpu_custom_call" in lowered(False)  # auto's pick where it may

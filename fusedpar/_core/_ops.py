@@ -150,9 +150,8 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
     # travel in x's own dtype (`_product_first` has no quantized backward).
     invariant = (grad_comm_dtype is None and not isinstance(w, _quantize.Quantized)
                  and _vma.invariant(w, axis_name))
-    typed = any(_vma.typed(a) for a in _vma.axis_names(axis_name))
     call = dataclasses.replace(call, automatic_axes=automatic, w_invariant=invariant,
-                               vma_typed=typed,
+                               vma_typed=_vma.checked(axis_name),
                                reduce_dtype=None if reduce_dtype is None else reduce_dtype.name)
     choice = _choose(call, backend, unroll, precision, options, target)
     _interpret.check_threads(op, choice.backend, options, target)  # before a hang

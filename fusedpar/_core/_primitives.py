@@ -338,6 +338,7 @@ class Config(_Options):
                     self.axis_size, self.target, self.bidirectional, self.precision,
                     self.options, self.comm_dtype, automatic_axes=self.automatic_axes,
                     w_invariant=_vma.invariant(w, self.axis_name), gathered=gathered,
+                    vma_typed=_vma.checked(self.axis_name),
                     reduce_dtype=jnp.dtype(self.reduce_dtype).name)
 
 

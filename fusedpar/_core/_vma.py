@@ -49,6 +49,12 @@ def typed(axis) -> bool:
     return axis in varying_axes(lax.axis_index(axis))
 
 
+def checked(axis_name) -> bool:
+    """Whether the enclosing shard_map checks varying axes (check_vma=True, its default)
+    over any of `axis_name`'s axes."""
+    return any(typed(a) for a in axis_names(axis_name))
+
+
 def invariant(x, axis_name) -> bool:
     """Whether JAX's varying-axes type proves `x` the same on every device of
     `axis_name` (a name or a tuple): inside `shard_map(check_vma=True)`, `x` varies over
