@@ -236,8 +236,9 @@ class Call(_Options):
     must also return the gathered operand (what that path gathers separately);
     `vma_typed` whether the enclosing `shard_map` types varying axes (`check_vma=True`,
     `jax.shard_map`'s default: `_vma.typed`), where a backend whose kernels need
-    `check_vma=False` (`Backend.check_vma`) cannot run; `reduce_dtype` the name of the dtype reduce-scatter partial sums travel in (None:
-    the accumulation dtype, float32 for 16-bit inputs).
+    `check_vma=False` (`Backend.check_vma`) cannot run; `reduce_dtype` the name of the
+    dtype reduce-scatter partial sums travel in (None: the accumulation dtype, float32
+    for 16-bit inputs).
     """
 
     op: str
