@@ -92,12 +92,11 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None):
     call = cfg.call(op, prim, x, w, gathered=return_gathered)
     cfg = dataclasses.replace(cfg, product_first=False)  # the forward's, not this run's
     if cfg.auto:  # this primitive's own pick (the ring shape stays the forward's)
-        hw = cost_model.get_hardware(None, call.target)
-        if (beside is not None and call.platform not in ("", "cpu")
-                and hw.collective_beside_matmul):
+        if beside is not None and call.platform not in ("", "cpu"):
             (m, k), (_, n) = beside[0].shape, beside[1].shape
-            call = dataclasses.replace(
-                call, beside=cost_model.matmul_seconds(m, k, n, call.dtype, hw))
+            seconds = cost_model.matmul_seconds(
+                m, k, n, call.dtype, cost_model.get_hardware(None, call.target))
+            call = dataclasses.replace(call, beside=seconds)
         # `choose` picks only a backend that can run the call.
         choice = _dispatch.choose(call, _dispatch.AUTO, cfg.unroll)
         cfg = dataclasses.replace(cfg, backend=choice.backend,

@@ -174,9 +174,12 @@ def auto_choice(call: Call) -> tuple[str, str]:
                            "matmul into ring steps only adds overhead")
     hw = cost_model.get_hardware(None, call.target)
     est = cost_model.estimate_call(call, hw)
-    if call.beside > 0:  # the reference's collective hides behind that much other work
+    # The reference's collective hides behind that much other work, where XLA runs it
+    # beside that work (`Hardware.collective_beside_matmul`).
+    beside = call.beside if hw.collective_beside_matmul else 0.0
+    if beside > 0:
         r = est[REFERENCE]
-        exposed = max(r.transfer_step - call.beside, 0.0)
+        exposed = max(r.transfer_step - beside, 0.0)
         est[REFERENCE] = dataclasses.replace(r, seconds=r.compute_step + exposed)
     candidates, why_not = [], {}
     for backend in _backends.candidates():
@@ -200,9 +203,9 @@ def auto_choice(call: Call) -> tuple[str, str]:
         summary += f"; {name} cannot run it: {why}"
     if best is None:
         return REFERENCE, f"no ring backend can run it; {summary}"
-    if call.beside > 0:
+    if beside > 0:
         summary += (f"; the reference's collective can hide behind "
-                    f"{call.beside * 1e6:.3g} us of other matmuls")
+                    f"{beside * 1e6:.3g} us of other matmuls")
     ref, fast = est[REFERENCE].seconds, est[best].seconds
     if fast < AUTO_MARGIN * ref:
         return best, (f"{best} is estimated {ref / fast:.2f}x faster than reference "
