@@ -180,3 +180,48 @@ def _bwd(prim, cfg, res, dy):
 
 
 apply.defvjp(_fwd, _bwd)
+
+
+# Sibling layers on one input (`fusedpar._nn._shared_gather`): the first one's op returns
+# the gathered operand it keeps anyway, the others multiply it (no transfer). Each keeps
+# its own backward, the same as `apply`'s: the gathered operand is a cache of
+# `all_gather(x)`, never differentiated itself (its users take it under stop_gradient).
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def apply_keeping(prim, cfg, x, w):
+    """`apply` of an all-gather primitive, also returning its gathered operand."""
+    return run(prim, cfg, x, w, return_gathered=True)
+
+
+def _fwd_keeping(prim, cfg, x, w):
+    out, gathered = run(prim, cfg, x, w, return_gathered=True)
+    return (out, gathered), (x, w, gathered)
+
+
+def _bwd_keeping(prim, cfg, res, cts):
+    dy, _ = cts  # the gathered operand's cotangent is zero: its users stop gradients
+    return _bwd(prim, dataclasses.replace(cfg, keep_gathered=True), res, dy)
+
+
+apply_keeping.defvjp(_fwd_keeping, _bwd_keeping)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def apply_given(prim, cfg, x, w, gathered):
+    """`apply` of an all-gather primitive whose travelling operand `x` or `w` an
+    `apply_keeping` already gathered into `gathered`: its forward is the local matmul."""
+    lhs, rhs = (gathered, w) if prims.of(prim).traveller == "x" else (x, gathered)
+    return _local(cfg, lhs, rhs, cfg.out_dtype)
+
+
+def _fwd_given(prim, cfg, x, w, gathered):
+    return apply_given(prim, cfg, x, w, gathered), (x, w, gathered)
+
+
+def _bwd_given(prim, cfg, res, dy):
+    dx, dw = _bwd(prim, dataclasses.replace(cfg, keep_gathered=True), res, dy)
+    return dx, dw, None
+
+
+apply_given.defvjp(_fwd_given, _bwd_given)

@@ -135,8 +135,11 @@ def _pairs(options) -> tuple:
 
 def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, keep_gathered,
          preferred_element_type, reduce_dtype, precision, options, comm_dtype,
-         grad_comm_dtype):
-    """Validate the call (once: `_validate.op_call`), choose its backend, run it."""
+         grad_comm_dtype, gathered=None):
+    """Validate the call (once: `_validate.op_call`), choose its backend, run it.
+
+    `gathered` (`all_gather_matmul_keeping`, `all_gather_matmul_given`): `KEEP` returns
+    the gathered operand too; an array is that operand, gathered by an earlier call."""
     n = _validate.axis_size(op, axis_name)
     dim, call, grad_comm_dtype = _validate.op_call(op, x, w, n, gather, dim, bidirectional,
                                                    comm_dtype, grad_comm_dtype, unroll)
@@ -165,7 +168,51 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
         target=target, comm_dtype=call.comm_dtype, grad_comm_dtype=grad_comm_dtype,
         auto=backend == AUTO, automatic_axes=automatic, product_first=choice.product_first)
     c = prims.canonicalize(op, gather, dim, x, w, n)
-    return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
+    if gathered is None:
+        return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
+    if gathered is KEEP:
+        y, g = _autodiff.apply_keeping(c.prim, cfg, c.x, c.w)
+        return c.restore(y), jax.lax.stop_gradient(c.restore(g))
+    g = prims.rows_first(jax.lax.stop_gradient(gathered), dim)
+    return c.restore(_autodiff.apply_given(c.prim, cfg, c.x, c.w, g))
+
+
+KEEP = "keep"  # `_run(gathered=KEEP)`: return the gathered operand too
+
+
+def all_gather_matmul_keeping(x, w, axis_name, *, dim=0, **kwargs):
+    """`all_gather_matmul(x, w, axis_name, gather="lhs", dim=dim, **kwargs)` and
+    `lax.all_gather(x, axis_name, axis=dim, tiled=True)`, which its ring assembles for
+    its backward anyway, under `stop_gradient`: for `all_gather_matmul_given`."""
+    return _run(ALL_GATHER_MATMUL, x, w, axis_name, "lhs", dim, gathered=KEEP,
+                **_op_defaults(kwargs))
+
+
+def all_gather_matmul_given(x, gathered, w, axis_name, *, dim=0, **kwargs):
+    """`all_gather_matmul(x, w, axis_name, gather="lhs", dim=dim, **kwargs)` where
+    `gathered` is `x` gathered already (`all_gather_matmul_keeping`'s): the forward
+    multiplies it, with no transfer; the backward is the op's own (the gradient of `x`
+    reduce-scattered, that of `w` a local matmul on `gathered`)."""
+    n = _validate.axis_size(ALL_GATHER_MATMUL, axis_name)
+    d = dim + x.ndim if dim < 0 else dim  # out of range: `_run` says so
+    want = x.shape[:d] + (x.shape[d] * n,) + x.shape[d + 1:]
+    if 0 <= d < x.ndim and (gathered.shape != want or gathered.dtype != x.dtype):
+        raise ValueError(f"all_gather_matmul_given: gathered must be x{x.shape} gathered "
+                         f"along dim {dim} over {axis_name!r} ({n} devices): shape {want}, "
+                         f"dtype {x.dtype}; got {gathered.shape}, {gathered.dtype}.")
+    return _run(ALL_GATHER_MATMUL, x, w, axis_name, "lhs", dim, gathered=gathered,
+                **_op_defaults(kwargs))
+
+
+def _op_defaults(kwargs) -> dict:
+    """The keyword arguments of `all_gather_matmul` that `kwargs` leaves out."""
+    defaults = dict(backend=AUTO, bidirectional=None, unroll=None, keep_gathered=True,
+                    preferred_element_type=None, reduce_dtype=None, precision=None,
+                    options=None, comm_dtype=None, grad_comm_dtype=None)
+    unknown = set(kwargs) - set(defaults)
+    if unknown:
+        raise TypeError(f"all_gather_matmul: unexpected arguments {sorted(unknown)}.")
+    return {**defaults, **kwargs}
 
 
 def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, backend=AUTO,

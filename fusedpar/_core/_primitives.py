@@ -363,6 +363,11 @@ def _rows_first(x, dim):
     return xt.reshape(-1, x.shape[-1]), xt.shape[:-1]
 
 
+def rows_first(x, dim):
+    """`x` as `canonicalize` lays out a `*_rows` primitive's operand: 2-D, `dim` first."""
+    return _rows_first(x, dim)[0]
+
+
 def canonicalize(op: str, gather: str, dim: int, x, w, n: int) -> Canonical:
     """Reshape a public op call (`dim` already normalised to be non-negative)."""
     prim = primitive_of(op, gather, dim, x.ndim)

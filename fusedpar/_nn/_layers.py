@@ -56,16 +56,18 @@ import jax
 import jax.numpy as jnp
 from equinox import field
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from . import _collective_names, _context
+from . import _collective_names, _context, _shared_gather
 from .._core import _definition, _dispatch, _folding, _vma
 from .._sharding import _specs, _whole_model
 from .._hw import _target
 from ._fsdp_gather import fsdp_matmul, gather_fsdp
 from ._layer_checks import check_quantized_weight, check_sequence, features, layout_hint, length
 from ._layer_math import add_bias, array_of, matmul_t, same_dtype, stationary
-from .._core._ops import all_gather_matmul, matmul_reduce_scatter
+from .._core._ops import (all_gather_matmul, all_gather_matmul_given,
+                          all_gather_matmul_keeping, matmul_reduce_scatter)
 from .._core._quantized_array import QuantizedArray, fake_quantize
 from .._sharding._specs import Rule
 
@@ -221,10 +223,18 @@ class ParallelLinear(eqx.Module):
         _specs.check_spec(f"{where}: x of shape {x.shape}", x.shape, x_spec, sizes,
                           what="input")
         x_spec, y_spec, manual = _context.layouts(mesh, rule.axes, x, x_spec, y_spec)
-        return _context.shard_mapped(
-            functools.partial(type(self)._local, rule=rule), mesh, rule.axes, manual, self,
-            pspecs, [x], [x_spec], y_spec,
-            _dispatch.check_vma(self.backend, _target.current(x).platform))
+        check = _dispatch.check_vma(self.backend, _target.current(x).platform)
+
+        def mapped(fn, args, arg_specs, out_spec):
+            return _context.shard_mapped(fn, mesh, rule.axes, manual, self, pspecs, args,
+                                         arg_specs, out_spec, check)
+
+        return self._mapped(mapped, x, rule, x_spec, y_spec, (mesh, frozenset(manual)))
+
+    def _mapped(self, mapped, x, rule, x_spec, y_spec, where):
+        """`_local` on the global `x` by `mapped(fn, args, arg_specs, out_spec)` (the
+        layer's `shard_map`); `where`: what else decides the layout (mesh, manual axes)."""
+        return mapped(functools.partial(type(self)._local, rule=rule), [x], [x_spec], y_spec)
 
     # --- helpers for `_local` ----------------------------------------------------
 
@@ -285,7 +295,8 @@ class ColumnLinear(ParallelLinear):
     -2) and the layer runs `all_gather_matmul(gather="lhs")`, overlapping the gather with
     the matmul; without it the forward is a local matmul and the backward sums the input
     gradient over `axis` (inside `shard_map(check_vma=True)` JAX does this for an input
-    that is invariant over `axis`).
+    that is invariant over `axis`). Sequence-parallel layers called on the same input
+    array in one trace (q, k and v) gather it once (`_shared_gather`).
     """
 
     def __init__(self, in_features: int, out_features: int, use_bias: bool = True,
@@ -329,20 +340,62 @@ class ColumnLinear(ParallelLinear):
         """The collectives of the forward and of the backward pass (`fusedpar.describe`)."""
         return _collective_names.column(self)
 
-    def _local(self, x, rule):
+    def _local(self, x, rule, gathered=None, keep=False):
+        """The per-device layer. Sequence parallel, an input gathered already for a layer
+        before this one on the same array is multiplied again (`_shared_gather`): found
+        here inside `shard_map`; for global arrays `_mapped` passes `gathered` (this
+        device's block of its stacked form) or asks to `keep` it, returning
+        `(y, x gathered)` with a leading axis of length 1 to stack over `axis`."""
         tp = rule.tp
+        x_in = x
         w, b, x = self._operands(x, rule, length(self.in_features))
+        g = None
         if tp.sequence_parallel:
             w = stationary(gather_fsdp(w, rule))
-            y = all_gather_matmul(x, w.T, tp.axis, gather="lhs", dim=x.ndim - 2,
-                                  backend=self._ops_backend, comm_dtype=tp.comm_dtype,
-                                  grad_comm_dtype=tp.grad_comm_dtype,
-                                  reduce_dtype=tp.reduce_dtype)
+            kw = dict(dim=x.ndim - 2, backend=self._ops_backend, comm_dtype=tp.comm_dtype,
+                      grad_comm_dtype=tp.grad_comm_dtype, reduce_dtype=tp.reduce_dtype)
+            key = None
+            if gathered is None and not keep and self._shares():
+                key = ("local", tp.axis, tp.comm_dtype, x.ndim, x.dtype)
+                gathered = _shared_gather.lookup(x_in, key)
+            if gathered is not None:
+                y = all_gather_matmul_given(x, gathered, w.T, tp.axis, **kw)
+            elif keep or key is not None:
+                y, g = all_gather_matmul_keeping(x, w.T, tp.axis, **kw)
+                if key is not None:
+                    _shared_gather.remember(x_in, key, g)
+            else:
+                y = all_gather_matmul(x, w.T, tp.axis, gather="lhs", **kw)
         else:
             y = fsdp_matmul(x, w, rule, self._ops_backend)
         y = add_bias(y, b)
         if tp.gather_output:
             y = _context.gather_invariant(y, tp.axis, y.ndim - 1)
+        return (y, g[None]) if keep else y
+
+    def _shares(self) -> bool:
+        """Whether the layer's input gather may be shared with sibling layers
+        (`_shared_gather`): not for a stored quantized weight (its op keeps no gathered
+        input of the same kind)."""
+        return not isinstance(self.weight, QuantizedArray)
+
+    def _mapped(self, mapped, x, rule, x_spec, y_spec, where):
+        tp, seq = rule.tp, x.ndim - 2
+        spec = tuple(x_spec) + (None,) * (x.ndim - len(x_spec))
+        if not (tp.sequence_parallel and self._shares() and spec[seq] == tp.axis):
+            return super()._mapped(mapped, x, rule, x_spec, y_spec, where)
+        # x gathered, one copy per device of `axis`: stacked on a new leading axis so
+        # that each device's copy stays its own (nothing is summed over `axis`).
+        stacked_spec = P(tp.axis, *(None if i == seq else e for i, e in enumerate(spec)))
+        key = ("global", where, spec, tp.axis, tp.comm_dtype, x.dtype,
+               array_of(self.weight).dtype)
+        stacked = _shared_gather.lookup(x, key)
+        if stacked is not None:
+            return mapped(lambda layer, x, s: layer._local(x, rule, gathered=s[0]),
+                          [x, stacked], [x_spec, stacked_spec], y_spec)
+        y, stacked = mapped(lambda layer, x: layer._local(x, rule, keep=True), [x],
+                            [x_spec], (y_spec, stacked_spec))
+        _shared_gather.remember(x, key, stacked)
         return y
 
 

@@ -1,0 +1,59 @@
+"""Sequence-parallel `ColumnLinear`s called on one input gather it once.
+
+Attention's q, k and v projections (three `eqx.nn.Linear`s in `eqx.nn.MultiheadAttention`,
+three `ColumnLinear`s once parallelised) multiply the same sequence-sharded input. XLA's
+own partitioning of such a model gathers that input once and feeds the three matmuls;
+three fusedpar ops would gather it three times. Instead the first layer's op returns the
+gathered input its ring assembles for its backward anyway, remembered here under the
+input's identity, and the next layers called on the very same array multiply it with no
+transfer (`_ops.all_gather_matmul_given`); each keeps its own backward (the same
+reduce-scatter of its input gradient as without the sharing, so gradients do not change).
+
+The memory is per trace: an entry is found only for the same array object, in the same
+JAX trace, with the same gather (axis, comm dtype, layout). A layer called in another
+trace (inside a `vmap`, `scan` or `checkpoint` that the first was not) or on an equal but
+distinct array gathers it again. Entries go when their input array does.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+try:  # the trace JAX is tracing in now, to never hand a value to another trace
+    from jax._src.core import trace_ctx as _trace_ctx
+except ImportError:  # pragma: no cover - a JAX without it: no sharing
+    _trace_ctx = None
+
+# (id of the input, key) -> (weakref to the input, weakref to its trace, gathered)
+_ENTRIES: dict = {}
+
+
+def _current_trace():
+    return None if _trace_ctx is None else getattr(_trace_ctx, "trace", None)
+
+
+def lookup(x, key):
+    """What `remember(x, key, ...)` stored in this trace, or None."""
+    entry = _ENTRIES.get((id(x), key))
+    if entry is None:
+        return None
+    ref, trace_ref, gathered = entry
+    trace = trace_ref()
+    if ref() is not x or trace is None or trace is not _current_trace() or (
+            hasattr(trace, "is_valid") and not trace.is_valid()):
+        return None
+    return gathered
+
+
+def remember(x, key, gathered) -> None:
+    """Store `gathered` (`x` gathered as `key` says) for the next layer on `x`."""
+    trace = _current_trace()
+    if trace is None:
+        return
+    try:
+        ref, trace_ref = weakref.ref(x), weakref.ref(trace)
+    except TypeError:  # an input that cannot be referenced weakly: not shared
+        return
+    entry = (id(x), key)
+    _ENTRIES[entry] = (ref, trace_ref, gathered)
+    weakref.finalize(x, _ENTRIES.pop, entry, None)

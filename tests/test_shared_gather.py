@@ -1,0 +1,105 @@
+"""Sequence-parallel ColumnLinears called on one input gather it once
+(`fusedpar/_nn/_shared_gather.py`): the same values and gradients as dense layers, two
+gathers fewer for three siblings, and no sharing across traces or distinct arrays."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import fusedpar
+from helpers import assert_close, mesh, normal
+
+DIM, OUT = 64, 128
+
+
+def _siblings(backend, fsdp_axis="fsdp"):
+    keys = jax.random.split(jax.random.key(0), 3)
+    layers = [fusedpar.ColumnLinear(DIM, OUT, key=k, sequence_parallel=True,
+                                    fsdp_axis=fsdp_axis, backend=backend) for k in keys]
+    dense = [eqx.nn.Linear(DIM, OUT, key=k) for k in keys]
+    return layers, dense
+
+
+def _loss(layers, x, distinct=False):
+    # `x * 1` is an equal array but another object: each layer gathers its own.
+    return sum(jnp.sum(jnp.sin(layer(x * 1 if distinct else x))) for layer in layers)
+
+
+def _dense_loss(layers, x):
+    return sum(jnp.sum(jnp.sin(jax.vmap(jax.vmap(layer))(x))) for layer in layers)
+
+
+def _gathers(fn, *args) -> int:
+    """All-gathers (reference) and ring steps in `fn`'s jaxpr: of a forward without
+    FSDP, those of the layers' input gathers alone."""
+    text = str(jax.make_jaxpr(fn)(*args))
+    return text.count("all_gather[") + text.count("ppermute[")
+
+
+@pytest.mark.parametrize("backend", ["reference", "ring"])
+def test_siblings_on_global_arrays_gather_their_input_once(backend):
+    m = mesh((2, 4), ("fsdp", "tp"))
+    layers, dense = _siblings(backend)
+    x = normal(0, (4, 32, DIM), jnp.float32)
+    grad = jax.value_and_grad(_loss, argnums=(0, 1))
+    with jax.set_mesh(m):
+        got = jax.jit(grad)(fusedpar.shard(layers, m), x)
+        plain = fusedpar.shard(_siblings(backend, None)[0], m)
+        shared = _gathers(_loss, plain, x)
+        apart = _gathers(lambda m, x: _loss(m, x, True), plain, x)
+    want = jax.value_and_grad(_dense_loss, argnums=(0, 1))(dense, x)
+    assert_close(got, want, jnp.float32, "value, weight and input gradients")
+    assert shared > 0 and apart == 3 * shared, (apart, shared)  # one gather, not three
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_siblings_inside_shard_map_gather_their_input_once(check_vma):
+    m = mesh((2, 4), ("fsdp", "tp"))
+    layers, dense = _siblings("ring")
+    x = normal(1, (4, 32, DIM), jnp.float32)
+
+    def step(layers, distinct, train=True):
+        params, static = eqx.partition(layers, eqx.is_array)
+        specs = fusedpar.param_specs(layers)
+
+        def local(p, x):
+            loss = lambda p, x: _loss(eqx.combine(p, static), x, distinct)
+            if not train:
+                return jax.lax.psum(loss(p, x), ("fsdp", "tp"))
+            v, g = jax.value_and_grad(loss, argnums=(0, 1))(p, x)
+            return jax.lax.psum(v, ("fsdp", "tp")), g
+
+        out = (P(), (specs, P("fsdp", "tp", None))) if train else P()
+        return jax.shard_map(local, mesh=m, in_specs=(specs, P("fsdp", "tp", None)),
+                             out_specs=out, check_vma=check_vma), params
+
+    sm, params = step(layers, False)
+    (v, (gp, gx)) = jax.jit(sm)(params, x)
+    want_v, (want_p, want_x) = jax.value_and_grad(_dense_loss, argnums=(0, 1))(dense, x)
+    assert_close((v, gx), (want_v, want_x), jnp.float32, "value and input gradient")
+    assert_close([g.weight for g in gp], [g.weight for g in want_p], jnp.float32, "weights")
+    plain = _siblings("ring", None)[0]
+    shared, apart = (_gathers(*step(plain, distinct, False), x) for distinct in (False, True))
+    assert shared > 0 and apart == 3 * shared, (apart, shared)
+
+
+def test_a_layer_in_another_trace_gathers_again():
+    """The first layer's gathered input belongs to its trace: a sibling inside a
+    `jax.checkpoint` (another trace, closing over the same array) gathers its own, and
+    the one after it does not pick up the checkpoint's (a tracer of a finished trace)."""
+    m = mesh((2, 4), ("fsdp", "tp"))
+    layers, dense = _siblings("reference")
+
+    def loss(layers, x):
+        a, b, c = layers
+        inner = jax.checkpoint(lambda: jnp.sum(jnp.sin(b(x))))()
+        return jnp.sum(jnp.sin(a(x))) + inner + jnp.sum(jnp.sin(c(x)))
+
+    x = normal(2, (4, 32, DIM), jnp.float32)
+    grad = jax.value_and_grad(loss, argnums=(0, 1))
+    with jax.set_mesh(m):
+        got = jax.jit(grad)(fusedpar.shard(layers, m), x)
+    want = jax.value_and_grad(_dense_loss, argnums=(0, 1))(dense, x)
+    assert_close(got, want, jnp.float32, "value, weight and input gradients")
