@@ -85,6 +85,23 @@ def test_siblings_inside_shard_map_gather_their_input_once(check_vma):
     assert shared > 0 and apart == 3 * shared, (apart, shared)
 
 
+def test_siblings_reduce_scatter_their_input_gradient_once():
+    """In the backward the siblings' gradients of the shared gathered input come back to
+    the first layer's op, which reduce-scatters their sum in one collective beside its
+    own ring: one ring and one reduce-scatter, not three rings."""
+    m = mesh((2, 4), ("fsdp", "tp"))
+    x = normal(3, (4, 32, DIM), jnp.float32)
+    counts = {}
+    with jax.set_mesh(m):
+        plain = fusedpar.shard(_siblings("ring", None)[0], m)
+        for distinct in (False, True):
+            grad = jax.grad(lambda m, x: _loss(m, x, distinct), argnums=(0, 1))
+            text = str(jax.make_jaxpr(grad)(plain, x))
+            counts[distinct] = (text.count("ppermute["), text.count("reduce_scatter["))
+    (rings, scatters), (rings_apart, scatters_apart) = counts[False], counts[True]
+    assert rings_apart == 3 * rings and (scatters, scatters_apart) == (1, 0), counts
+
+
 def test_a_layer_in_another_trace_gathers_again():
     """The first layer's gathered input belongs to its trace: a sibling inside a
     `jax.checkpoint` (another trace, closing over the same array) gathers its own, and

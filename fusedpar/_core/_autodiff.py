@@ -33,8 +33,11 @@ import dataclasses
 import functools
 
 import jax
+from jax import lax
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from . import _backends, _definition, _dispatch, _primitives as prims, _product_first, _quantize
+from . import (_backends, _definition, _dispatch, _primitives as prims, _product_first,
+               _quantize, _vma)
 from .. import cost_model
 from ._vma import cotangent_like
 
@@ -183,45 +186,71 @@ apply.defvjp(_fwd, _bwd)
 
 
 # Sibling layers on one input (`fusedpar._nn._shared_gather`): the first one's op returns
-# the gathered operand it keeps anyway, the others multiply it (no transfer). Each keeps
-# its own backward, the same as `apply`'s: the gathered operand is a cache of
-# `all_gather(x)`, never differentiated itself (its users take it under stop_gradient).
+# the gathered operand it keeps anyway, the others multiply it (no transfer). In the
+# backward each sibling's gradient of the gathered operand (its partial products, unsummed
+# over the ring) comes back to the first op, which reduce-scatters their sum once beside
+# its own reduce-scatter: one collective for the siblings, not one each. Only `ag_rows`
+# (a sequence-parallel input gather).
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def apply_keeping(prim, cfg, x, w):
-    """`apply` of an all-gather primitive, also returning its gathered operand."""
-    return run(prim, cfg, x, w, return_gathered=True)
+    """`apply` of `ag_rows`, also returning its gathered operand."""
+    return _keeping(prim, cfg, x, w)
+
+
+def _keeping(prim, cfg, x, w):
+    out, gathered = run(prim, cfg, x, w, return_gathered=True)
+    if _vma.checked(cfg.axis_name):  # varying: a sibling's cotangent arrives unsummed
+        gathered = _vma.as_varying(gathered, _vma.axis_names(cfg.axis_name))
+    return out, gathered
+
+
+def _primal(arg):
+    return jax.tree.map(lambda p: p.value, arg, is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
 
 
 def _fwd_keeping(prim, cfg, x, w):
-    out, gathered = run(prim, cfg, x, w, return_gathered=True)
+    x, w = _primal(x), _primal(w)
+    out, gathered = _keeping(prim, cfg, x, w)
     return (out, gathered), (x, w, gathered)
 
 
 def _bwd_keeping(prim, cfg, res, cts):
-    dy, _ = cts  # the gathered operand's cotangent is zero: its users stop gradients
-    return _bwd(prim, dataclasses.replace(cfg, keep_gathered=True), res, dy)
+    x, w, gathered = res
+    dy, dg = cts
+    dx = dw = None
+    if not isinstance(dy, SymbolicZero):
+        dx, dw = _bwd(prim, dataclasses.replace(cfg, keep_gathered=True), res, dy)
+    if not isinstance(dg, SymbolicZero):  # the siblings' partial products, summed here
+        part = lax.psum_scatter(dg.astype(cfg.reduce_dtype), cfg.axis_name,
+                                scatter_dimension=0, tiled=True)
+        part = cotangent_like(part.astype(x.dtype), x)
+        dx = part if dx is None else dx + part
+    return dx, dw
 
 
-apply_keeping.defvjp(_fwd_keeping, _bwd_keeping)
+apply_keeping.defvjp(_fwd_keeping, _bwd_keeping, symbolic_zeros=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def apply_given(prim, cfg, x, w, gathered):
-    """`apply` of an all-gather primitive whose travelling operand `x` or `w` an
-    `apply_keeping` already gathered into `gathered`: its forward is the local matmul."""
-    lhs, rhs = (gathered, w) if prims.of(prim).traveller == "x" else (x, gathered)
-    return _local(cfg, lhs, rhs, cfg.out_dtype)
+    """`ag_rows` on `gathered`, `x` gathered by an `apply_keeping`: a local matmul. Its
+    backward: the gradient of `w` on `gathered`, and that of `gathered` (this device's
+    partial products) for `apply_keeping`'s backward to reduce-scatter; none for `x`."""
+    return _local(cfg, gathered, w, cfg.out_dtype)
 
 
 def _fwd_given(prim, cfg, x, w, gathered):
-    return apply_given(prim, cfg, x, w, gathered), (x, w, gathered)
+    return apply_given(prim, cfg, x, w, gathered), (w, gathered)
 
 
 def _bwd_given(prim, cfg, res, dy):
-    dx, dw = _bwd(prim, dataclasses.replace(cfg, keep_gathered=True), res, dy)
-    return dx, dw, None
+    w, gathered = res
+    dy = dy.astype(gathered.dtype)
+    dw = _local(cfg, gathered.T, dy, w.dtype)
+    dg = _local(cfg, dy, w.T, gathered.dtype)
+    return None, cotangent_like(dw, w), cotangent_like(dg, gathered)
 
 
 apply_given.defvjp(_fwd_given, _bwd_given)

@@ -170,11 +170,12 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
     c = prims.canonicalize(op, gather, dim, x, w, n)
     if gathered is None:
         return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
+    assert c.prim == prims.AG_ROWS, c.prim  # a gather of x's rows (`_autodiff`)
     if gathered is KEEP:
         y, g = _autodiff.apply_keeping(c.prim, cfg, c.x, c.w)
-        return c.restore(y), jax.lax.stop_gradient(c.restore(g))
-    g = prims.rows_first(jax.lax.stop_gradient(gathered), dim)
-    return c.restore(_autodiff.apply_given(c.prim, cfg, c.x, c.w, g))
+        return c.restore(y), c.restore(g)
+    return c.restore(_autodiff.apply_given(c.prim, cfg, c.x, c.w,
+                                           prims.rows_first(gathered, dim)))
 
 
 KEEP = "keep"  # `_run(gathered=KEEP)`: return the gathered operand too
@@ -183,7 +184,9 @@ KEEP = "keep"  # `_run(gathered=KEEP)`: return the gathered operand too
 def all_gather_matmul_keeping(x, w, axis_name, *, dim=0, **kwargs):
     """`all_gather_matmul(x, w, axis_name, gather="lhs", dim=dim, **kwargs)` and
     `lax.all_gather(x, axis_name, axis=dim, tiled=True)`, which its ring assembles for
-    its backward anyway, under `stop_gradient`: for `all_gather_matmul_given`."""
+    its backward anyway: for `all_gather_matmul_given`. The gathered array's gradient
+    (the siblings' products, per device) is reduce-scattered into `x`'s in one
+    collective beside the op's own."""
     return _run(ALL_GATHER_MATMUL, x, w, axis_name, "lhs", dim, gathered=KEEP,
                 **_op_defaults(kwargs))
 
@@ -191,8 +194,9 @@ def all_gather_matmul_keeping(x, w, axis_name, *, dim=0, **kwargs):
 def all_gather_matmul_given(x, gathered, w, axis_name, *, dim=0, **kwargs):
     """`all_gather_matmul(x, w, axis_name, gather="lhs", dim=dim, **kwargs)` where
     `gathered` is `x` gathered already (`all_gather_matmul_keeping`'s): the forward
-    multiplies it, with no transfer; the backward is the op's own (the gradient of `x`
-    reduce-scattered, that of `w` a local matmul on `gathered`)."""
+    multiplies it, with no transfer. In the backward the gradient of `w` is a local
+    matmul on `gathered`, and `x`'s reaches it through `gathered`'s: the keeping op
+    reduce-scatters it (`x` itself gets none here)."""
     n = _validate.axis_size(ALL_GATHER_MATMUL, axis_name)
     d = dim + x.ndim if dim < 0 else dim  # out of range: `_run` says so
     want = x.shape[:d] + (x.shape[d] * n,) + x.shape[d + 1:]

@@ -6,18 +6,23 @@ own partitioning of such a model gathers that input once and feeds the three mat
 three fusedpar ops would gather it three times. Instead the first layer's op returns the
 gathered input its ring assembles for its backward anyway, remembered here under the
 input's identity, and the next layers called on the very same array multiply it with no
-transfer (`_ops.all_gather_matmul_given`); each keeps its own backward (the same
-reduce-scatter of its input gradient as without the sharing, so gradients do not change).
+transfer (`_ops.all_gather_matmul_given`). In the backward their gradients of the
+gathered input (each device's partial products) return to the first layer's op, which
+reduce-scatters their sum in one collective beside its own ring: two reduce-scatters of
+the input's gradient for three layers, not three rings.
 
-The memory is per trace: an entry is found only for the same array object, in the same
-JAX trace, with the same gather (axis, comm dtype, layout). A layer called in another
-trace (inside a `vmap`, `scan` or `checkpoint` that the first was not) or on an equal but
-distinct array gathers it again. Entries go when their input array does.
+The memory is per trace (eager calls on concrete arrays share nothing): an entry is
+found only for the same array object, in the same JAX trace, with the same gather (axis,
+comm dtype, layout). A layer called in another trace (inside a `vmap`, `scan` or
+`checkpoint` that the first was not) or on an equal but distinct array gathers it again.
+Entries go when their input array does.
 """
 
 from __future__ import annotations
 
 import weakref
+
+import jax
 
 try:  # the trace JAX is tracing in now, to never hand a value to another trace
     from jax._src.core import trace_ctx as _trace_ctx
@@ -48,8 +53,8 @@ def lookup(x, key):
 def remember(x, key, gathered) -> None:
     """Store `gathered` (`x` gathered as `key` says) for the next layer on `x`."""
     trace = _current_trace()
-    if trace is None:
-        return
+    if trace is None or not isinstance(x, jax.core.Tracer):
+        return  # outside a trace the gathered copy would live as long as `x` does
     try:
         ref, trace_ref = weakref.ref(x), weakref.ref(trace)
     except TypeError:  # an input that cannot be referenced weakly: not shared
