@@ -178,7 +178,7 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
                                            prims.rows_first(gathered, dim)))
 
 
-KEEP = "keep"  # `_run(gathered=KEEP)`: return the gathered operand too
+KEEP = object()  # `_run(gathered=KEEP)`: return the gathered operand too
 
 
 def all_gather_matmul_keeping(x, w, axis_name, *, dim=0, **kwargs):
