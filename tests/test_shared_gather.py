@@ -2,6 +2,8 @@
 (`fusedpar/_nn/_shared_gather.py`): the same values and gradients as dense layers, two
 gathers fewer for three siblings, and no sharing across traces or distinct arrays."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -85,21 +87,42 @@ def test_siblings_inside_shard_map_gather_their_input_once(check_vma):
     assert shared > 0 and apart == 3 * shared, (apart, shared)
 
 
-def test_siblings_reduce_scatter_their_input_gradient_once():
+@pytest.mark.parametrize("backend", ["reference", "ring"])
+def test_siblings_reduce_scatter_their_input_gradient_once(backend):
     """In the backward the siblings' gradients of the shared gathered input come back to
-    the first layer's op, which reduce-scatters their sum in one collective beside its
-    own ring: one ring and one reduce-scatter, not three rings."""
+    the first layer's op, whose own reduce-scatter sums them too: a third of the
+    collectives of three separate layers, backward included (one ring and no other
+    reduce-scatter; one all-gather and one reduce-scatter)."""
     m = mesh((2, 4), ("fsdp", "tp"))
     x = normal(3, (4, 32, DIM), jnp.float32)
     counts = {}
     with jax.set_mesh(m):
-        plain = fusedpar.shard(_siblings("ring", None)[0], m)
+        plain = fusedpar.shard(_siblings(backend, None)[0], m)
         for distinct in (False, True):
             grad = jax.grad(lambda m, x: _loss(m, x, distinct), argnums=(0, 1))
             text = str(jax.make_jaxpr(grad)(plain, x))
-            counts[distinct] = (text.count("ppermute["), text.count("reduce_scatter["))
-    (rings, scatters), (rings_apart, scatters_apart) = counts[False], counts[True]
-    assert rings_apart == 3 * rings and (scatters, scatters_apart) == (1, 0), counts
+            counts[distinct] = sum(text.count(f"{c}[") for c in
+                                   ("all_gather", "ppermute", "reduce_scatter"))
+    assert counts[False] > 0 and counts[True] == 3 * counts[False], counts
+
+
+def test_siblings_without_a_joint_reduce_scatter_add_their_own(monkeypatch):
+    """A backend whose reduce-scatter takes no addend (`Backend.run_adding` None: the
+    kernels) gets the siblings' sum by one more reduce-scatter: the same gradients."""
+    from fusedpar._core._backends import _backend
+
+    monkeypatch.setitem(_backend.TABLE, "ring", dataclasses.replace(
+        _backend.TABLE["ring"], run_adding=None))
+    m = mesh((2, 4), ("fsdp", "tp"))
+    layers, dense = _siblings("ring")
+    x = normal(4, (4, 32, DIM), jnp.float32)
+    grad = jax.value_and_grad(_loss, argnums=(0, 1))
+    with jax.set_mesh(m):
+        model = fusedpar.shard(layers, m)
+        got = jax.jit(grad)(model, x)
+        assert "reduce_scatter[" in str(jax.make_jaxpr(grad)(model, x))
+    want = jax.value_and_grad(_dense_loss, argnums=(0, 1))(dense, x)
+    assert_close(got, want, jnp.float32, "value, weight and input gradients")
 
 
 def test_a_layer_in_another_trace_gathers_again():

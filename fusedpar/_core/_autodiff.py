@@ -33,6 +33,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
@@ -55,12 +56,29 @@ def scope(prim: str, cfg) -> str:
     return f"fusedpar.{prim}.{cfg.backend}.{ring}"
 
 
-def run(prim, cfg, x, w, return_gathered=False):
-    """Run `prim` on the configured backend, without custom differentiation."""
+def run(prim, cfg, x, w, return_gathered=False, addend=None):
+    """Run `prim` on the configured backend, without custom differentiation.
+
+    `addend` (a reduce-scatter's: each device's partial sums of the product's shape) is
+    summed with the products: in the backend's own reduce-scatter where it takes one
+    (`Backend.run_adding`), else by one more `psum_scatter` beside it."""
     with jax.named_scope(scope(prim, cfg)):
+        if addend is not None:
+            adding = _backends.get(cfg.backend).run_adding
+            if cfg.product_first or cfg.comm_dtype is not None or adding is None:
+                return plus_scattered(run(prim, cfg, x, w), addend, prim, cfg)
+            return adding(prim, cfg, x, w, addend)
         if cfg.product_first:
             return _product_first.forward(cfg, x, w, return_gathered)
         return _backends.get(cfg.backend).run(prim, cfg, x, w, return_gathered)
+
+
+def plus_scattered(out, addend, prim, cfg):
+    """`out` plus `addend` (each device's partial sums) reduce-scattered in
+    `cfg.reduce_dtype` like primitive `prim`'s (`_primitives.RS_ROWS`'s rows)."""
+    part = lax.psum_scatter(addend.astype(cfg.reduce_dtype), cfg.axis_name,
+                            scatter_dimension=prims.of(prim).gather_axis, tiled=True)
+    return out + part.astype(out.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -81,7 +99,7 @@ def _fwd(prim, cfg, x, w):
     return out, (x, w, gathered)
 
 
-def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None):
+def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None, addend=None):
     """`run` for the backward pass, checked first like the forward call was.
 
     The forward's dispatch checked only the forward primitive's shapes; a dual step can
@@ -105,14 +123,14 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None):
         cfg = dataclasses.replace(cfg, backend=choice.backend,
                                   bidirectional=choice.bidirectional, unroll=choice.unroll,
                                   product_first=choice.product_first)
-        return run(prim, cfg, x, w, return_gathered)
+        return run(prim, cfg, x, w, return_gathered, addend)
     why = _backends.get(cfg.backend).unavailable(call)
     if why is not None:
         raise NotImplementedError(
             f"{op}: the backward pass of {fwd_prim} runs {prim} on local x{call.x_shape} "
             f"w{call.w_shape} ({call.dtype}), which backend {cfg.backend!r} cannot run: "
             f"{why} (the forward pass alone runs on it; backend='ring' runs both).")
-    return run(prim, cfg, x, w, return_gathered)
+    return run(prim, cfg, x, w, return_gathered, addend)
 
 
 def _local(cfg, a, b, dtype):
@@ -135,11 +153,12 @@ def _shape(env, name):
     return shape[::-1] if name.endswith(".T") else shape
 
 
-def _grads(prim, c, env, grads, dtypes):
+def _grads(prim, c, env, grads, dtypes, addend=None):
     """Compute `grads` (`_primitives.Grad`, in order) from the operands in `env`.
 
     A dual run whose sibling gradient is a local matmul on operands it does not produce
-    is told their shapes (`beside`): that matmul can hide its collective.
+    is told their shapes (`beside`): that matmul can hide its collective. `addend`: what
+    x's reduce-scatter also sums (`apply_keeping`'s siblings' partial sums).
     """
     out = {}
     for g in grads:
@@ -152,14 +171,21 @@ def _grads(prim, c, env, grads, dtypes):
             if other is not None and other.prim is None and not g.keeps:
                 beside = tuple(jax.ShapeDtypeStruct(_shape(env, n), env["dy"].dtype)
                                for n in (other.lhs, other.rhs))
-            r = _run_dual(prim, g.prim, c, lhs, rhs, return_gathered=g.keeps, beside=beside)
+            r = _run_dual(prim, g.prim, c, lhs, rhs, return_gathered=g.keeps, beside=beside,
+                          addend=addend if g.of == "x" else None)
             if g.keeps:
                 r, env["g"] = r
         out[g.of] = r.T if g.transposed else r
     return out
 
 
-def _bwd(prim, cfg, res, dy):
+def _bwd(prim, cfg, res, dy, addend=None):
+    """The gradients of `x` and `w`; `addend`, for an all-gather of x's rows: partial
+    sums of x's gathered gradient that x's reduce-scatter sums too (`apply_keeping`)."""
+    if addend is not None and (_is_quantized(res[1]) or cfg.product_first):
+        dx, dw = _bwd(prim, cfg, res, dy)  # no reduce-scatter of their own to join
+        scattered = plus_scattered(dx, addend, prims.RS_ROWS, cfg)
+        return cotangent_like(scattered, res[0]), dw
     x, w, gathered = res
     p = prims.of(prim)
     dtypes = {"x": x.dtype, "w": w.dtype}
@@ -177,7 +203,7 @@ def _bwd(prim, cfg, res, dy):
         dx, dw = _product_first.backward(c, x, w, dy)
         return cotangent_like(dx.astype(x.dtype), x), cotangent_like(dw.astype(w.dtype), w)
     grads = p.backward_keep if cfg.keep_gathered else p.backward
-    d = _grads(prim, c, dict(x=x, w=w, dy=dy, g=gathered), grads, dtypes)
+    d = _grads(prim, c, dict(x=x, w=w, dy=dy, g=gathered), grads, dtypes, addend)
     return (cotangent_like(d["x"].astype(x.dtype), x),
             cotangent_like(d["w"].astype(w.dtype), w))
 
@@ -188,9 +214,9 @@ apply.defvjp(_fwd, _bwd)
 # Sibling layers on one input (`fusedpar._nn._shared_gather`): the first one's op returns
 # the gathered operand it keeps anyway, the others multiply it (no transfer). In the
 # backward each sibling's gradient of the gathered operand (its partial products, unsummed
-# over the ring) comes back to the first op, which reduce-scatters their sum once beside
-# its own reduce-scatter: one collective for the siblings, not one each. Only `ag_rows`
-# (a sequence-parallel input gather).
+# over the ring) comes back to the first op, whose reduce-scatter of x's gradient sums it
+# too (`run`'s `addend`): one reduce-scatter for all of them. Only `ag_rows` (a
+# sequence-parallel input gather).
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -219,15 +245,14 @@ def _fwd_keeping(prim, cfg, x, w):
 def _bwd_keeping(prim, cfg, res, cts):
     x, w, gathered = res
     dy, dg = cts
-    dx = dw = None
+    dg = None if isinstance(dg, SymbolicZero) else dg  # the siblings' partial products
     if not isinstance(dy, SymbolicZero):
-        dx, dw = _bwd(prim, dataclasses.replace(cfg, keep_gathered=True), res, dy)
-    if not isinstance(dg, SymbolicZero):  # the siblings' partial products, summed here
-        part = lax.psum_scatter(dg.astype(cfg.reduce_dtype), cfg.axis_name,
-                                scatter_dimension=0, tiled=True)
-        part = cotangent_like(part.astype(x.dtype), x)
-        dx = part if dx is None else dx + part
-    return dx, dw
+        return _bwd(prim, dataclasses.replace(cfg, keep_gathered=True), res, dy, addend=dg)
+    if dg is None:
+        return None, None
+    # Only the siblings use the output: x's gradient is their sum alone.
+    scattered = plus_scattered(jnp.zeros(x.shape, cfg.reduce_dtype), dg, prims.RS_ROWS, cfg)
+    return cotangent_like(scattered.astype(x.dtype), x), None
 
 
 apply_keeping.defvjp(_fwd_keeping, _bwd_keeping, symbolic_zeros=True)

@@ -7,9 +7,10 @@ three fusedpar ops would gather it three times. Instead the first layer's op ret
 gathered input its ring assembles for its backward anyway, remembered here under the
 input's identity, and the next layers called on the very same array multiply it with no
 transfer (`_ops.all_gather_matmul_given`). In the backward their gradients of the
-gathered input (each device's partial products) return to the first layer's op, which
-reduce-scatters their sum in one collective beside its own ring: two reduce-scatters of
-the input's gradient for three layers, not three rings.
+gathered input (each device's partial products) return to the first layer's op, whose
+reduce-scatter of the input's gradient sums them too: one ring (or one `psum_scatter`)
+for three layers, where the backend's reduce-scatter takes an addend
+(`Backend.run_adding`: the lax ring, the reference), else one more `psum_scatter`.
 
 The memory is per trace (eager calls on concrete arrays share nothing): an entry is
 found only for the same array object, in the same JAX trace, with the same gather (axis,

@@ -61,6 +61,9 @@ class Backend:
       simulated device blocks a thread of the CPU client's pool (`_interpret`).
     - `fused_kernels()`: `{a fused kernel's name in a compiled program: its primitive}`
       for kernels whose transfers XLA cannot see (`fusedpar.aot`'s report), or None.
+    - `run_adding(prim, cfg, x, w, addend)`: a reduce-scatter primitive with `addend`
+      (each device's partial sums, the product's shape) summed in its own reduce-scatter,
+      or None (`_autodiff.run` then reduce-scatters it apart).
     """
 
     name: str
@@ -75,6 +78,7 @@ class Backend:
     ring: bool = True
     interprets: Callable = _interprets_nothing
     fused_kernels: Optional[Callable] = None
+    run_adding: Optional[Callable] = None
 
 
 # Name -> Backend, in the order error messages list them (registration order).

@@ -309,6 +309,15 @@ def _folded_reduce_scatter(cfg, ring, me, accumulate, length, axis):
 # -- the five primitives on the loops, given a backend's step provider -------------------
 
 
+def _adding(accumulate, addend, axis, dtype):
+    """`accumulate` with segment `seg` of `addend` in this device's contribution (it is
+    there from the start, so the add can join the step's matmul without waiting)."""
+    def with_addend(acc, seg, length):
+        return accumulate(acc, seg, length) + segment(addend, seg, length, axis).astype(dtype)
+
+    return with_addend
+
+
 def gathered_buffer(cfg, own, axis, dtype):
     """The `dtype` buffer the pieces of `own` (an array, or a weight stored `Quantized`)
     fill in, the gathered residual: uninitialised (`lax.empty`), since the steps write
@@ -339,16 +348,19 @@ def gather_out(prim, cfg, x, w, first_product_starts_sum=False):
     return jnp.zeros(shape, _definition.accumulation_dtype(x.dtype))
 
 
-def run_steps(steps: Steps, prim, cfg, x, w, return_gathered=False):
+def run_steps(steps: Steps, prim, cfg, x, w, return_gathered=False, addend=None):
     """Run primitive `prim` (`_primitives.py`: local x (m, k), w (k, n)) on the ring with
     a backend's step provider `steps`; with `return_gathered`, an all-gather also returns
-    the gathered operand (in x's dtype)."""
+    the gathered operand (in x's dtype). `addend` (a reduce-scatter's, the product's
+    shape): each step adds its segment to this device's contribution."""
     p = prims.of(prim)
     axis = p.gather_axis
     if not p.gathers:
         out_len = p.out_shape(x.shape, w.shape, cfg.axis_size)[axis]
-        return ring_reduce_scatter(cfg, steps.scatter(prim, cfg, x, w), out_len, axis,
-                                   steps.fold_adds)
+        accumulate = steps.scatter(prim, cfg, x, w)
+        if addend is not None:
+            accumulate = _adding(accumulate, addend, axis, cfg.reduce_dtype)
+        return ring_reduce_scatter(cfg, accumulate, out_len, axis, steps.fold_adds)
     own = p.travelling(x, w)
     step = steps.gather(prim, cfg, x, w)
     travelling = own

@@ -48,6 +48,14 @@ def run(prim, cfg, x, w, return_gathered=False):
                                tiled=True)
 
 
+def run_adding(prim, cfg, x, w, addend):
+    """A reduce-scatter primitive with `addend` summed in the same `psum_scatter`."""
+    p = prims.of(prim)
+    y = _definition.matmul(x, w, precision=cfg.precision).astype(cfg.reduce_dtype)
+    return lax.psum_scatter(y + addend.astype(cfg.reduce_dtype), cfg.axis_name,
+                            scatter_dimension=p.gather_axis, tiled=True).astype(cfg.out_dtype)
+
+
 def _quantized_gather(p, cfg, x, w, return_gathered):
     """Quantize the travelling operand, gather values and scales, dequantize, multiply."""
     axis = p.gather_axis
@@ -82,4 +90,5 @@ def _quantized_reduce_scatter(p, cfg, x, w):
 BACKEND = Backend(
     name="reference",
     description="the pure-lax expression: all_gather then dot; dot then psum_scatter",
-    run=run, check_vma=True, cost="reference", candidate=True, ring=False)
+    run=run, check_vma=True, cost="reference", candidate=True, ring=False,
+    run_adding=run_adding)

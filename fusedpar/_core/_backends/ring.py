@@ -60,7 +60,12 @@ def run(prim, cfg, x, w, return_gathered=False):
     return run_steps(STEPS, prim, cfg, x, w, return_gathered)
 
 
+def run_adding(prim, cfg, x, w, addend):
+    """`run` of a reduce-scatter with `addend` in each step's contribution."""
+    return run_steps(STEPS, prim, cfg, x, w, addend=addend)
+
+
 BACKEND = Backend(
     name="ring",
     description="ppermute ring schedules in lax, uni- or bidirectional, unrolled or rolled",
-    run=run, check_vma=True, cost="ring", candidate=True)
+    run=run, check_vma=True, cost="ring", candidate=True, run_adding=run_adding)
