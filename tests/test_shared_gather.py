@@ -125,6 +125,22 @@ def test_siblings_without_a_joint_reduce_scatter_add_their_own(monkeypatch):
     assert_close(got, want, jnp.float32, "value, weight and input gradients")
 
 
+def test_layers_that_differ_in_their_backward_gather_apart():
+    """The first layer's op runs the others' input-gradient reduce-scatter: a layer that
+    asks for another `reduce_dtype` (or backend, grad comm dtype) gathers its own."""
+    m = mesh((2, 4), ("fsdp", "tp"))
+    keys = jax.random.split(jax.random.key(0), 2)
+    layers = [fusedpar.ColumnLinear(DIM, OUT, key=k, sequence_parallel=True,
+                                    backend="reference", reduce_dtype=r)
+              for k, r in zip(keys, (None, jnp.bfloat16))]
+    x = normal(5, (4, 32, DIM), jnp.float32)
+    with jax.set_mesh(m):
+        plain = fusedpar.shard(layers, m)
+        both = _gathers(_loss, plain, x)
+        one = _gathers(_loss, plain[:1], x)
+    assert one > 0 and both == 2 * one, (both, one)
+
+
 def test_a_layer_in_another_trace_gathers_again():
     """The first layer's gathered input belongs to its trace: a sibling inside a
     `jax.checkpoint` (another trace, closing over the same array) gathers its own, and

@@ -356,7 +356,7 @@ class ColumnLinear(ParallelLinear):
                       grad_comm_dtype=tp.grad_comm_dtype, reduce_dtype=tp.reduce_dtype)
             key = None
             if gathered is None and not keep and self._shares():
-                key = ("local", tp.axis, tp.comm_dtype, x.ndim, x.dtype)
+                key = ("local", x.ndim, x.dtype, self._sharing(tp))
                 gathered = _shared_gather.lookup(x_in, key)
             if gathered is not None:
                 y = all_gather_matmul_given(x, gathered, w.T, tp.axis, **kw)
@@ -379,6 +379,13 @@ class ColumnLinear(ParallelLinear):
         input of the same kind)."""
         return not isinstance(self.weight, QuantizedArray)
 
+    def _sharing(self, tp) -> tuple:
+        """What siblings sharing a gather must agree on: the gather (axis, comm dtype)
+        and the backward the first one's op runs for them all (its input gradient's
+        reduce-scatter: comm and reduce dtypes, backend)."""
+        return (tp.axis, tp.comm_dtype, tp.grad_comm_dtype, tp.reduce_dtype,
+                self._ops_backend)
+
     def _mapped(self, mapped, x, rule, x_spec, y_spec, where):
         tp, seq = rule.tp, x.ndim - 2
         spec = tuple(x_spec) + (None,) * (x.ndim - len(x_spec))
@@ -387,8 +394,8 @@ class ColumnLinear(ParallelLinear):
         # x gathered, one copy per device of `axis`: stacked on a new leading axis so
         # that each device's copy stays its own (nothing is summed over `axis`).
         stacked_spec = P(tp.axis, *(None if i == seq else e for i, e in enumerate(spec)))
-        key = ("global", where, spec, tp.axis, tp.comm_dtype, x.dtype,
-               array_of(self.weight).dtype)
+        key = ("global", where, spec, x.dtype, array_of(self.weight).dtype,
+               self._sharing(tp))
         stacked = _shared_gather.lookup(x, key)
         if stacked is not None:
             return mapped(lambda layer, x, s: layer._local(x, rule, gathered=s[0]),

@@ -14,9 +14,11 @@ for three layers, where the backend's reduce-scatter takes an addend
 
 The memory is per trace (eager calls on concrete arrays share nothing): an entry is
 found only for the same array object, in the same JAX trace, with the same gather (axis,
-comm dtype, layout). A layer called in another trace (inside a `vmap`, `scan` or
-`checkpoint` that the first was not) or on an equal but distinct array gathers it again.
-Entries go when their input array does.
+comm dtype, layout) and the same backward settings (grad comm and reduce dtypes,
+backend: the first layer's op reduce-scatters the others' input gradients). A layer
+called in another trace (inside a `vmap`, `scan` or `checkpoint` that the first was not)
+or on an equal but distinct array gathers it again. Entries go when their input array
+does.
 """
 
 from __future__ import annotations
@@ -61,5 +63,6 @@ def remember(x, key, gathered) -> None:
     except TypeError:  # an input that cannot be referenced weakly: not shared
         return
     entry = (id(x), key)
+    if entry not in _ENTRIES:  # one finalizer per entry, however often it is replaced
+        weakref.finalize(x, _ENTRIES.pop, entry, None)
     _ENTRIES[entry] = (ref, trace_ref, gathered)
-    weakref.finalize(x, _ENTRIES.pop, entry, None)
