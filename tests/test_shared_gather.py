@@ -141,6 +141,20 @@ def test_layers_that_differ_in_their_backward_gather_apart():
     assert one > 0 and both == 2 * one, (both, one)
 
 
+def test_off_makes_every_layer_gather_its_own():
+    """`_shared_gather.off()` (what bench/aot_input_grad.py compares against)."""
+    from fusedpar._nn import _shared_gather
+
+    m = mesh((2, 4), ("fsdp", "tp"))
+    x = normal(6, (4, 32, DIM), jnp.float32)
+    with jax.set_mesh(m):
+        plain = fusedpar.shard(_siblings("reference", None)[0], m)
+        shared = _gathers(_loss, plain, x)
+        with _shared_gather.off():  # a new function: JAX would reuse `_loss`'s trace
+            apart = _gathers(lambda m, x: _loss(m, x), plain, x)
+    assert shared > 0 and apart == 3 * shared, (apart, shared)
+
+
 def test_a_layer_in_another_trace_gathers_again():
     """The first layer's gathered input belongs to its trace: a sibling inside a
     `jax.checkpoint` (another trace, closing over the same array) gathers its own, and

@@ -118,10 +118,12 @@ def _param_specs(model, fsdp):
     return specs
 
 
-def layer_program(mesh, program, *, dtype=jnp.bfloat16, **sizes):
+def layer_program(mesh, program, *, dtype=jnp.bfloat16, wrt_input=False, **sizes):
     """`(jitted, args)` of layer program `program` (one of `LAYER_PROGRAMS`) as XLA's
     partitioner makes it from `eqx.nn.Linear` layers: the MLP over the mesh axis "tp",
-    the blocks over ("fsdp", "tp"), at `_aot_programs.LAYER_SIZES` unless given."""
+    the blocks over ("fsdp", "tp"), at `_aot_programs.LAYER_SIZES` unless given;
+    `wrt_input`: the blocks' step also differentiates their input
+    (`_aot_programs.step_program`)."""
     if program not in LAYER_PROGRAMS:
         raise ValueError(f"layer_program: program must be one of {LAYER_PROGRAMS}, got "
                          f"{program!r}.")
@@ -140,7 +142,7 @@ def layer_program(mesh, program, *, dtype=jnp.bfloat16, **sizes):
     return progs.step_program(
         mesh, model, _param_specs(model, True), lambda m, x: _block(m, x, constrain),
         x_shape(mesh.shape["fsdp"], mesh.shape["tp"]), P("fsdp", "tp", None), dtype,
-        train=train)
+        train=train, wrt_input=wrt_input)
 
 
 def op_program(mesh, prim, *, rows=progs.ROWS, k=progs.K, cols=progs.COLS,

@@ -228,31 +228,35 @@ def _is_array(a) -> bool:
     return isinstance(a, (jax.Array, jax.ShapeDtypeStruct))
 
 
-def _layer_program(mesh, model, plan, backend, x_shape, x_spec, dtype, *, train=True):
+def _layer_program(mesh, model, plan, backend, x_shape, x_spec, dtype, *, train=True,
+                   wrt_input=False):
     """`model` made by `parallelize(model, plan, backend=backend)` (`plan` None: as it
     is), its parameters laid out by `param_specs`: see `step_program`."""
     if plan is not None:
         model = parallelize(model, plan, backend=backend)
     return step_program(mesh, model, param_specs(model), lambda m, x: m(x), x_shape,
-                        x_spec, dtype, train=train)
+                        x_spec, dtype, train=train, wrt_input=wrt_input)
 
 
-def step_program(mesh, model, specs, apply, x_shape, x_spec, dtype, *, train=True):
+def step_program(mesh, model, specs, apply, x_shape, x_spec, dtype, *, train=True,
+                 wrt_input=False):
     """`apply(model, x)` on global arrays under `jax.set_mesh`, the model's arrays laid
     out by `specs` (a PartitionSpec tree of them): with `train`, a training step's
     forward and backward (the mean squared error against a target argument: a real,
-    non-constant cotangent); otherwise the forward alone (a prefill or decode step)."""
+    non-constant cotangent); otherwise the forward alone (a prefill or decode step).
+    `wrt_input`: the step also differentiates `x`, as every block of a deep model but
+    the first does (`bench/aot_input_grad.py`)."""
     params = jax.tree.map(lambda a, s: _struct(mesh, a.shape, a.dtype, s),
                           eqx.filter(model, _is_array), specs, is_leaf=_is_array)
     static = eqx.filter(model, _is_array, inverse=True)
     x = _struct(mesh, x_shape, dtype, x_spec)
 
     def step(params, x, y):
-        def loss(params):
+        def loss(params, x):
             out = apply(eqx.combine(params, static), x)
             return jnp.mean(jnp.square((out - y).astype(jnp.float32)))
 
-        return jax.value_and_grad(loss)(params)
+        return jax.value_and_grad(loss, argnums=(0, 1) if wrt_input else 0)(params, x)
 
     if not train:
         return _under_mesh(mesh, jax.jit(lambda params, x: apply(
@@ -317,12 +321,13 @@ def block_model(program, dtype=jnp.bfloat16, fused_qkv=False, **sizes):
 
 
 def block_program(mesh, backend="ring", *, program="block", dtype=jnp.bfloat16,
-                  fused_qkv=False, reduce_dtype=None, **sizes):
+                  fused_qkv=False, reduce_dtype=None, wrt_input=False, **sizes):
     """An FSDP x TP transformer block (sequence parallel) over the axes ("fsdp", "tp"):
     `seq` positions per tensor-parallel device, one sequence per FSDP device; with
     `fused_qkv`, one q, k, v projection instead of three. `program`: "block" (a training
     step), "prefill" or "decode" (forward only; `LAYER_SIZES` gives each one's sizes).
-    `reduce_dtype`: the styles' (what the reduce-scatters sum in)."""
+    `reduce_dtype`: the styles' (what the reduce-scatters sum in); `wrt_input`:
+    `step_program`'s."""
     model, x_shape, train = block_model(program, dtype, fused_qkv, **sizes)
     sp = dict(sequence_parallel=True, reduce_dtype=reduce_dtype)
     plan = {"qkv" if fused_qkv else "[qkv]": Column(**sp), "out": Row(**sp),
@@ -330,7 +335,7 @@ def block_program(mesh, backend="ring", *, program="block", dtype=jnp.bfloat16,
             "*": FSDP(reduce_dtype=reduce_dtype)}
     return _layer_program(mesh, model, plan, backend,
                           x_shape(mesh.shape["fsdp"], mesh.shape["tp"]),
-                          P("fsdp", "tp", None), dtype, train=train)
+                          P("fsdp", "tp", None), dtype, train=train, wrt_input=wrt_input)
 
 
 def demo_program(mesh, backend="ring"):

@@ -23,6 +23,8 @@ does.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import weakref
 
 import jax
@@ -34,6 +36,18 @@ except ImportError:  # pragma: no cover - a JAX without it: no sharing
 
 # (id of the input, key) -> (weakref to the input, weakref to its trace, gathered)
 _ENTRIES: dict = {}
+_OFF = contextvars.ContextVar("fusedpar_shared_gather_off", default=False)
+
+
+@contextlib.contextmanager
+def off():
+    """Within it, every layer gathers its own input (to measure what sharing saves:
+    `bench/aot_input_grad.py`)."""
+    token = _OFF.set(True)
+    try:
+        yield
+    finally:
+        _OFF.reset(token)
 
 
 def _current_trace():
@@ -42,7 +56,7 @@ def _current_trace():
 
 def lookup(x, key):
     """What `remember(x, key, ...)` stored in this trace, or None."""
-    entry = _ENTRIES.get((id(x), key))
+    entry = None if _OFF.get() else _ENTRIES.get((id(x), key))
     if entry is None:
         return None
     ref, trace_ref, gathered = entry
@@ -56,7 +70,7 @@ def lookup(x, key):
 def remember(x, key, gathered) -> None:
     """Store `gathered` (`x` gathered as `key` says) for the next layer on `x`."""
     trace = _current_trace()
-    if trace is None or not isinstance(x, jax.core.Tracer):
+    if trace is None or _OFF.get() or not isinstance(x, jax.core.Tracer):
         return  # outside a trace the gathered copy would live as long as `x` does
     try:
         ref, trace_ref = weakref.ref(x), weakref.ref(trace)
