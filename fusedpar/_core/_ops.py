@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Optional
 
 import jax
@@ -209,10 +210,11 @@ def all_gather_matmul_given(x, gathered, w, axis_name, *, dim=0, **kwargs):
 
 
 def _op_defaults(kwargs) -> dict:
-    """The keyword arguments of `all_gather_matmul` that `kwargs` leaves out."""
-    defaults = dict(backend=AUTO, bidirectional=None, unroll=None, keep_gathered=True,
-                    preferred_element_type=None, reduce_dtype=None, precision=None,
-                    options=None, comm_dtype=None, grad_comm_dtype=None)
+    """`kwargs` with `all_gather_matmul`'s defaults for the keyword arguments it leaves
+    out (its signature's, but `gather` and `dim`, which the callers fix)."""
+    defaults = {name: p.default
+                for name, p in inspect.signature(all_gather_matmul).parameters.items()
+                if p.kind is p.KEYWORD_ONLY and name not in ("gather", "dim")}
     unknown = set(kwargs) - set(defaults)
     if unknown:
         raise TypeError(f"all_gather_matmul: unexpected arguments {sorted(unknown)}.")
