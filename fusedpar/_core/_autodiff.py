@@ -33,7 +33,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
@@ -73,12 +72,16 @@ def run(prim, cfg, x, w, return_gathered=False, addend=None):
         return _backends.get(cfg.backend).run(prim, cfg, x, w, return_gathered)
 
 
-def plus_scattered(out, addend, prim, cfg):
-    """`out` plus `addend` (each device's partial sums) reduce-scattered in
-    `cfg.reduce_dtype` like primitive `prim`'s (`_primitives.RS_ROWS`'s rows)."""
-    part = lax.psum_scatter(addend.astype(cfg.reduce_dtype), cfg.axis_name,
+def scattered(addend, prim, cfg):
+    """`addend` (each device's partial sums) reduce-scattered in `cfg.reduce_dtype` like
+    primitive `prim`'s result (`_primitives.RS_ROWS`'s rows)."""
+    return lax.psum_scatter(addend.astype(cfg.reduce_dtype), cfg.axis_name,
                             scatter_dimension=prims.of(prim).gather_axis, tiled=True)
-    return out + part.astype(out.dtype)
+
+
+def plus_scattered(out, addend, prim, cfg):
+    """`out` plus `scattered(addend, prim, cfg)`, in `out`'s dtype."""
+    return out + scattered(addend, prim, cfg).astype(out.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -184,8 +187,7 @@ def _bwd(prim, cfg, res, dy, addend=None):
     sums of x's gathered gradient that x's reduce-scatter sums too (`apply_keeping`)."""
     if addend is not None and (_is_quantized(res[1]) or cfg.product_first):
         dx, dw = _bwd(prim, cfg, res, dy)  # no reduce-scatter of their own to join
-        scattered = plus_scattered(dx, addend, prims.RS_ROWS, cfg)
-        return cotangent_like(scattered, res[0]), dw
+        return cotangent_like(plus_scattered(dx, addend, prims.RS_ROWS, cfg), res[0]), dw
     x, w, gathered = res
     p = prims.of(prim)
     dtypes = {"x": x.dtype, "w": w.dtype}
@@ -251,8 +253,7 @@ def _bwd_keeping(prim, cfg, res, cts):
     if dg is None:
         return None, None
     # Only the siblings use the output: x's gradient is their sum alone.
-    scattered = plus_scattered(jnp.zeros(x.shape, cfg.reduce_dtype), dg, prims.RS_ROWS, cfg)
-    return cotangent_like(scattered.astype(x.dtype), x), None
+    return cotangent_like(scattered(dg, prims.RS_ROWS, cfg).astype(x.dtype), x), None
 
 
 apply_keeping.defvjp(_fwd_keeping, _bwd_keeping, symbolic_zeros=True)

@@ -66,10 +66,13 @@ def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, out_dtype=None, p
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, dim=0, out_dtype=None, reduce_dtype=None,
-                          precision=None):
-    """`psum_scatter(jnp.matmul(x, w), scatter_dimension=dim, tiled=True)`."""
+                          precision=None, addend=None):
+    """`psum_scatter(jnp.matmul(x, w), scatter_dimension=dim, tiled=True)`; `addend` (the
+    product's shape), when given, is summed with the product before the scatter."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     reduce_dtype = accumulation_dtype(x.dtype) if reduce_dtype is None else reduce_dtype
     y = matmul(x, w, precision=precision).astype(reduce_dtype)
+    if addend is not None:
+        y = y + addend.astype(reduce_dtype)
     return lax.psum_scatter(y, axis_name, scatter_dimension=dim % y.ndim,
                             tiled=True).astype(out_dtype)

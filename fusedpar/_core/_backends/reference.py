@@ -27,8 +27,9 @@ from jax import lax
 from .. import _definition, _primitives as prims, _quantize
 from ._backend import Backend
 
-def run(prim, cfg, x, w, return_gathered=False):
-    """Run `prim` (see `_primitives.py`) as the lax expression it is defined by."""
+def run(prim, cfg, x, w, return_gathered=False, addend=None):
+    """Run `prim` (see `_primitives.py`) as the lax expression it is defined by; a
+    reduce-scatter's `addend` is summed in the same `psum_scatter` (`run_adding`)."""
     p = prims.of(prim)
     if cfg.comm_dtype is not None:
         if p.gathers:
@@ -37,7 +38,7 @@ def run(prim, cfg, x, w, return_gathered=False):
     if not p.gathers:
         return _definition.matmul_reduce_scatter(
             x, w, cfg.axis_name, dim=p.gather_axis, out_dtype=cfg.out_dtype,
-            reduce_dtype=cfg.reduce_dtype, precision=cfg.precision)
+            reduce_dtype=cfg.reduce_dtype, precision=cfg.precision, addend=addend)
     out = _definition.all_gather_matmul(x, w, cfg.axis_name, gather=p.side,
                                         dim=p.gather_axis, out_dtype=cfg.out_dtype,
                                         precision=cfg.precision)
@@ -46,14 +47,6 @@ def run(prim, cfg, x, w, return_gathered=False):
     # The same all_gather as inside the expression: XLA computes it once.
     return out, lax.all_gather(p.travelling(x, w), cfg.axis_name, axis=p.gather_axis,
                                tiled=True)
-
-
-def run_adding(prim, cfg, x, w, addend):
-    """A reduce-scatter primitive with `addend` summed in the same `psum_scatter`."""
-    p = prims.of(prim)
-    y = _definition.matmul(x, w, precision=cfg.precision).astype(cfg.reduce_dtype)
-    return lax.psum_scatter(y + addend.astype(cfg.reduce_dtype), cfg.axis_name,
-                            scatter_dimension=p.gather_axis, tiled=True).astype(cfg.out_dtype)
 
 
 def _quantized_gather(p, cfg, x, w, return_gathered):
@@ -91,4 +84,4 @@ BACKEND = Backend(
     name="reference",
     description="the pure-lax expression: all_gather then dot; dot then psum_scatter",
     run=run, check_vma=True, cost="reference", candidate=True, ring=False,
-    run_adding=run_adding)
+    run_adding=lambda prim, cfg, x, w, addend: run(prim, cfg, x, w, addend=addend))
