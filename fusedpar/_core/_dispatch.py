@@ -38,7 +38,12 @@ AUTO_MARGIN = 0.95
 # How much faster a bidirectional ring must be estimated to be chosen over a
 # unidirectional one.
 BIDIRECTIONAL_MARGIN = 0.02
-KERNEL_MARGIN = 0.95
+# 1.0 (a kernel must only be estimated faster; an exact tie, as on GPUs where the
+# kernels are modelled as the lax ring's steps, keeps the ring): with the fused TPU
+# kernels timed from their plan (`cost_model._kernel_step`) every near tie 0.95 left to
+# the lax ring replayed faster on the kernel (v5p mlp 2,454 -> 2,271 us, v5e block
+# 12,964 -> 12,681, v5e prefill 11,246 -> 11,038), and none slower.
+KERNEL_MARGIN = 1.0
 
 __all__ = ["Call", "Choice", "choose", "auto_choice", "auto_ring_shape", "ring_shape", "names",
            "check_backend_name", "check_options", "check_vma", "product_first"]
@@ -135,27 +140,42 @@ def _why_not(backend, call: Call) -> Optional[str]:
         return f"{type(e).__name__}: {e}"
 
 
-def auto_ring_shape(call: Call) -> tuple[bool, str]:
-    """`(bidirectional, why)`: the ring shape a call runs with when none was requested,
-    for the call's target (whatever the backend: the shape is the hardware's question).
+def auto_ring_shape(call: Call, backend: str = RING) -> tuple[bool, str]:
+    """`(bidirectional, why)`: the ring shape `backend` runs a call with when none was
+    requested, for the call's target, by `backend`'s own estimate.
 
     Where a bidirectional ring is possible (more than 2 devices, even blocks) it is used
     only if the cost model estimates it faster than the unidirectional one: on hardware
     with one link per neighbour and direction (TPU ICI) it halves each step's transfer;
-    through a shared switch (NVSwitch) it does not, and only adds a launch per step.
+    through a shared switch (NVSwitch) it does not, and only adds a launch per step. The
+    answer differs by backend: the lax ring runs a half-size matmul per direction (on a
+    memory-bound step, two reads of the stationary operand), while a fused TPU kernel
+    multiplies both halves of a step at once, so only the halved transfer is left (on
+    v5p:2x2x2 the fused rs_rows replays at 321 us bidirectional against 396 us).
     """
     default = call.runs_bidirectional
-    if call.bidirectional is not None or not default or call.platform in ("cpu", ""):
+    if (call.bidirectional is not None or not default or call.platform in ("cpu", "")
+            or _backends.runs_one_collective(backend)):
         return default, ""
     hw = cost_model.get_hardware(None, call.target)
-    uni, bi = (cost_model.estimate_call(dataclasses.replace(call, bidirectional=b), hw)[RING]
-               for b in (False, True))
+    estimate = {}
+    for b in (False, True):
+        estimate[b] = cost_model.estimate_call(dataclasses.replace(call, bidirectional=b), hw,
+                                               backends=(backend,)).get(backend)
+    if estimate[True] is None:  # a backend the model does not time (or no ring)
+        return default, ""
+    uni, bi = estimate[False], estimate[True]
     # A near tie keeps the unidirectional ring: half the transfers and whole-block matmuls
     # (a 0.15% modelled lead replayed 5% behind: docs/measurements.md).
     if bi.seconds < (1 - BIDIRECTIONAL_MARGIN) * uni.seconds:
         return True, ""
     return False, (f"unidirectional ring: on {hw.name} a bidirectional one is no faster "
                    f"({cost_model.describe({'bidirectional': bi})})")
+
+
+def _shaped(call: Call, backend: str) -> Call:
+    """`call` with the ring shape `backend` runs it with (`auto_ring_shape`)."""
+    return dataclasses.replace(call, bidirectional=auto_ring_shape(call, backend)[0])
 
 
 def auto_choice(call: Call) -> tuple[str, str]:
@@ -173,7 +193,9 @@ def auto_choice(call: Call) -> tuple[str, str]:
         return REFERENCE, ("on CPU the collectives are memory copies: decomposing the "
                            "matmul into ring steps only adds overhead")
     hw = cost_model.get_hardware(None, call.target)
-    est = cost_model.estimate_call(call, hw)
+    # Each ring backend estimated with the ring shape it would run (`auto_ring_shape`).
+    est = {name: cost_model.estimate_call(_shaped(call, name), hw, backends=(name,))[name]
+           for name in cost_model.estimate_call(call, hw)}
     # The reference's collective hides behind that much other work, where XLA runs it
     # beside that work (`Hardware.collective_beside_matmul`).
     beside = call.beside if hw.collective_beside_matmul else 0.0
@@ -238,11 +260,11 @@ def product_first(call: Call, chosen: str) -> str:
 def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
     """Pick the backend for `call`: `requested` itself, or the `"auto"` policy's pick
     (which may run an ag_rows product first, `product_first`)."""
-    bidirectional, why = auto_ring_shape(call)
-    call = dataclasses.replace(call, bidirectional=bidirectional)
     first = ""
     if requested == AUTO:
         name, reason = auto_choice(call)
+        bidirectional, why = auto_ring_shape(call, name)
+        call = dataclasses.replace(call, bidirectional=bidirectional)
         first = product_first(call, name)
         if first:
             name, reason = REFERENCE, first
@@ -250,6 +272,7 @@ def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
     else:  # ("auto" picks only the reference or a backend whose `unavailable` it asked)
         check_backend_name(call.op, requested)
         name, reason = requested, "requested explicitly"
+        call = _shaped(call, name)
         why_not = _backends.get(name).unavailable(call)
         if why_not is not None:
             raise NotImplementedError(
