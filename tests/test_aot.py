@@ -140,6 +140,24 @@ def test_auto_picks_each_pass_on_its_own():
     assert "fusedpar.rs_rows.ring" in program.lower(*args).as_text(debug_info=True)
 
 
+def test_auto_picks_each_pass_its_own_ring_shape():
+    """On v5e:2x4, rs_rows at the op programs' size: the forward's fused kernel goes both
+    ways (its transfer halves; its step matmul stays whole), the backward's ag_rows
+    kernel, whose 128-row blocks are quick to send, one way; a shape asked for holds in
+    both passes. Only lowered: the choice is made at trace time."""
+    mesh = _mesh("v5e:2x4")
+
+    def scopes(**kw):
+        program, args = progs.op_program(mesh, prims.RS_ROWS, "auto", **kw)
+        return set(re.findall(r"fusedpar\.[\w.]+directional",
+                              program.lower(*args).as_text(debug_info=True)))
+
+    assert scopes() == {"fusedpar.rs_rows.pallas.bidirectional",
+                        "fusedpar.ag_rows.pallas.unidirectional"}
+    assert scopes(bidirectional=True) == {"fusedpar.rs_rows.pallas.bidirectional",
+                                          "fusedpar.ag_rows.pallas.bidirectional"}
+
+
 # x (1024, 4096) @ w (4096, 4096), forward, on 2 / 4 / 8 H100s.
 PUBLISHED_US = {2: 147, 4: 290, 8: 565}
 

@@ -115,7 +115,9 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None, add
     op = prims.of(fwd_prim).op
     call = cfg.call(op, prim, x, w, gathered=return_gathered)
     cfg = dataclasses.replace(cfg, product_first=False)  # the forward's, not this run's
-    if cfg.auto:  # this primitive's own pick (the ring shape stays the forward's)
+    if cfg.auto:  # this primitive's own pick, and its ring shape unless one was asked for
+        if not cfg.shape_requested:
+            call = dataclasses.replace(call, bidirectional=None)
         if beside is not None and call.platform not in ("", "cpu"):
             (m, k), (_, n) = beside[0].shape, beside[1].shape
             seconds = cost_model.matmul_seconds(

@@ -38,12 +38,14 @@ AUTO_MARGIN = 0.95
 # How much faster a bidirectional ring must be estimated to be chosen over a
 # unidirectional one.
 BIDIRECTIONAL_MARGIN = 0.02
-# 1.0 (a kernel must only be estimated faster; an exact tie, as on GPUs where the
-# kernels are modelled as the lax ring's steps, keeps the ring): with the fused TPU
-# kernels timed from their plan (`cost_model._kernel_step`) every near tie 0.95 left to
-# the lax ring replayed faster on the kernel (v5p mlp 2,454 -> 2,271 us, v5e block
-# 12,964 -> 12,681, v5e prefill 11,246 -> 11,038), and none slower.
-KERNEL_MARGIN = 1.0
+KERNEL_MARGIN = 0.95
+# The fused TPU kernels only need to be estimated faster: timed from their plan
+# (`cost_model._kernel_step`), every near tie 0.95 left to the lax ring replayed faster
+# on the kernel (v5p mlp 2,454 -> 2,271 us, v5e block 12,964 -> 12,681, v5e prefill
+# 11,246 -> 11,038), and none slower. The GPU step kernels keep 0.95: they are modelled
+# as lax ring steps without the ring's folded reduce-scatter, nothing measured says
+# they win by less.
+TPU_KERNEL_MARGIN = 1.0
 
 __all__ = ["Call", "Choice", "choose", "auto_choice", "auto_ring_shape", "ring_shape", "names",
            "check_backend_name", "check_options", "check_vma", "product_first"]
@@ -127,6 +129,15 @@ def ring_shape(call: Call, unroll: Optional[bool]) -> tuple[bool, bool]:
     return bool(call.runs_bidirectional), bool(unroll)
 
 
+def _unavailable(backend: str, call: Call) -> Optional[str]:
+    """Why `backend` cannot run `call` (None: it can); kernels that fail to import
+    cannot run anything."""
+    try:
+        return _backends.get(backend).unavailable(call)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
 def _why_not(backend, call: Call) -> Optional[str]:
     """Why `backend` (a `_backends.Backend`) cannot run `call`, or None, for `auto`."""
     if call.vma_typed and not backend.check_vma:
@@ -134,10 +145,7 @@ def _why_not(backend, call: Call) -> Optional[str]:
         # check_vma=True): auto must pick among the backends that can run.
         return ("the enclosing jax.shard_map checks varying axes (check_vma=True, its "
                 "default) and these collective kernels need check_vma=False")
-    try:
-        return backend.unavailable(call)
-    except Exception as e:  # kernels that fail to import cannot be chosen
-        return f"{type(e).__name__}: {e}"
+    return _unavailable(backend.name, call)
 
 
 def auto_ring_shape(call: Call, backend: str = RING) -> tuple[bool, str]:
@@ -173,9 +181,19 @@ def auto_ring_shape(call: Call, backend: str = RING) -> tuple[bool, str]:
                    f"({cost_model.describe({'bidirectional': bi})})")
 
 
-def _shaped(call: Call, backend: str) -> Call:
-    """`call` with the ring shape `backend` runs it with (`auto_ring_shape`)."""
-    return dataclasses.replace(call, bidirectional=auto_ring_shape(call, backend)[0])
+def _shaped(call: Call, backend: str) -> tuple[Call, str]:
+    """`(call, why)`: `call` with the ring shape `backend` runs it with: the shape its
+    estimate prefers (`auto_ring_shape`), or the other one where only that one can run
+    (a kernel whose tiles a halved block does not fit, say)."""
+    bidirectional, why = auto_ring_shape(call, backend)
+    shaped = dataclasses.replace(call, bidirectional=bidirectional)
+    if call.bidirectional is None and call.runs_bidirectional:  # both shapes possible
+        other = dataclasses.replace(call, bidirectional=not bidirectional)
+        refused = _unavailable(backend, shaped)
+        if refused is not None and _unavailable(backend, other) is None:
+            way = "bidirectional" if bidirectional else "unidirectional"
+            return other, f"a {way} ring cannot run it: {refused}"
+    return shaped, why
 
 
 def auto_choice(call: Call) -> tuple[str, str]:
@@ -183,7 +201,9 @@ def auto_choice(call: Call) -> tuple[str, str]:
 
     A decomposed ring must beat the reference's estimate by `AUTO_MARGIN` (the model is
     rough; a near tie is not worth the extra code path), and the Pallas kernels, when
-    they can run the call, must beat the lax ring by `KERNEL_MARGIN`. CPU always stays
+    they can run the call, must beat the lax ring by `KERNEL_MARGIN` (`TPU_KERNEL_MARGIN`
+    for the fused TPU kernels). Each is estimated, and checked to run, at the ring shape
+    it would run (`_shaped`). CPU always stays
     on the reference: its simulated devices share the cores, and Pallas there is an
     interpreter.
     """
@@ -193,8 +213,8 @@ def auto_choice(call: Call) -> tuple[str, str]:
         return REFERENCE, ("on CPU the collectives are memory copies: decomposing the "
                            "matmul into ring steps only adds overhead")
     hw = cost_model.get_hardware(None, call.target)
-    # Each ring backend estimated with the ring shape it would run (`auto_ring_shape`).
-    est = {name: cost_model.estimate_call(_shaped(call, name), hw, backends=(name,))[name]
+    # Each ring backend estimated with the ring shape it would run (`_shaped`).
+    est = {name: cost_model.estimate_call(_shaped(call, name)[0], hw, backends=(name,))[name]
            for name in cost_model.estimate_call(call, hw)}
     # The reference's collective hides behind that much other work, where XLA runs it
     # beside that work (`Hardware.collective_beside_matmul`).
@@ -207,16 +227,17 @@ def auto_choice(call: Call) -> tuple[str, str]:
     for backend in _backends.candidates():
         if backend.name == REFERENCE:
             continue
-        why = _why_not(backend, call)
+        why = _why_not(backend, _shaped(call, backend.name)[0])
         if why is None:
             candidates.append(backend)
         else:
             why_not[backend.name] = why
     # Simplest first (table order): a kernel backend must beat the best before it (the
-    # lax ring) by KERNEL_MARGIN too.
+    # lax ring) by its margin too.
     best = None
     for backend in candidates:
-        margin = KERNEL_MARGIN if backend.cost == "kernel" else 1.0
+        margin = 1.0 if backend.cost != "kernel" else (
+            TPU_KERNEL_MARGIN if call.platform == "tpu" else KERNEL_MARGIN)
         if best is None or est[backend.name].seconds < margin * est[best].seconds:
             best = backend.name
     names_ = [REFERENCE] + [b.name for b in candidates]
@@ -263,8 +284,7 @@ def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
     first = ""
     if requested == AUTO:
         name, reason = auto_choice(call)
-        bidirectional, why = auto_ring_shape(call, name)
-        call = dataclasses.replace(call, bidirectional=bidirectional)
+        call, why = _shaped(call, name)
         first = product_first(call, name)
         if first:
             name, reason = REFERENCE, first
@@ -272,7 +292,7 @@ def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
     else:  # ("auto" picks only the reference or a backend whose `unavailable` it asked)
         check_backend_name(call.op, requested)
         name, reason = requested, "requested explicitly"
-        call = _shaped(call, name)
+        call = _shaped(call, name)[0]
         why_not = _backends.get(name).unavailable(call)
         if why_not is not None:
             raise NotImplementedError(

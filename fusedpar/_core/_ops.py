@@ -167,7 +167,8 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
                               if reduce_dtype is None else reduce_dtype),
         precision=precision, keep_gathered=keep_gathered, options=_pairs(options),
         target=target, comm_dtype=call.comm_dtype, grad_comm_dtype=grad_comm_dtype,
-        auto=backend == AUTO, automatic_axes=automatic, product_first=choice.product_first)
+        auto=backend == AUTO, automatic_axes=automatic, product_first=choice.product_first,
+        shape_requested=bidirectional is not None)
     c = prims.canonicalize(op, gather, dim, x, w, n)
     if gathered is None:
         return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))

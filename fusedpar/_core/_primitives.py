@@ -308,6 +308,8 @@ class Config(_Options):
     - `automatic_axes`: the mesh axes the enclosing `shard_map` leaves to XLA (`Call`).
     - `product_first`: an ag_rows with an invariant w runs as `all_gather(x @ w)`
       (`_product_first`), whatever `backend` says.
+    - `shape_requested`: the caller gave `bidirectional`; else, under `auto`, each dual
+      primitive of the backward runs the ring shape of its own pick.
     """
 
     backend: str
@@ -326,6 +328,7 @@ class Config(_Options):
     auto: bool = False
     automatic_axes: tuple = ()
     product_first: bool = False
+    shape_requested: bool = False
 
     @property
     def on(self) -> "_target.Target":
