@@ -77,6 +77,36 @@ def test_product_first_matches_definition(n, dtype):
     assert _gathered_widths(ours, x, w) == [N]
 
 
+def _collectives(f, x, w):
+    """`(primitive, dtype)` of every collective in the program's forward and backward
+    besides its all-gathers (which `_gathered_widths` reads)."""
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: f(x, w).astype(jnp.float32).sum(),
+                                    argnums=(0, 1)))(x, w)
+    found = []
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name in ("all_to_all", "reduce_scatter", "psum", "psum_invariant"):
+                found.append((e.primitive.name, jnp.dtype(e.invars[0].aval.dtype).name))
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    return found
+
+
+def test_bfloat16_cotangents_travel_as_they_are():
+    """The backward sums every device's copy of the product's cotangent in float32
+    (`reduce_dtype`). Its addends are bfloat16 already, so off TPU they travel as they
+    are, by all-to-all, and each device adds its rows of them in float32: no float32
+    reduce-scatter (its values: `test_product_first_matches_definition`)."""
+    x, w = normal(0, (16, K), jnp.bfloat16), normal(1, (K, N), jnp.bfloat16)
+    _, ours = _programs(4, check_vma=True)
+    found = _collectives(ours, x, w)
+    assert ("all_to_all", "bfloat16") in found, found
+    assert not any(name == "reduce_scatter" for name, _ in found), found
+
+
 def test_batched_dim_and_keep_gathered_false():
     """A gathered middle dim (rows after canonicalisation) and keep_gathered=False."""
     x, w = normal(0, (3, 8, K), jnp.float32), normal(1, (K, N), jnp.float32)
