@@ -213,9 +213,11 @@ def auto_choice(call: Call) -> tuple[str, str]:
         return REFERENCE, ("on CPU the collectives are memory copies: decomposing the "
                            "matmul into ring steps only adds overhead")
     hw = cost_model.get_hardware(None, call.target)
-    # Each ring backend estimated with the ring shape it would run (`_shaped`).
-    est = {name: cost_model.estimate_call(_shaped(call, name)[0], hw, backends=(name,))[name]
-           for name in cost_model.estimate_call(call, hw)}
+    # Each backend estimated, and checked, at the ring shape it would run (`_shaped`).
+    shaped = {b.name: _shaped(call, b.name)[0] for b in _backends.candidates()}
+    est = {}
+    for name, c in shaped.items():
+        est.update(cost_model.estimate_call(c, hw, backends=(name,)))
     # The reference's collective hides behind that much other work, where XLA runs it
     # beside that work (`Hardware.collective_beside_matmul`).
     beside = call.beside if hw.collective_beside_matmul else 0.0
@@ -227,7 +229,7 @@ def auto_choice(call: Call) -> tuple[str, str]:
     for backend in _backends.candidates():
         if backend.name == REFERENCE:
             continue
-        why = _why_not(backend, _shaped(call, backend.name)[0])
+        why = _why_not(backend, shaped[backend.name])
         if why is None:
             candidates.append(backend)
         else:

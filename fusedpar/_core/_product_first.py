@@ -19,9 +19,10 @@ Backward, with `dy_d` the cotangent of device d's copy `y_d` of the gathered pro
     dL/dw   = sum_j x_j.T @ dys_j   ->  dw = psum(x.T @ dys)
 
 both local matmuls 1/N of the reference's again. The cotangents are summed in
-`cfg.reduce_dtype` (float32 for 16-bit inputs, as the reference's reduce-scatter; off TPU
-they travel in their own dtype, by all-to-all, and are summed on arrival: `_sum_scattered`), and the
-psum of dw is `_vma.cotangent_like`'s, the one every invariant w's cotangent gets.
+`cfg.reduce_dtype` (float32 for 16-bit inputs, as the reference's reduce-scatter; off
+TPU they travel in their own dtype, by all-to-all, and are summed on arrival:
+`_sum_scattered`), and the psum of dw is `_vma.cotangent_like`'s, the one every
+invariant w's cotangent gets.
 """
 
 from __future__ import annotations
