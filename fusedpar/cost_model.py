@@ -142,11 +142,12 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
             tuple(max(v, 1) for v in prims.of(prim).step_matmul(x_shape, w_shape, n, 2)))
     sent = (n - 1) * block_bytes
     families = _families(backends)
+    # The whole product the ring makes (the reference's one matmul).
+    full = prims.of(prim).full_matmul(x_shape, w_shape, n)
     result = {}
     for name in (name for name, family in families.items() if family == "reference"):
         # One matmul over the whole problem, and one collective before (all-gathers) or
         # after it (reduce-scatters) that uses every link the device has to ring neighbours.
-        full = prims.of(prim).full_matmul(x_shape, w_shape, n)
         whole = _matmul_time(hw, *full, dtype, out_b)
         collective = _collective_time(hw, n, sent)
         result[name] = Breakdown(name, whole + collective, whole, collective, 1, sent, sent)
@@ -163,7 +164,7 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
             # beside it -- what the replay reads from a compiled kernel's plan
             # (`fusedpar._compile._hlo_ring_kernel`), whose step reads its share of the
             # whole product's traffic (`_kernel_step`).
-            c = _kernel_step(hw, prim, step[0], n, dtype)
+            c = _kernel_step(hw, full, n, dtype)
             t = transfer + latency
             result[name] = Breakdown(name, hw.ring_kernel_seconds(n, c, t), c, t, n,
                                      per_dir, sent)
@@ -226,17 +227,15 @@ def product_first(call, hardware=None) -> Breakdown:
     return Breakdown("product first", local + collective, local, collective, 1, sent, sent)
 
 
-def _kernel_step(hw, prim, step, n, dtype) -> float:
-    """One step of a fused TPU ring kernel: its matmul's flops, and an `n`-th of the
-    HBM traffic of the whole product (`kernels/_cost.matmul_cost`, the estimate the
+def _kernel_step(hw, full, n, dtype) -> float:
+    """One step of a fused TPU ring kernel: an `n`-th of the whole product `full`'s
+    flops and HBM traffic (`kernels/_cost.matmul_cost`, the estimate the
     kernel gives XLA). The kernel keeps the operand every step reads (the stationary one)
     and a reduce-scatter's partial sums resident in VMEM where they fit
     (`kernels/tpu/_tile_plan`), so it reads the stationary operand once per ring, not
     once per step as a lax step's matmul does: at 1024 x 4096 x 4096 bfloat16 over 8
     devices, a step's w read alone is 41 us on v5e against 22 us of matmul."""
-    dims = list(step)
-    dims["mkn".index(prims.of(prim).ring_dim)] *= n  # the whole product the ring makes
-    return _roofline(hw, *dims, dtype, _itemsize(dtype)) / n
+    return _roofline(hw, *full, dtype, _itemsize(dtype)) / n
 
 
 def _assembly(hw, prim, step, out_b, c, first):
