@@ -14,7 +14,8 @@ again (a second ring, less memory). A reduce-scatter's backward gathers the cota
 once and, with `keep_gathered`, reuses it.
 
 An ag_rows that `auto` runs product first (a w JAX proves replicated: `_product_first`)
-has that module's backward: the cotangent reduce-scattered, both gradients local.
+has that module's backward: the cotangent reduce-scattered, both gradients local. An
+rs_rows it runs operands first (`_operands_first`) has rs_rows' own backward.
 
 Which dual runs, on which operands, is data: each primitive's `backward` and
 `backward_keep` (`_primitives.Grad`); `_grads` computes them in order.
@@ -36,8 +37,8 @@ import jax
 from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from . import (_backends, _definition, _dispatch, _primitives as prims, _product_first,
-               _quantize, _vma)
+from . import (_backends, _definition, _dispatch, _operands_first, _primitives as prims,
+               _product_first, _quantize, _vma)
 from .. import cost_model
 from ._vma import cotangent_like
 
@@ -47,8 +48,8 @@ def scope(prim: str, cfg) -> str:
     `fusedpar.ag_rows.ring.bidirectional`: compiled programs carry it in each
     instruction's `op_name`, so `fusedpar.aot` can say which op a transfer belongs to
     (a backward pass's runs sit under `transpose(...)`)."""
-    if cfg.product_first:  # `_aot` reads the backend as "reference"
-        return f"fusedpar.{prim}.reference.product_first"
+    if cfg.rearranged:  # on lax collectives: `_aot` reads the backend as "reference"
+        return f"fusedpar.{prim}.reference.{cfg.rearranged}"
     if _backends.runs_one_collective(cfg.backend):  # no ring: no direction to name
         return f"fusedpar.{prim}.{cfg.backend}"
     ring = "bidirectional" if cfg.bidirectional else "unidirectional"
@@ -64,11 +65,13 @@ def run(prim, cfg, x, w, return_gathered=False, addend=None):
     with jax.named_scope(scope(prim, cfg)):
         if addend is not None:
             adding = _backends.get(cfg.backend).run_adding
-            if cfg.product_first or cfg.comm_dtype is not None or adding is None:
+            if cfg.rearranged or cfg.comm_dtype is not None or adding is None:
                 return plus_scattered(run(prim, cfg, x, w), addend, prim, cfg)
             return adding(prim, cfg, x, w, addend)
         if cfg.product_first:
             return _product_first.forward(cfg, x, w, return_gathered)
+        if cfg.rearranged == prims.OPERANDS_FIRST:
+            return _operands_first.forward(cfg, x, w)
         return _backends.get(cfg.backend).run(prim, cfg, x, w, return_gathered)
 
 
@@ -102,7 +105,8 @@ def _fwd(prim, cfg, x, w):
     return out, (x, w, gathered)
 
 
-def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None, addend=None):
+def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None, addend=None,
+              w_ahead=False):
     """`run` for the backward pass, checked first like the forward call was.
 
     The forward's dispatch checked only the forward primitive's shapes; a dual step can
@@ -110,11 +114,12 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None, add
     backend may not tile: that is an error here, before any kernel is traced.
     `beside`: the operands (shapes) of the backward's other gradient matmul, which needs
     nothing this one computes (under "auto" the reference's collective can hide behind
-    it).
+    it). `w_ahead`: this run's w is the forward's w (`Call.w_ahead`).
     """
     op = prims.of(fwd_prim).op
-    call = cfg.call(op, prim, x, w, gathered=return_gathered)
-    cfg = dataclasses.replace(cfg, product_first=False)  # the forward's, not this run's
+    call = cfg.call(op, prim, x, w, gathered=return_gathered, adding=addend is not None,
+                    w_ahead=w_ahead)
+    cfg = dataclasses.replace(cfg, rearranged="")  # the forward's, not this run's
     if cfg.auto:  # this primitive's own pick, and its ring shape unless one was asked for
         if not cfg.shape_requested:
             call = dataclasses.replace(call, bidirectional=None)
@@ -127,7 +132,7 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None, add
         choice = _dispatch.choose(call, _dispatch.AUTO, cfg.unroll)
         cfg = dataclasses.replace(cfg, backend=choice.backend,
                                   bidirectional=choice.bidirectional, unroll=choice.unroll,
-                                  product_first=choice.product_first)
+                                  rearranged=choice.rearranged)
         return run(prim, cfg, x, w, return_gathered, addend)
     why = _backends.get(cfg.backend).unavailable(call)
     if why is not None:
@@ -177,7 +182,8 @@ def _grads(prim, c, env, grads, dtypes, addend=None):
                 beside = tuple(jax.ShapeDtypeStruct(_shape(env, n), env["dy"].dtype)
                                for n in (other.lhs, other.rhs))
             r = _run_dual(prim, g.prim, c, lhs, rhs, return_gathered=g.keeps, beside=beside,
-                          addend=addend if g.of == "x" else None)
+                          addend=addend if g.of == "x" else None,
+                          w_ahead=g.rhs.partition(".")[0] == "w")
             if g.keeps:
                 r, env["g"] = r
         out[g.of] = r.T if g.transposed else r

@@ -60,7 +60,7 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     `w_invariant=True` says w is replicated over the ring's axis and the op can see it
     (inside `shard_map(check_vma=True)`, JAX's default): `"auto"` may then run a
     `gather="lhs"` call by multiplying first and gathering the product
-    (`Choice.product_first`). `check_vma=True` says the op runs inside a `jax.shard_map`
+    (`Choice.rearranged`). `check_vma=True` says the op runs inside a `jax.shard_map`
     that checks varying axes (its default): a backend whose kernels need
     `check_vma=False` (the fused TPU kernels) is not chosen there, as the op does.
     `reduce_dtype`: the op's (the reduce-scatter's partial sums, estimated in it).
@@ -167,7 +167,7 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
                               if reduce_dtype is None else reduce_dtype),
         precision=precision, keep_gathered=keep_gathered, options=_pairs(options),
         target=target, comm_dtype=call.comm_dtype, grad_comm_dtype=grad_comm_dtype,
-        auto=backend == AUTO, automatic_axes=automatic, product_first=choice.product_first,
+        auto=backend == AUTO, automatic_axes=automatic, rearranged=choice.rearranged,
         shape_requested=bidirectional is not None)
     c = prims.canonicalize(op, gather, dim, x, w, n)
     if gathered is None:

@@ -36,6 +36,11 @@ OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER)
 AG_ROWS, AG_COLS, AG_CONTRACT, RS_ROWS, RS_COLS = (
     "ag_rows", "ag_cols", "ag_contract", "rs_rows", "rs_cols")
 
+# The arrangements `auto` may run a call in on lax collectives instead of a backend's
+# (`Config.rearranged`): multiply, then gather the product (`_product_first`); move the
+# operands, then multiply (`_operands_first`).
+PRODUCT_FIRST, OPERANDS_FIRST = "product_first", "operands_first"
+
 # The name scope every run of a primitive is traced in (`_autodiff.scope`), which compiled
 # programs keep in each instruction's `op_name`: the primitive, the backend and, for a
 # ring, its shape (`fusedpar.aot` and the replay read them back).
@@ -234,6 +239,11 @@ class Call(_Options):
     proves w the same on every device of the ring (`_vma.invariant`: an ag_rows can then
     multiply first and gather the product, `_product_first`); `gathered` whether the run
     must also return the gathered operand (what that path gathers separately);
+    `adding` whether a reduce-scatter's run also sums another op's partial sums (the
+    backward of layers sharing a gathered input: `_operands_first` has no reduce-scatter
+    to sum them in); `w_ahead` whether w exists before the work around the call, so that
+    XLA can send it ahead of that work: the op's own w (a weight, as a rule) and a
+    backward run's that is the forward's w, not one that is a cotangent;
     `vma_typed` whether the enclosing `shard_map` types varying axes (`check_vma=True`,
     `jax.shard_map`'s default: `_vma.typed`), where a backend whose kernels need
     `check_vma=False` (`Backend.check_vma`) cannot run; `reduce_dtype` the name of the
@@ -256,6 +266,8 @@ class Call(_Options):
     automatic_axes: tuple = ()
     w_invariant: bool = False
     gathered: bool = False
+    adding: bool = False
+    w_ahead: bool = True
     vma_typed: bool = False
     reduce_dtype: Optional[str] = None
 
@@ -306,8 +318,10 @@ class Config(_Options):
       the backend of each dual primitive it runs the same way, for that primitive's own
       shapes (`_autodiff._run_dual`).
     - `automatic_axes`: the mesh axes the enclosing `shard_map` leaves to XLA (`Call`).
-    - `product_first`: an ag_rows with an invariant w runs as `all_gather(x @ w)`
-      (`_product_first`), whatever `backend` says.
+    - `rearranged`: `auto` runs the call on lax collectives in another arrangement,
+      whatever `backend` says ("" where it does not): `PRODUCT_FIRST`, an ag_rows with
+      an invariant w as `all_gather(x @ w)` (`_product_first`); `OPERANDS_FIRST`, an
+      rs_rows as x's rows exchanged times w gathered (`_operands_first`).
     - `shape_requested`: the caller gave `bidirectional`; else, under `auto`, each dual
       primitive of the backward runs the ring shape of its own pick.
     """
@@ -327,22 +341,28 @@ class Config(_Options):
     grad_comm_dtype: Any = None
     auto: bool = False
     automatic_axes: tuple = ()
-    product_first: bool = False
+    rearranged: str = ""
     shape_requested: bool = False
+
+    @property
+    def product_first(self) -> bool:
+        return self.rearranged == PRODUCT_FIRST
 
     @property
     def on(self) -> "_target.Target":
         """The target: as configured, else read from the code being traced."""
         return self.target if self.target is not None else _target.current()
 
-    def call(self, op: str, prim: str, x, w, gathered=False) -> Call:
+    def call(self, op: str, prim: str, x, w, gathered=False, adding=False,
+             w_ahead=True) -> Call:
         """The `Call` that describes running `prim` with this config on `x` and `w`
-        (`gathered`: the run also returns the gathered operand)."""
+        (`gathered`: the run also returns the gathered operand; `adding`: it also sums
+        an addend; `w_ahead`: `Call`'s)."""
         return Call(op, prim, tuple(x.shape), tuple(w.shape), jnp.dtype(x.dtype).name,
                     self.axis_size, self.target, self.bidirectional, self.precision,
                     self.options, self.comm_dtype, automatic_axes=self.automatic_axes,
                     w_invariant=_vma.invariant(w, self.axis_name), gathered=gathered,
-                    vma_typed=_vma.checked(self.axis_name),
+                    adding=adding, w_ahead=w_ahead, vma_typed=_vma.checked(self.axis_name),
                     reduce_dtype=jnp.dtype(self.reduce_dtype).name)
 
 

@@ -1,0 +1,102 @@
+"""rs_rows with its operands moved instead of its partial sums (`_operands_first`).
+
+Values and gradients against the pure-lax definition under JAX's autodiff, on rings of
+2 and 4; which collectives it runs; where `auto` takes it (never on CPU, never for a
+run that also sums another op's partial sums).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import fusedpar
+from fusedpar._core import _autodiff, _definition, _dispatch, _primitives as prims
+from helpers import assert_close, mesh, normal
+
+pytestmark = pytest.mark.timeout(120)
+
+K, N = 8, 16  # per device x (4 * n, K) @ w (K, N)
+
+
+def _config(n, dtype):
+    return prims.Config(backend="reference", axis_name="x", axis_size=n,
+                        bidirectional=False, unroll=True, out_dtype=np.dtype(dtype),
+                        reduce_dtype=np.dtype(np.float32), auto=True,
+                        rearranged=prims.OPERANDS_FIRST)
+
+
+def _programs(n, dtype):
+    """(oracle, operands first): x's columns and w's rows split over "x", y's rows."""
+    m = mesh((n,), ("x",))
+    cfg = _config(n, dtype)
+    ours = lambda x, w: _autodiff.apply(prims.RS_ROWS, cfg, x, w)
+    oracle = lambda x, w: _definition.matmul_reduce_scatter(x, w, "x", dim=0)
+    return [jax.shard_map(f, mesh=m, in_specs=(P(None, "x"), P("x")), out_specs=P("x"))
+            for f in (oracle, ours)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_operands_first_matches_definition(n, dtype):
+    x, w = normal(0, (4 * n, n * K), dtype), normal(1, (n * K, N), dtype)
+    ct = normal(2, (4 * n, N), jnp.float32)
+    fns = _programs(n, dtype)
+
+    def loss(f, x, w):
+        return jnp.vdot(f(x, w).astype(jnp.float32), ct)
+
+    want, got = [(f(x, w),) + jax.grad(loss, argnums=(1, 2))(f, x, w) for f in fns]
+    for name, g, e in zip(("y", "dx", "dw"), got, want):
+        assert_close(g, e, dtype, f"ring of {n} {name}")
+
+
+def test_operands_first_moves_operands_not_sums():
+    """Forward: one all-to-all of x's rows and n - 1 permutes of w, no reduce-scatter."""
+    n = 4
+    x, w = normal(0, (4 * n, n * K), jnp.bfloat16), normal(1, (n * K, N), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(_programs(n, jnp.bfloat16)[1])(x, w)
+    found = []
+
+    def walk(j):
+        for e in j.eqns:
+            found.append(e.primitive.name)
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    assert found.count("all_to_all") == 1 and found.count("ppermute") == n - 1
+    assert "reduce_scatter" not in found and "psum" not in found
+
+
+def _rs(rows, k, cols, n, platform):
+    s = jax.ShapeDtypeStruct
+    return fusedpar.explain("matmul_reduce_scatter", s((rows, k), jnp.bfloat16),
+                            s((k, cols), jnp.bfloat16), n, platform=platform)
+
+
+def test_auto_moves_operands_where_the_sums_outweigh_them():
+    """A row-parallel output projection over a long sequence (per device x (8192, 1024) @
+    w (1024, 4096) over 4): x's rows and w, 36 MiB a device, against 96 MiB of float32
+    partial sums, even with w's transfer counted in full. Half the rows pay only where
+    w, a weight, goes ahead of the call. Square slices keep the ring; CPU keeps the
+    reference; a run that sums another op's partial sums too cannot move its operands."""
+    wide = _rs(8192, 1024, 4096, 4, "tpu")
+    assert wide.rearranged == prims.OPERANDS_FIRST and wide.backend == "reference"
+    assert "operands first" in str(wide) and "96 MiB" in wide.reason
+    assert not _rs(8192, 4096, 4096, 4, "tpu").rearranged
+    assert not _rs(8192, 1024, 4096, 4, "cpu").rearranged
+    call = prims.Call("matmul_reduce_scatter", prims.RS_ROWS, (8192, 1024), (1024, 4096),
+                      "bfloat16", 4, "tpu")
+    assert _dispatch.operands_first(call, "pallas")
+    assert _dispatch.operands_first(dataclasses.replace(call, w_ahead=False), "pallas")
+    half = dataclasses.replace(call, x_shape=(4096, 1024))
+    assert _dispatch.operands_first(half, "pallas")
+    assert not _dispatch.operands_first(dataclasses.replace(half, w_ahead=False), "pallas")
+    assert not _dispatch.operands_first(dataclasses.replace(call, adding=True), "pallas")
