@@ -70,12 +70,14 @@ def test_ring_hides_every_transfer(target, cublas, prim, bidirectional, request)
 
 @pytest.mark.parametrize("bidirectional", (False, True), ids=("uni", "bidi"))
 @pytest.mark.parametrize("prim", prims.PRIMITIVES)
-@pytest.mark.parametrize("target, cublas", GPU, ids=("h100-triton", "h100-cublas"))
+@pytest.mark.parametrize("target, cublas", GPU[:1], ids=GPU_IDS[:1])
 def test_mosaic_gpu_steps_hide_every_transfer(target, cublas, prim, bidirectional):
     """The Mosaic GPU step kernels on the same ring: XLA cannot see their cost (jax's
     Mosaic GPU lowering drops `pl.CostEstimate`), so only the ring's chained steps keep
     the transfers from running back to back ahead of them. "pallas" with no options is
-    the Mosaic GPU kernels on H100 (the only compile of "pallas" for H100 in tests/)."""
+    the Mosaic GPU kernels on H100. With XLA's default GEMMs (Triton): the step kernels
+    are Mosaic's either way, and cuBLAS's schedule is the lax ring's above and
+    bench/aot_results.py's."""
     from fusedpar import aot
 
     program, args = progs.op_program(aot.mesh(target, (8,), ("x",)), prim, "pallas",

@@ -7,8 +7,9 @@ what it refuses here it refuses on a TPU. Nothing runs.
 
 - every kernel (the five primitives, uni- and bidirectional, forward and backward) at a
   realistic size: per device x (1024, 4096) @ w (4096, 4096) bfloat16, the tiled HBM
-  path (v5e; v5p and v6e bidirectional, and one v5p unidirectional; the whole grid of
-  generations and directions: bench/test_tpu_compile_sweep.py);
+  path (bidirectional on v5e, v5p and v6e, unidirectional the row kernels on v5e and
+  one v5p kernel; the whole grid of generations and directions:
+  bench/test_tpu_compile_sweep.py);
 - the smallest windows `kernels/tpu/_layout.py` accepts — ring segments of 8 rows (float32
   and bfloat16: bfloat16's tile has 8 rows, not 16) and of 128 lanes, pipeline blocks of
   8 rows — compile on v4, v5e, v5p and v6e, all in VMEM and tiled from HBM: the rule is
@@ -68,16 +69,17 @@ def _compile(program):
 # -- every kernel at a realistic size ------------------------------------------------------
 
 def _realistic_cases():
-    """v5e both directions; v5p and v6e bidirectional (what dispatch picks on a ring of 8),
-    and v5p unidirectional on one op (a unidirectional kernel split between two
-    TensorCores). The rest of the grid (v4, the other unidirectional programs: 50-150 s a
-    generation on 2 shared cores) is bench/test_tpu_compile_sweep.py; the default run also
-    compiles every kernel on every generation at small sizes (the tests below)."""
+    """Every kernel bidirectionally on v5e, v5p and v6e (what dispatch picks on a ring of
+    8); unidirectionally the row kernels on v5e (the lane kernels share their ring code)
+    and rs_cols on v5p (a unidirectional kernel split between two TensorCores). The rest
+    of the grid (v4, the other unidirectional programs: 50-150 s a generation on 2
+    shared cores) is bench/test_tpu_compile_sweep.py; the default run also compiles
+    every kernel on every generation at small sizes (the tests below)."""
+    uni = {("v5e", "ag_rows"), ("v5e", "rs_rows"), ("v5p", "rs_cols")}
     for generation in ("v5e", "v5p", "v6e"):
         for prim in PRIMS:
             for bidirectional in (False, True):
-                if generation != "v5e" and not bidirectional and (generation, prim) != (
-                        "v5p", "rs_cols"):
+                if not bidirectional and (generation, prim) not in uni:
                     continue
                 yield pytest.param(generation, prim, bidirectional,
                                    id=f"{generation}-{prim}-{'bi' if bidirectional else 'uni'}")
