@@ -130,12 +130,15 @@ def test_auto_picks_each_pass_on_its_own():
     assert "fusedpar.ag_rows.reference.product_first" in text
     assert "fusedpar.ag_rows.ring" not in text and "fusedpar.rs_rows" not in text
     # Its backward's bfloat16 cotangents travel by all-to-all (and are summed in
-    # float32 on arrival) through NVSwitch; over a TPU torus's bisection an all-to-all
-    # is slower than a float32 reduce-scatter, which v5e keeps.
+    # float32 on arrival) through NVSwitch and over v5p's 2x2x2 cube; on v5e's 2x4 grid
+    # an all-to-all loads the corner chips' links more than a float32 reduce-scatter.
     assert "stablehlo.all_to_all" in text and "stablehlo.reduce_scatter" not in text
     program, args = progs.op_program(_mesh("v5e:2x4"), prims.AG_ROWS, "auto", **size)
     text = program.lower(*args).as_text()
     assert "stablehlo.all_to_all" not in text and "stablehlo.reduce_scatter" in text
+    program, args = progs.op_program(_mesh("v5p:2x2x2"), prims.AG_ROWS, "auto", **size)
+    text = program.lower(*args).as_text()
+    assert "stablehlo.all_to_all" in text and "stablehlo.reduce_scatter" not in text
     # Asked for by name, the backward stays on that backend.
     program, args = progs.op_program(mesh, prims.AG_ROWS, "ring", **size)
     assert "fusedpar.rs_rows.ring" in program.lower(*args).as_text(debug_info=True)

@@ -185,6 +185,23 @@ def test_mesh_ring_order_one_order_for_every_group():
     assert mesh_ring_order(gpu, "x") is None  # no coordinates: index order
 
 
+def test_all_to_all_load_counts_the_links_each_block_crosses():
+    """An all-to-all's blocks on the most loaded device's links, over a one-hop ring
+    collective's n - 1: what decides whether bfloat16 addends beat a float32
+    reduce-scatter on a TPU slice (`_product_first`)."""
+    from fusedpar._core._schedule import all_to_all_load
+
+    cube = _grid((2, 2, 2))  # every chip a corner: 3 + 2*3 + 3 links over 3 neighbours
+    assert all_to_all_load(cube) == pytest.approx(12 / 3 / 7)
+    grid = _grid((2, 4, 1))  # a corner: 16 links over 2 neighbours
+    assert all_to_all_load(grid) == pytest.approx(16 / 2 / 7)
+    line = [(0, y, 0) for y in range(8)]
+    assert all_to_all_load(line) == pytest.approx(28 / 7)
+    # Round the wrap-around link a ring of 8 is 16 links over 2 neighbours.
+    assert all_to_all_load(line, (False, True, False), (1, 8, 1)) == pytest.approx(8 / 7)
+    assert all_to_all_load(line[:1]) == 0.0
+
+
 def test_ring_for_cpu_devices_in_index_order():
     """CPU devices have no coordinates: index order, under set_mesh or not."""
     from helpers import mesh

@@ -310,8 +310,8 @@ def operands_first(call: Call, chosen: str) -> str:
         return ""
     ahead = "; w, there before the work around the call, ahead of it" if call.w_ahead else ""
     return (f"x's rows and w travel ({first.bytes_sent / 2**20:.3g} MiB a device{ahead}) "
-            f"instead of the partial sums ({other.bytes_sent / 2**20:.3g} MiB): each device exchanges x's "
-            f"rows, gathers w and multiplies once: {hw.name}: estimated "
+            f"instead of the partial sums ({other.bytes_sent / 2**20:.3g} MiB): each device "
+            f"exchanges x's rows, gathers w and multiplies once: {hw.name}: estimated "
             f"{first.seconds * 1e6:.3g} us against {chosen}'s {other.seconds * 1e6:.3g} us")
 
 
@@ -323,8 +323,9 @@ def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
     if requested == AUTO:
         name, reason = auto_choice(call)
         call, why = _shaped(call, name)
-        for form, why_form in ((prims.PRODUCT_FIRST, product_first(call, name)),
-                               (prims.OPERANDS_FIRST, operands_first(call, name))):
+        for form, arranged in ((prims.PRODUCT_FIRST, product_first),
+                               (prims.OPERANDS_FIRST, operands_first)):
+            why_form = arranged(call, name)
             if why_form:
                 name, reason, rearranged = REFERENCE, why_form, form
                 break

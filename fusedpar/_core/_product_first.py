@@ -20,8 +20,8 @@ Backward, with `dy_d` the cotangent of device d's copy `y_d` of the gathered pro
 
 both local matmuls 1/N of the reference's again. The cotangents are summed in
 `cfg.reduce_dtype` (float32 for 16-bit inputs, as the reference's reduce-scatter; off
-TPU they travel in their own dtype, by all-to-all, and are summed on arrival:
-`_sum_scattered`), and the psum of dw is `_vma.cotangent_like`'s, the one every
+TPU, and on a TPU slice whose shape suits it, they travel in their own dtype, by
+all-to-all, and are summed on arrival: `_sum_scattered`), and the psum of dw is `_vma.cotangent_like`'s, the one every
 invariant w's cotangent gets.
 """
 
@@ -30,7 +30,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from . import _definition
+from .._hw import _target
+from . import _definition, _schedule
 
 
 def forward(cfg, x, w, return_gathered=False):
@@ -56,16 +57,38 @@ def _sum_scattered(cfg, dy):
     """This device's rows of the sum of every device's dy (N*m, n), summed in
     `cfg.reduce_dtype`.
 
-    dy's addends are exact in its own dtype, so off TPU they travel as they are: an
-    all-to-all sends each device its rows of every dy, which it adds in `reduce_dtype`.
-    The same sum as a `reduce_dtype` reduce-scatter, at the bytes of one in dy's dtype
-    (half, for bfloat16), and through NVSwitch an all-to-all runs at the GPU's full
-    egress. A TPU torus carries an all-to-all over its bisection, 2.3x a ring
-    reduce-scatter's time on 8 chips in a row, so there the sum travels in
-    `reduce_dtype`."""
+    dy's addends are exact in its own dtype, so they can travel as they are: an
+    all-to-all sends each device its rows of every dy, which it adds in `reduce_dtype`
+    (`_by_all_to_all` says where); else a `reduce_dtype` reduce-scatter sums them."""
     n = cfg.axis_size
-    if cfg.on.platform == "tpu" or dy.dtype.itemsize >= jnp.dtype(cfg.reduce_dtype).itemsize:
+    if not _by_all_to_all(cfg, dy):
         return lax.psum_scatter(dy.astype(cfg.reduce_dtype), cfg.axis_name,
                                 scatter_dimension=0, tiled=True)
     blocks = lax.all_to_all(dy, cfg.axis_name, 0, 0, tiled=True)  # (N*m, n): rows from each
     return blocks.reshape(n, -1, *dy.shape[1:]).astype(cfg.reduce_dtype).sum(axis=0)
+
+
+def _by_all_to_all(cfg, dy) -> bool:
+    """Whether dy's addends travel by all-to-all rather than summed in a reduce-scatter.
+
+    The same sum, at the bytes of dy's dtype (half a float32 reduce-scatter's, for
+    bfloat16). Through NVSwitch an all-to-all runs at the GPU's full egress. A TPU slice
+    forwards each block over as many ICI links as its devices are apart: it pays where
+    that load (`_schedule.all_to_all_load`, from the devices' coordinates) is below the
+    wider reduce-scatter's, as on a v5p 2x2x2 cube (0.57 of a ring's; replayed, v5p ag_rows
+    2,243 -> 1,396 us), not on a 2x4 grid (1.14: v5e 3,664 -> 3,746) nor where the
+    devices are unknown."""
+    wide = jnp.dtype(cfg.reduce_dtype).itemsize
+    if dy.dtype.itemsize >= wide:
+        return False
+    if cfg.on.platform != "tpu":
+        return True
+    names = cfg.axis_name if isinstance(cfg.axis_name, tuple) else (cfg.axis_name,)
+    mesh = _target.concrete_mesh()
+    found = (None if mesh is None or not all(a in mesh.shape for a in names)
+             else _schedule.mesh_groups(mesh, cfg.axis_name))
+    if found is None:
+        return False
+    coords, wraps, extent = found
+    load = max(_schedule.all_to_all_load(c, wraps, extent) for c in coords)
+    return load < wide / (2 * dy.dtype.itemsize)

@@ -365,10 +365,12 @@ def group_order(groups: Sequence[Sequence[tuple]], wraps=(), extent=None) -> tup
                                              for c in groups))
 
 
-def mesh_ring_order(mesh, axis_name) -> Optional[tuple]:
-    """The ring order over `axis_name` (a name or a tuple, first axis major, as
-    `lax.axis_index` counts) of a concrete `mesh` of TPU devices, or None (index order)
-    when its devices have no coordinates (GPU, CPU)."""
+def mesh_groups(mesh, axis_name) -> Optional[tuple]:
+    """`(coords, wraps, extent)` of the device groups over `axis_name` (a name or a tuple,
+    first axis major, as `lax.axis_index` counts) of a concrete `mesh` of TPU devices:
+    `coords[g][i]` is the place of device `i` of group `g` (its chip's coordinates, and
+    which of the chip's devices it is where a chip holds several: TPU7x); None when the
+    devices have no coordinates (GPU, CPU)."""
     import numpy as np
 
     from .._hw import _registry
@@ -384,15 +386,40 @@ def mesh_ring_order(mesh, axis_name) -> Optional[tuple]:
     ring_axes = [axes.index(a) for a in names]
     size = _prod(devices.shape[i] for i in ring_axes)
     groups = devices.transpose(others + ring_axes).reshape(-1, size)
-    # A device's place: its chip's coordinates, and which of the chip's devices it is
-    # where a chip holds several (TPU7x).
     kind = _registry.find("tpu", flat[0].device_kind)
     coords = [[_registry.position(d, kind) for d in group] for group in groups]
     all_coords = [_registry.position(d, kind) for d in flat]
     extent = tuple(max(c[i] for c in all_coords) + 1 for i in range(len(all_coords[0])))
-    wraps = tpu_wraps(flat[0].device_kind, extent)
+    return coords, tpu_wraps(flat[0].device_kind, extent), extent
+
+
+def mesh_ring_order(mesh, axis_name) -> Optional[tuple]:
+    """The ring order over `axis_name` of a concrete `mesh` of TPU devices (`mesh_groups`),
+    or None (index order) when its devices have no coordinates (GPU, CPU)."""
+    found = mesh_groups(mesh, axis_name)
+    if found is None:
+        return None
+    coords, wraps, extent = found
     order = group_order(coords, wraps, extent)
-    return None if order == tuple(range(size)) else order
+    return None if order == tuple(range(len(coords[0]))) else order
+
+
+def all_to_all_load(coords: Sequence[tuple], wraps: Sequence[bool] = (),
+                    extent: Optional[Sequence[int]] = None) -> float:
+    """The blocks an all-to-all among devices at `coords` puts on each link of its most
+    loaded device, over a one-hop ring collective's `n - 1`: each device sends every
+    other one a block, which crosses as many ICI links as they are apart, spread over
+    the device's links to its neighbours among them. 0.57 on a 2x2x2 cube (12 link-hops
+    over 3 links), 1.14 on a 2x4 grid's corner (16 over 2), 4 on 8 chips in a row."""
+    n = len(coords)
+    if n < 2:
+        return 0.0
+    worst = 0.0
+    for a in coords:
+        distances = [_link_distance(a, b, wraps, extent) for b in coords if b != a]
+        neighbours = max(1, sum(d == 1 for d in distances))
+        worst = max(worst, sum(distances) / neighbours)
+    return worst / (n - 1)
 
 
 # What a ring traced where its devices are unknown runs like, and how to get the one-hop
