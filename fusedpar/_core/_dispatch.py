@@ -207,6 +207,17 @@ def _shaped(call: Call, backend: str) -> tuple[Call, str]:
     return shaped, why
 
 
+def _estimated(call: Call, hw, name: str) -> cost_model.Breakdown:
+    """`name`'s estimate for `call`. The reference's collective hides behind `call.beside`
+    of other work, where XLA runs it beside that work (`Hardware.collective_beside_matmul`)."""
+    est = cost_model.estimate_call(call, hw, backends=(name,))[name]
+    beside = call.beside if hw.collective_beside_matmul else 0.0
+    if name == REFERENCE and beside > 0:
+        exposed = max(est.transfer_step - beside, 0.0)
+        est = dataclasses.replace(est, seconds=est.compute_step + exposed)
+    return est
+
+
 def auto_choice(call: Call) -> tuple[str, str]:
     """The `"auto"` policy: (backend name, reason), from the cost model.
 
@@ -226,16 +237,8 @@ def auto_choice(call: Call) -> tuple[str, str]:
     hw = cost_model.get_hardware(None, call.target)
     # Each backend estimated, and checked, at the ring shape it would run (`_shaped`).
     shaped = {b.name: _shaped(call, b.name)[0] for b in _backends.candidates()}
-    est = {}
-    for name, c in shaped.items():
-        est.update(cost_model.estimate_call(c, hw, backends=(name,)))
-    # The reference's collective hides behind that much other work, where XLA runs it
-    # beside that work (`Hardware.collective_beside_matmul`).
+    est = {name: _estimated(c, hw, name) for name, c in shaped.items()}
     beside = call.beside if hw.collective_beside_matmul else 0.0
-    if beside > 0:
-        r = est[REFERENCE]
-        exposed = max(r.transfer_step - beside, 0.0)
-        est[REFERENCE] = dataclasses.replace(r, seconds=r.compute_step + exposed)
     candidates, why_not = [], {}
     for backend in _backends.candidates():
         if backend.name == REFERENCE:
@@ -281,7 +284,7 @@ def product_first(call: Call, chosen: str) -> str:
         return ""
     hw = cost_model.get_hardware(None, call.target)
     first = cost_model.product_first(call, hw)
-    other = cost_model.estimate_call(call, hw)[chosen]
+    other = _estimated(call, hw, chosen)
     if first.seconds >= other.seconds:
         return ""
     gathered = ", and x gathered for the backward" if call.gathered else ""
@@ -302,7 +305,7 @@ def operands_first(call: Call, chosen: str) -> str:
         return ""
     hw = cost_model.get_hardware(None, call.target)
     first = cost_model.operands_first(call, hw)
-    other = cost_model.estimate_call(call, hw)[chosen]
+    other = _estimated(call, hw, chosen)
     # Fewer bytes too: w's transfer, hidden from the compute stream, still holds the
     # links other transfers need (on v5e:2x4 an FSDP x TP block's MLP gradient moving
     # 120 MiB of operands for 48 of partial sums replayed 10% slower).

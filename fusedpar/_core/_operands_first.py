@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _definition
+from ._backends import _ring_loop
 
 
 def forward(cfg, x, w):
@@ -36,7 +37,11 @@ def forward(cfg, x, w):
     # Offset s: every device d sends its w to device d - s, so this device receives the w
     # of device me + s, whose x block is row block me + s of the all-to-all's result:
     # rolled by -me, block s. Pairing by sender keeps the definition's products.
-    ws = [w] + [lax.ppermute(w, cfg.axis_name, [(d, (d - s) % n) for d in range(n)])
+    # `ppermute` numbers devices in the mesh's axis order, the all-to-all and
+    # `axis_index` in `axis_name`'s (`_ppermute_index`).
+    index = _ring_loop._ppermute_index(cfg.axis_name)
+    ws = [w] + [lax.ppermute(w, cfg.axis_name, [(index(d), index((d - s) % n))
+                                                for d in range(n)])
                 for s in range(1, n)]
     rows = lax.all_to_all(x, cfg.axis_name, 0, 0, tiled=True)  # block j: device j's
     rows = jnp.roll(rows.reshape(n, -1, x.shape[1]), -lax.axis_index(cfg.axis_name), axis=0)

@@ -59,8 +59,9 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     that cannot send quantized payloads is not chosen, or is refused if requested).
     `w_invariant=True` says w is replicated over the ring's axis and the op can see it
     (inside `shard_map(check_vma=True)`, JAX's default): `"auto"` may then run a
-    `gather="lhs"` call by multiplying first and gathering the product
-    (`Choice.rearranged`). `check_vma=True` says the op runs inside a `jax.shard_map`
+    `gather="lhs"` call by multiplying first and gathering the product; a
+    `matmul_reduce_scatter` over rows it may run by moving x's rows and w instead of the
+    partial sums, where w is the op's own (`Choice.rearranged` says which). `check_vma=True` says the op runs inside a `jax.shard_map`
     that checks varying axes (its default): a backend whose kernels need
     `check_vma=False` (the fused TPU kernels) is not chosen there, as the op does.
     `reduce_dtype`: the op's (the reduce-scatter's partial sums, estimated in it).
