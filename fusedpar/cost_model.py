@@ -248,10 +248,11 @@ def operands_first(call, hardware=None) -> Breakdown:
 
 def _exchange_time(hw, n: int, block: int) -> float:
     """Every device of a ring of `n` sending its own `block` bytes to each of the others
-    at once (an all-to-all). Through a GPU's switch, that is `(n - 1) * block` over its
-    egress. A TPU ring forwards a block to a device d places away over min(d, n - d)
-    links, the shorter way round: `sum(min(d, n - d))` blocks cross each device's two
-    outgoing links, against a ring collective's `n - 1` (2.3x at n = 8, 1.3x at n = 4)."""
+    at once (an all-to-all). Through a GPU's switch, the `(n - 1) * block` bytes move as
+    a ring collective's do (`_collective_time`). A TPU ring forwards a block to a device
+    d places away over min(d, n - d) links, the shorter way round: `sum(min(d, n - d))`
+    blocks cross each device's two outgoing links, against a ring collective's `n - 1`
+    (2.3x at n = 8, 1.3x at n = 4)."""
     if n < 2:
         return 0.0
     hops = (sum(min(d, n - d) for d in range(1, n)) / (n - 1)

@@ -21,8 +21,8 @@ Backward, with `dy_d` the cotangent of device d's copy `y_d` of the gathered pro
 both local matmuls 1/N of the reference's again. The cotangents are summed in
 `cfg.reduce_dtype` (float32 for 16-bit inputs, as the reference's reduce-scatter; off
 TPU, and on a TPU slice whose shape suits it, they travel in their own dtype, by
-all-to-all, and are summed on arrival: `_sum_scattered`), and the psum of dw is `_vma.cotangent_like`'s, the one every
-invariant w's cotangent gets.
+all-to-all, and are summed on arrival: `_sum_scattered`), and the psum of dw is
+`_vma.cotangent_like`'s, the one every invariant w's cotangent gets.
 """
 
 from __future__ import annotations
