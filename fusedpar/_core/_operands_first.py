@@ -35,16 +35,17 @@ def forward(cfg, x, w):
     """`psum_scatter(x @ w)` over the ring's rows: x (m, k), w (k, n) -> (m/N, n)."""
     n = cfg.axis_size
     # Offset s: every device d sends its w to device d - s, so this device receives the w
-    # of device me + s, whose x block is row block me + s of the all-to-all's result:
-    # rolled by -me, block s. Pairing by sender keeps the definition's products.
+    # of device me + s, whose x block is column block me + s of the all-to-all's result:
+    # rolled by -me blocks, block s. Pairing by sender keeps the definition's products.
+    # (Rolling x, the smaller operand where this pays; XLA fuses the roll into the
+    # matmul's operand: v5e prefill 10,392 -> 10,351 us against a transposed x.)
     # `ppermute` numbers devices in the mesh's axis order, the all-to-all and
     # `axis_index` in `axis_name`'s (`_ppermute_index`).
     index = _ring_loop._ppermute_index(cfg.axis_name)
     ws = [w] + [lax.ppermute(w, cfg.axis_name, [(index(d), index((d - s) % n))
                                                 for d in range(n)])
                 for s in range(1, n)]
-    rows = lax.all_to_all(x, cfg.axis_name, 0, 0, tiled=True)  # block j: device j's
-    rows = jnp.roll(rows.reshape(n, -1, x.shape[1]), -lax.axis_index(cfg.axis_name), axis=0)
-    x_rows = jnp.moveaxis(rows, 0, 1).reshape(rows.shape[1], n * x.shape[1])
+    rows = lax.all_to_all(x, cfg.axis_name, 0, 1, tiled=True)  # (m/N, N*k); block j: device j's
+    x_rows = jnp.roll(rows, -lax.axis_index(cfg.axis_name) * x.shape[1], axis=1)
     return _definition.matmul(x_rows, jnp.concatenate(ws, axis=0), precision=cfg.precision,
                               out_dtype=cfg.out_dtype)
