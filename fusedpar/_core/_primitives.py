@@ -346,6 +346,7 @@ class Config(_Options):
 
     @property
     def product_first(self) -> bool:
+        """An ag_rows run as `all_gather(x @ w)` (`_product_first`)."""
         return self.rearranged == PRODUCT_FIRST
 
     @property
