@@ -252,7 +252,9 @@ def _exchange_time(hw, n: int, block: int) -> float:
     a ring collective's do (`_collective_time`). A TPU ring forwards a block to a device
     d places away over min(d, n - d) links, the shorter way round: `sum(min(d, n - d))`
     blocks cross each device's two outgoing links, against a ring collective's `n - 1`
-    (2.3x at n = 8, 1.3x at n = 4)."""
+    (2.3x at n = 8, 1.3x at n = 4). Where the devices' coordinates are known the package
+    reads the same load off them instead (`_schedule.all_to_all_load`: twice its value on
+    a ring that wraps, for n > 2)."""
     if n < 2:
         return 0.0
     hops = (sum(min(d, n - d) for d in range(1, n)) / (n - 1)
