@@ -9,6 +9,7 @@ runs the dual primitives on the same kernels.
 """
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -270,3 +271,64 @@ def test_ring_over_a_tuple_of_mesh_axes():
             check_vma=False))(x, w)
 
     assert_close(run("pallas_tpu"), run("reference"), jnp.float32, "tuple axis name")
+
+
+def _kernel_w_shapes(f, *args):
+    """The right operand's shape of every Pallas kernel in `f`'s jaxpr."""
+    shapes = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                shapes.append(tuple(eqn.invars[1].aval.shape))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(f)(*args).jaxpr)
+    return shapes
+
+
+@pytest.mark.parametrize("n,bidirectional,vmem", [(2, False, True), (4, True, False)],
+                         ids=["2-uni-vmem", "4-bi-tiled"])
+def test_w_transposed_kernels_read_the_weight_in_place(monkeypatch, n, bidirectional, vmem):
+    """`w_transposed=True` (a layer's `weight.T`): the row kernels are given the (n, k)
+    array itself and multiply by its transpose; values and gradients as the reference's.
+    rs_rows is enabled here too (dispatch gives it only to ag_rows: `_READS_W_IN_PLACE`),
+    so that both kernels' transposed step matmuls run, whole in VMEM and tiled."""
+    from fusedpar._core import _primitives as prims
+    monkeypatch.setattr(pallas_tpu, "_READS_W_IN_PLACE", (prims.AG_ROWS, prims.RS_ROWS))
+    mm, dtype = mesh((n,), ("x",)), jnp.bfloat16
+    rows, k, cols = 16 * n, 128, 256  # per device; unequal k and cols: a shape tells
+    x = normal(0, (n * rows, k), dtype)
+    wt = normal(1, (cols, k), dtype)  # the (out, in) weight, replicated
+    ct_ag = normal(2, (n * n * rows, cols), jnp.float32)  # ag_rows: (n * rows, cols) each
+    ct_rs = normal(3, (rows, cols), jnp.float32)  # rs_rows: (rows / n, cols) each
+    opts = None if vmem else {"vmem": False, "block_m": 8, "block_k": 128, "block_n": 128}
+
+    def local(x, wt, ct_ag, ct_rs, backend):
+        kw = {} if backend == "reference" else dict(
+            backend=backend, bidirectional=bidirectional, options=opts, w_transposed=True)
+
+        def loss(x, wt):
+            a = fusedpar.all_gather_matmul(x, wt.T, "x", **kw)
+            b = fusedpar.matmul_reduce_scatter(x, wt.T, "x", **kw)
+            return (jnp.sum(a.astype(jnp.float32) * ct_ag)
+                    + jnp.sum(b.astype(jnp.float32) * ct_rs)), (a, b)
+
+        (_, ys), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, wt)
+        return ys, grads
+
+    def run(backend):
+        return jax.jit(jax.shard_map(lambda *a: local(*a, backend), mesh=mm,
+                                     in_specs=(P("x"), P(), P("x"), P("x")),
+                                     out_specs=((P("x"), P("x")), (P("x"), P("x"))),
+                                     check_vma=False))
+
+    args = (x, wt, ct_ag, ct_rs)
+    got, want = run("pallas_tpu")(*args), run("reference")(*args)
+    assert_close(got[0], want[0], dtype, "values")
+    assert_close(got[1], want[1], dtype, "gradients")  # dw per device: its own sum
+    # Every kernel is given the (cols, k) weight as it lies, none a (k, cols) copy: the
+    # forward kernels multiply by its transpose, the backward's duals (rs_rows of ag_rows'
+    # cotangent, ag_rows of rs_rows') by `w.T` = the weight itself.
+    assert _kernel_w_shapes(run("pallas_tpu"), *args) == [(cols, k)] * 4

@@ -163,6 +163,14 @@ def _shape(env, name):
     return shape[::-1] if name.endswith(".T") else shape
 
 
+def _transposed_in_memory(cfg, name) -> bool:
+    """Whether operand `name` is the transpose of an array as it lies in memory: a `.T`
+    of one the program computed (row-major), or the op's w, which the caller may have
+    passed as one (`cfg.w_transposed`): the dual run's `Config.w_transposed`."""
+    base, _, t = name.partition(".")
+    return bool(t) != (base == "w" and cfg.w_transposed)
+
+
 def _grads(prim, c, env, grads, dtypes, addend=None):
     """Compute `grads` (`_primitives.Grad`, in order) from the operands in `env`.
 
@@ -181,7 +189,8 @@ def _grads(prim, c, env, grads, dtypes, addend=None):
             if other is not None and other.prim is None and not g.keeps:
                 beside = tuple(jax.ShapeDtypeStruct(_shape(env, n), env["dy"].dtype)
                                for n in (other.lhs, other.rhs))
-            r = _run_dual(prim, g.prim, c, lhs, rhs, return_gathered=g.keeps, beside=beside,
+            dual = dataclasses.replace(c, w_transposed=_transposed_in_memory(c, g.rhs))
+            r = _run_dual(prim, g.prim, dual, lhs, rhs, return_gathered=g.keeps, beside=beside,
                           addend=addend if g.of == "x" else None,
                           w_ahead=g.rhs.partition(".")[0] == "w")
             if g.keeps:

@@ -137,7 +137,7 @@ def _pairs(options) -> tuple:
 
 def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, keep_gathered,
          preferred_element_type, reduce_dtype, precision, options, comm_dtype,
-         grad_comm_dtype, gathered=None):
+         grad_comm_dtype, w_transposed=False, gathered=None):
     """Validate the call (once: `_validate.op_call`), choose its backend, run it.
 
     `gathered` (`all_gather_matmul_keeping`, `all_gather_matmul_given`): `KEEP` returns
@@ -145,8 +145,9 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
     n = _validate.axis_size(op, axis_name)
     dim, call, grad_comm_dtype = _validate.op_call(op, x, w, n, gather, dim, bidirectional,
                                                    comm_dtype, grad_comm_dtype, unroll)
-    if not isinstance(keep_gathered, bool):
-        raise TypeError(f"{op}: keep_gathered must be True or False, got {keep_gathered!r}.")
+    for name, flag in (("keep_gathered", keep_gathered), ("w_transposed", w_transposed)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{op}: {name} must be True or False, got {flag!r}.")
     out_dtype = _validate.float_dtype(op, "preferred_element_type", preferred_element_type)
     reduce_dtype = _validate.float_dtype(op, "reduce_dtype", reduce_dtype)
     target = _target.current(x, *jax.tree.leaves(w))
@@ -156,7 +157,7 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
     invariant = (grad_comm_dtype is None and not isinstance(w, _quantize.Quantized)
                  and _vma.invariant(w, axis_name))
     call = dataclasses.replace(call, automatic_axes=automatic, w_invariant=invariant,
-                               vma_typed=_vma.checked(axis_name),
+                               vma_typed=_vma.checked(axis_name), w_transposed=w_transposed,
                                reduce_dtype=None if reduce_dtype is None else reduce_dtype.name)
     choice = _choose(call, backend, unroll, precision, options, target)
     _interpret.check_threads(op, choice.backend, options, target)  # before a hang
@@ -169,7 +170,7 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
         precision=precision, keep_gathered=keep_gathered, options=_pairs(options),
         target=target, comm_dtype=call.comm_dtype, grad_comm_dtype=grad_comm_dtype,
         auto=backend == AUTO, automatic_axes=automatic, rearranged=choice.rearranged,
-        shape_requested=bidirectional is not None)
+        shape_requested=bidirectional is not None, w_transposed=w_transposed)
     c = prims.canonicalize(op, gather, dim, x, w, n)
     if gathered is None:
         return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
@@ -227,7 +228,7 @@ def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, backend=AUTO,
                       bidirectional: Optional[bool] = None, unroll: Optional[bool] = None,
                       keep_gathered: bool = True, preferred_element_type=None,
                       reduce_dtype=None, precision=None, options: Optional[dict] = None,
-                      comm_dtype=None, grad_comm_dtype=None):
+                      comm_dtype=None, grad_comm_dtype=None, w_transposed: bool = False):
     """All-gather one operand over `axis_name` and multiply, overlapping the two.
 
     Call inside `jax.shard_map` with `axis_name` bound. Equal to
@@ -266,6 +267,12 @@ def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, backend=AUTO,
     - `w` may also be a `_quantize.Quantized(values, scales)` with `gather="rhs"`: a
       weight stored quantized (`fusedpar.QuantizedArray.as_payload()`), sent as it is
       (`comm_dtype` is its values' dtype); it gets no gradient, `x` does.
+    - `w_transposed`: a layout hint; the values are the same either way. `w` is the
+      transpose of the array you hold (`weight.T` of an `(out, in)` weight, as the
+      layers pass theirs): where w stays put (`gather="lhs"`) the fused TPU kernels read
+      that array in place, their matmuls taking a transposed right operand, instead of
+      XLA copying it into `(k, n)` order before the call. Other backends leave layouts to
+      XLA, which folds the transpose into its own matmuls.
 
     **Returns:** the product, with `x`'s dim `dim` (lhs) or `w`'s (rhs) `N` times larger.
     """
@@ -273,14 +280,14 @@ def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, backend=AUTO,
                 bidirectional=bidirectional, unroll=unroll, keep_gathered=keep_gathered,
                 preferred_element_type=preferred_element_type, reduce_dtype=reduce_dtype,
                 precision=precision, options=options, comm_dtype=comm_dtype,
-                grad_comm_dtype=grad_comm_dtype)
+                grad_comm_dtype=grad_comm_dtype, w_transposed=w_transposed)
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, dim=0, backend=AUTO,
                           bidirectional: Optional[bool] = None, unroll: Optional[bool] = None,
                           keep_gathered: bool = True, preferred_element_type=None,
                           reduce_dtype=None, precision=None, options: Optional[dict] = None,
-                          comm_dtype=None, grad_comm_dtype=None):
+                          comm_dtype=None, grad_comm_dtype=None, w_transposed: bool = False):
     """Multiply and reduce-scatter the product over `axis_name`, overlapping the two.
 
     Call inside `jax.shard_map` with `axis_name` bound. Equal to
@@ -301,4 +308,4 @@ def matmul_reduce_scatter(x, w, axis_name, *, dim=0, backend=AUTO,
                 bidirectional=bidirectional, unroll=unroll, keep_gathered=keep_gathered,
                 preferred_element_type=preferred_element_type, reduce_dtype=reduce_dtype,
                 precision=precision, options=options, comm_dtype=comm_dtype,
-                grad_comm_dtype=grad_comm_dtype)
+                grad_comm_dtype=grad_comm_dtype, w_transposed=w_transposed)

@@ -248,7 +248,8 @@ class Call(_Options):
     `jax.shard_map`'s default: `_vma.typed`), where a backend whose kernels need
     `check_vma=False` (`Backend.check_vma`) cannot run; `reduce_dtype` the name of the
     dtype reduce-scatter partial sums travel in (None: the accumulation dtype, float32
-    for 16-bit inputs).
+    for 16-bit inputs); `w_transposed` whether w is the transpose of the array in memory
+    (`Config.w_transposed`: what a kernel reading it in place must tile).
     """
 
     op: str
@@ -270,6 +271,7 @@ class Call(_Options):
     w_ahead: bool = True
     vma_typed: bool = False
     reduce_dtype: Optional[str] = None
+    w_transposed: bool = False
 
     def __post_init__(self):
         if isinstance(self.target, str):
@@ -324,6 +326,10 @@ class Config(_Options):
       rs_rows as x's rows exchanged times w gathered (`_operands_first`).
     - `shape_requested`: the caller gave `bidirectional`; else, under `auto`, each dual
       primitive of the backward runs the ring shape of its own pick.
+    - `w_transposed`: w is the transpose of the array in memory (a layer's `weight.T`;
+      in the backward, a `.T` operand of an array computed row-major): a backend that
+      reads w in place (the fused TPU kernels' row primitives) takes that array and
+      multiplies by its transpose, where XLA would otherwise copy it into (k, n) order.
     """
 
     backend: str
@@ -343,6 +349,7 @@ class Config(_Options):
     automatic_axes: tuple = ()
     rearranged: str = ""
     shape_requested: bool = False
+    w_transposed: bool = False
 
     @property
     def product_first(self) -> bool:
@@ -364,7 +371,8 @@ class Config(_Options):
                     self.options, self.comm_dtype, automatic_axes=self.automatic_axes,
                     w_invariant=_vma.invariant(w, self.axis_name), gathered=gathered,
                     adding=adding, w_ahead=w_ahead, vma_typed=_vma.checked(self.axis_name),
-                    reduce_dtype=jnp.dtype(self.reduce_dtype).name)
+                    reduce_dtype=jnp.dtype(self.reduce_dtype).name,
+                    w_transposed=self.w_transposed)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -352,8 +352,10 @@ class ColumnLinear(ParallelLinear):
         g = None
         if tp.sequence_parallel:
             w = stationary(gather_fsdp(w, rule))
+            # w.T of the (out, in) weight: the TPU kernels read the weight in place.
             kw = dict(dim=x.ndim - 2, backend=self._ops_backend, comm_dtype=tp.comm_dtype,
-                      grad_comm_dtype=tp.grad_comm_dtype, reduce_dtype=tp.reduce_dtype)
+                      grad_comm_dtype=tp.grad_comm_dtype, reduce_dtype=tp.reduce_dtype,
+                      w_transposed=True)
             key = None
             if gathered is None and not keep and self._shares():
                 key = ("local", x.ndim, x.dtype, self._sharing(tp))
@@ -459,7 +461,7 @@ class RowLinear(ParallelLinear):
             y = matmul_reduce_scatter(x, w.T, tp.axis, dim=x.ndim - 2,
                                       backend=self._ops_backend, comm_dtype=tp.comm_dtype,
                                       grad_comm_dtype=tp.grad_comm_dtype,
-                                      reduce_dtype=tp.reduce_dtype)
+                                      reduce_dtype=tp.reduce_dtype, w_transposed=True)
         else:
             # Partial sums stay in the accumulation dtype (or reduce_dtype) through the
             # psum, as the reduce-scatter's do.

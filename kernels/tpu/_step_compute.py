@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -46,10 +47,20 @@ def _widen(a, b):
     return a, b.astype(a.dtype)
 
 
-def _product(a, b, scale, precision):
-    """`a @ b` in f32 (operands widened), times `scale` (broadcast) if given."""
+# `a @ b.T` for a `b` held as (cols, contraction): the MXU takes a transposed right
+# operand as it loads it, so a weight kept in (out, in) order is read in place.
+_NT = (((1,), (1,)), ((), ()))
+
+
+def _product(a, b, scale, precision, b_transposed=False):
+    """`a @ b` (`a @ b.T` with `b_transposed`) in f32 (operands widened), times `scale`
+    (broadcast) if given."""
     a, b = _widen(a, b)
-    y = jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
+    if b_transposed:
+        y = lax.dot_general(a, b, _NT, preferred_element_type=jnp.float32,
+                            precision=precision)
+    else:
+        y = jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
     return y if scale is None else y * scale
 
 
@@ -61,10 +72,11 @@ def _column(row):
 
 
 def matmul(a, b, o, tiles, *, prev=None, scale=None, scale_rows=False, precision=None,
-           cores=1, enforce=None):
+           cores=1, enforce=None, b_transposed=False):
     """`o = (a @ b) * scale (+ prev)` with f32 accumulation: whole VMEM refs (`tiles`
     None), or refs tiled by `tiles = (bm, bk, bn)`. `enforce`: the `Chip` built for (check
-    tiles against Mosaic's layout), or None.
+    tiles against Mosaic's layout), or None. `b_transposed`: `b` holds the right operand
+    transposed, `(cols, contraction)`, and is tiled `(bn, bk)`.
 
     `scale` (float32, optional) is a quantized operand's scales, `(1, rows)` with
     `scale_rows` (one per row of the product, laid along lanes) or `(1, cols)` (one per
@@ -73,21 +85,22 @@ def matmul(a, b, o, tiles, *, prev=None, scale=None, scale_rows=False, precision
     if tiles is None:
         s = None if scale is None else scale[...]
         y = _product(a[...], b[...], _column(s) if s is not None and scale_rows else s,
-                     precision)
+                     precision, b_transposed)
         if prev is not None:
             y = y + prev[...].astype(jnp.float32)
         o[...] = y.astype(o.dtype)
         return
-    (rows, contraction), cols = a.shape, b.shape[1]
+    (rows, contraction), cols = a.shape, b.shape[0 if b_transposed else 1]
     bm, bk, bn = tiles
+    b_block = (bn, bk) if b_transposed else (bk, bn)
     if cores == 1 and (bm, bk, bn) == (rows, contraction, cols):
-        return _whole(a, b, o, prev, scale, scale_rows, precision)
+        return _whole(a, b, o, prev, scale, scale_rows, precision, b_transposed)
     if scale is not None and scale_rows:  # the pipeline takes (bm, 1) blocks of a column
         def with_column(row, column):
             pltpu.sync_copy(scale, row)
             column[...] = _column(row[...])
             matmul(a, b, o, tiles, prev=prev, scale=column, precision=precision,
-                   cores=cores, enforce=enforce)
+                   cores=cores, enforce=enforce, b_transposed=b_transposed)
 
         pl.run_scoped(with_column, pltpu.VMEM((1, rows), jnp.float32),
                       pltpu.VMEM((rows, 1), jnp.float32))
@@ -96,7 +109,7 @@ def matmul(a, b, o, tiles, *, prev=None, scale=None, scale_rows=False, precision
     # A (rows, 1) column here is per-row scales (the VMEM column made above).
     per_row = scale is not None and tuple(scale.shape) == (rows, 1) and rows > 1
     checks = [("the step's left operand", a, (bm, bk)),
-              ("the step's right operand", b, (bk, bn)),
+              ("the step's right operand", b, b_block),
               ("the step's result", o, (bm, bn))]
     if scale is not None:
         checks.append(("the step's scales", scale, (bm, 1) if per_row else (1, bn)))
@@ -116,7 +129,7 @@ def matmul(a, b, o, tiles, *, prev=None, scale=None, scale_rows=False, precision
             else:
                 acc[...] = prev_t[...].astype(jnp.float32)
 
-        acc[...] += _product(a_t[...], b_t[...], None, precision)
+        acc[...] += _product(a_t[...], b_t[...], None, precision, b_transposed)
 
         @pl.when(k == nk - 1)
         def _():
@@ -128,7 +141,8 @@ def matmul(a, b, o, tiles, *, prev=None, scale=None, scale_rows=False, precision
             o_t[...] = y.astype(o_t.dtype)
 
     in_specs = [pl.BlockSpec((bm, bk), lambda i, j, k: (i, k)),
-                pl.BlockSpec((bk, bn), lambda i, j, k: (k, j))]
+                pl.BlockSpec(b_block, (lambda i, j, k: (j, k)) if b_transposed
+                             else (lambda i, j, k: (k, j)))]
     args = [a, b]
     if prev is not None:
         in_specs.append(pl.BlockSpec((bm, bn), lambda i, j, k: (i, j)))
@@ -148,7 +162,7 @@ def matmul(a, b, o, tiles, *, prev=None, scale=None, scale_rows=False, precision
     pl.run_scoped(scoped, pltpu.VMEM((bm, bn), jnp.float32))
 
 
-def _whole(a, b, o, prev, scale, scale_rows, precision):
+def _whole(a, b, o, prev, scale, scale_rows, precision, b_transposed=False):
     """One tile: copy the operands into VMEM, multiply, copy the result out."""
     extra = [r for r in (prev, scale) if r is not None]
     refs = [a, b] + extra
@@ -159,7 +173,7 @@ def _whole(a, b, o, prev, scale, scale_rows, precision):
             pltpu.sync_copy(src, dst)
         s = None if scale is None else ins[-1][...]
         y = _product(ins[0][...], ins[1][...], _column(s) if s is not None and scale_rows else s,
-                     precision)
+                     precision, b_transposed)
         if prev is not None:
             y = y + ins[2][...].astype(jnp.float32)
         o_v[...] = y.astype(o_v.dtype)

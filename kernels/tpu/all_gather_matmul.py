@@ -14,6 +14,9 @@ Which block a device holds at each step comes from `Ring.gather_segment`; the pr
 | `CONTRACTION` | w row blocks (k, n)  | out += x[:, seg cols] @ piece (f32 sum)    |
 
 All three run natively (no transposes): column segments are strided windows of the refs.
+`ROWS` also takes w as its transpose `(n, K)` (`w_transposed`): a layer's `weight.T` of
+an `(out, in)` weight is then read in place, each step multiplying by its rows, where
+XLA would otherwise copy it into `(K, n)` order before the call.
 A bidirectional `COLUMNS` ring first copies this device's two column halves into a
 contiguous buffer (`outbox`) with local DMAs, so every remote DMA sends a contiguous
 block. Buffers are all in VMEM for small problems (ring slots and the f32 sum as scratch)
@@ -62,15 +65,20 @@ class AllGatherMatmulParams:
     - `out_dtype`: the result's dtype (products accumulate in float32).
     - `return_gathered`: also return the gathered travelling operand.
     - `launch`: the ring, chip and compilation settings (`_launch.RingLaunch`).
+    - `w_transposed` (`ROWS` only): the kernel is given w's transpose, `(n, K)`.
     """
 
     gather: str
     out_dtype: Any
     return_gathered: bool
     launch: _launch.RingLaunch
+    w_transposed: bool = False
 
     def __post_init__(self):
         _launch.one_of("gather", self.gather, GATHERS)
+        if self.w_transposed and self.gather != ROWS:
+            raise ValueError(f"w_transposed: only gather={ROWS!r} reads w in place (its w "
+                             f"is stationary); gather={self.gather!r} sends w's blocks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +115,7 @@ def shapes(params: AllGatherMatmulParams, x_shape, w_shape) -> _Geometry:
     """The geometry of `params` on local operands of these shapes (ValueError if a
     bidirectional ring cannot halve a block)."""
     ring = params.launch.ring
-    (m, k), (kw, n) = x_shape, w_shape
+    (m, k), (kw, n) = x_shape, tuple(w_shape)[::-1] if params.w_transposed else w_shape
     if params.gather == ROWS:
         half = ring.split_size(m, "the travelling block")
         return _Geometry("x", 0, (half, k), (ring.size * m, n), (half, k, n), "w")
@@ -152,7 +160,8 @@ def _kernel(refs, *, params, geometry, layout, quantized):
         how = dict(precision=launch.precision, cores=layout.cores, enforce=enforce,
                    scale=scale, scale_rows=params.gather == ROWS)
         if params.gather == ROWS:
-            _step_compute.matmul(piece, stationary, cut(out, seg, 0, "out"), tiles, **how)
+            _step_compute.matmul(piece, stationary, cut(out, seg, 0, "out"), tiles,
+                                 b_transposed=params.w_transposed, **how)
         elif params.gather == COLUMNS:
             _step_compute.matmul(stationary, piece, cut(out, seg, 1, "out"), tiles, **how)
         else:  # the f32 sum over segments lives in `acc`; the last one writes `out`
@@ -374,7 +383,8 @@ def reference(x, w, params: AllGatherMatmulParams, scales=None):
             w = (w.astype(jnp.float32) * scales).astype(x.dtype)
     if params.gather == ROWS:
         gathered = lax.all_gather(x, axis, axis=0, tiled=True)
-        out = jnp.dot(gathered, w, preferred_element_type=jnp.float32)
+        out = jnp.dot(gathered, w.T if params.w_transposed else w,
+                      preferred_element_type=jnp.float32)
     else:
         gathered = lax.all_gather(w, axis, axis=1 if params.gather == COLUMNS else 0,
                                   tiled=True)

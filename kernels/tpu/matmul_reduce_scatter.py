@@ -20,6 +20,9 @@ tiled by `emit_pipeline` (`_tile_plan`). On the tiled path the stationary operan
 `ROWS`, x for `COLUMNS`) and the staging buffer stay in VMEM when they fit: the partial
 product then never goes to HBM, and the add reads only the received accumulator from it.
 
+`ROWS` also takes w as its transpose `(n, k)` (`w_transposed`), read in place: a layer's
+`weight.T` of an `(out, in)` weight needs no copy into `(k, n)` order before the call.
+
 `reference` is the same computation in lax. Collective kernel: call it inside
 `jax.shard_map(..., check_vma=False)`.
 """
@@ -50,15 +53,20 @@ class MatmulReduceScatterParams:
     - `scatter`: `ROWS` (the product's rows are scattered) or `COLUMNS` (its columns).
     - `out_dtype`: the result's dtype; `reduce_dtype`: the travelling accumulators'.
     - `launch`: the ring, chip and compilation settings (`_launch.RingLaunch`).
+    - `w_transposed` (`ROWS` only): the kernel is given w's transpose, `(n, k)`.
     """
 
     scatter: str
     out_dtype: Any
     reduce_dtype: Any
     launch: _launch.RingLaunch
+    w_transposed: bool = False
 
     def __post_init__(self):
         _launch.one_of("scatter", self.scatter, SCATTERS)
+        if self.w_transposed and self.scatter != ROWS:
+            raise ValueError(f"w_transposed: only scatter={ROWS!r} reads w whole; "
+                             f"scatter={self.scatter!r} cuts w's columns")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +82,7 @@ def shapes(params: MatmulReduceScatterParams, x_shape, w_shape) -> _Geometry:
     """The geometry of `params` on local operands of these shapes (ValueError if the
     result does not split into equal segments)."""
     ring = params.launch.ring
-    (m, k), (_, n) = x_shape, w_shape
+    (m, k), (_, n) = x_shape, tuple(w_shape)[::-1] if params.w_transposed else w_shape
     if params.scatter == ROWS:
         rows = ring.split_size(m // ring.size, "each output block")
         return _Geometry(0, (rows, n), (m // ring.size, n), (rows, k, n), "w")
@@ -105,7 +113,8 @@ def _kernel(refs, *, params, geometry, layout):
             a, b = cut(x, seg, "x"), stationary
         else:
             a, b = stationary, cut(w, seg, "w")
-        _step_compute.matmul(a, b, dst, tiles, precision=launch.precision, **how)
+        _step_compute.matmul(a, b, dst, tiles, precision=launch.precision,
+                             b_transposed=params.w_transposed, **how)
 
     def mine(h):  # this device's output: segment me * nd + h, i.e. half h of `out`
         return cut(out, h, "out")
@@ -195,7 +204,8 @@ def matmul_reduce_scatter(x, w, params: MatmulReduceScatterParams):
     outputs = {"out": jax.ShapeDtypeStruct(geometry.out, params.out_dtype), **results}
     # Every step's partial product; the accumulators of all but the last step sent on.
     ring = params.launch.ring
-    cost = matmul_cost([(x.shape[0], w.shape[1], x.shape[1])], x.dtype, params.out_dtype,
+    n = w.shape[0 if params.w_transposed else 1]
+    cost = matmul_cost([(x.shape[0], n, x.shape[1])], x.dtype, params.out_dtype,
                        remote_bytes=math.prod(geometry.out)
                        * jnp.dtype(params.reduce_dtype).itemsize * (ring.size - 1))
     return _launch.call(
@@ -207,6 +217,7 @@ def matmul_reduce_scatter(x, w, params: MatmulReduceScatterParams):
 def reference(x, w, params: MatmulReduceScatterParams):
     """What the kernel computes, in lax (inside `shard_map` over `params.launch.axis_name`):
     partial products summed in `reduce_dtype`."""
+    w = w.T if params.w_transposed else w
     y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(params.reduce_dtype)
     axis = 0 if params.scatter == ROWS else 1
     return lax.psum_scatter(y, params.launch.axis_name, scatter_dimension=axis,
