@@ -40,17 +40,16 @@ _TPU_FLAGS = (
     ("xla_tpu_overlap_compute_collective_tc", "true"),
     ("xla_enable_async_all_gather", "true"),
 )
-# Added for one TPU generation: the same asynchronous fusion for XLA's reduce-scatters (an
+# Added per TPU generation: the same asynchronous fusion for XLA's reduce-scatters (an
 # FSDP layer's weight-gradient reduce-scatter, otherwise synchronous), which needs a 32
-# MiB scoped VMEM limit. It pays on v5e only; v5p and v6e gain nothing, v4 runs out of
-# VMEM (docs/measurements.md).
-_TPU_GENERATION_FLAGS = {
-    "v5e": (
-        ("xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter", "true"),
-        ("xla_enable_async_reduce_scatter_fusion", "true"),
-        ("xla_tpu_scoped_vmem_limit_kib", "32768"),
-    ),
-}
+# MiB scoped VMEM limit. It pays on v5e, v5p and v6e; v4 runs out of VMEM with it
+# (docs/measurements.md).
+_REDUCE_SCATTER_FUSION = (
+    ("xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter", "true"),
+    ("xla_enable_async_reduce_scatter_fusion", "true"),
+    ("xla_tpu_scoped_vmem_limit_kib", "32768"),
+)
+_TPU_GENERATION_FLAGS = {g: _REDUCE_SCATTER_FUSION for g in ("v5e", "v5p", "v6e")}
 VARIABLES = {"gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
 
 
@@ -72,8 +71,8 @@ def tpu_overlap_flags(generation: Optional[str] = None) -> str:
     **Arguments:**
 
     - `generation`: the TPU generation the program will run on (`"v4"`, `"v5e"`,
-      `"v5p"`, `"v6e"`, ...), or None for the flags every generation takes. On v5e the
-      weight gradients' reduce-scatters run beside the matmuls too.
+      `"v5p"`, `"v6e"`, ...), or None for the flags every generation takes. On v5e, v5p
+      and v6e the weight gradients' reduce-scatters run beside the matmuls too.
     """
     return _join(tpu_flag_pairs(generation))
 
