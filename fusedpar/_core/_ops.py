@@ -302,7 +302,10 @@ def matmul_reduce_scatter(x, w, axis_name, *, dim=0, backend=AUTO,
     partial product quantized once); the error grows with the ring size
     (docs/quantized.md has the figures). The other arguments are those of
     `all_gather_matmul`; `keep_gathered` here makes the backward gather the cotangent
-    once and reuse it for both gradients.
+    once and reuse it for both gradients. `w_transposed` is as there, but the fused TPU
+    reduce-scatter itself is given w in `(k, n)` order either way (docs/tpu.md says
+    why); the backward's gather of the cotangent, which multiplies by w's transpose,
+    reads the array as it lies either way.
     """
     return _run(MATMUL_REDUCE_SCATTER, x, w, axis_name, "lhs", dim, backend=backend,
                 bidirectional=bidirectional, unroll=unroll, keep_gathered=keep_gathered,
