@@ -297,3 +297,33 @@ def test_four_row_8bit_window_in_vmem_is_refused_by_both(monkeypatch):
     with pytest.raises(Exception, match="Mosaic failed to compile") as info:
         _gathered_program("v5e", I8, 4, True).compile()
     assert any(m in str(info.value) for m in MOSAIC_REFUSALS), str(info.value)[:2000]
+
+
+@pytest.mark.parametrize("vmem", [True, False], ids=["vmem", "hbm"])
+def test_row_kernels_reading_a_transposed_weight_compile(monkeypatch, vmem):
+    """`w_transposed`: the weight `(n, k)` as it lies, each step a matmul by its transpose
+    (tiles `(bn, bk)` on the HBM path). Dispatch gives it to ag_rows (whose in-place
+    kernel every realistic rs_rows backward above compiles); rs_rows can take it too."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import fusedpar
+    from fusedpar._core import _primitives as prims
+    from fusedpar._core._backends import pallas_tpu
+
+    monkeypatch.setattr(pallas_tpu, "_READS_W_IN_PLACE", (prims.AG_ROWS, prims.RS_ROWS))
+    mesh, k, cols = _mesh("v6e"), 256, 512
+    opts = {"vmem": vmem, **({} if vmem else {"block_m": 8, "block_k": 128, "block_n": 128})}
+
+    def f(x, wt):
+        kw = dict(backend="pallas_tpu", bidirectional=True, options=opts, w_transposed=True)
+        return (fusedpar.all_gather_matmul(x, wt.T, "x", **kw),
+                fusedpar.matmul_reduce_scatter(x, wt.T, "x", **kw))
+
+    x = jax.ShapeDtypeStruct((N * 128, k), BF16, sharding=jax.NamedSharding(mesh, P("x")))
+    wt = jax.ShapeDtypeStruct((cols, k), BF16, sharding=jax.NamedSharding(mesh, P()))
+    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"), P()),
+                               out_specs=(P("x"), P("x")), check_vma=False))
+    text = fn.lower(x, wt).compile().as_text()
+    calls = [line for line in text.splitlines() if "tpu_custom_call" in line and " = " in line]
+    assert len(calls) == 2 and all(f"bf16[{cols},{k}]" in c for c in calls), calls
