@@ -288,8 +288,8 @@ def _kernel_w_shapes(f, *args):
     return shapes
 
 
-@pytest.mark.parametrize("n,bidirectional,vmem", [(2, False, True), (4, True, False)],
-                         ids=["2-uni-vmem", "4-bi-tiled"])
+@pytest.mark.parametrize("n,bidirectional,vmem", [(4, False, True), (2, True, False)],
+                         ids=["4-uni-vmem", "2-bi-tiled"])
 def test_w_transposed_kernels_read_the_weight_in_place(monkeypatch, n, bidirectional, vmem):
     """`w_transposed=True` (a layer's `weight.T`): the row kernels are given the (n, k)
     array itself and multiply by its transpose; values and gradients as the reference's.
