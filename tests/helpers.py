@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -94,3 +95,13 @@ def same_kernels_as(backend, op, x, w, axis_size, **kwargs):
         except NotImplementedError:
             continue
     return None
+
+
+def equations(jaxpr):
+    """Every equation of `jaxpr` (a `Jaxpr` or `ClosedJaxpr`) and of the jaxprs nested in
+    its equations' parameters (shard_map, pjit, custom_vjp, pallas_call bodies...), each
+    before those nested in it."""
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from equations(sub)

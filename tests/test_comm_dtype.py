@@ -13,7 +13,6 @@ lax expression, the narrow bytes in the traced programs, and dispatch.
 from __future__ import annotations
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import fusedpar
 from fusedpar._core import _definition, _quantize
-from helpers import RING_CONFIGS as CONFIGS, assert_close, mesh, normal, tolerance
+from helpers import RING_CONFIGS as CONFIGS, assert_close, equations, mesh, normal, tolerance
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -283,13 +282,8 @@ def test_accuracy_against_bfloat16(comm, grad_comm, names):
 
 def _collective_operands(jaxpr, prims=("ppermute", "all_gather", "all_to_all")):
     """(primitive, dtype, shape) of every collective's operands, in nested jaxprs too."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in prims:
-            found += [(eqn.primitive.name, v.aval.dtype, v.aval.shape) for v in eqn.invars]
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += _collective_operands(sub, prims)
-    return found
+    return [(eqn.primitive.name, v.aval.dtype, v.aval.shape) for eqn in equations(jaxpr)
+            if eqn.primitive.name in prims for v in eqn.invars]
 
 
 @pytest.mark.parametrize("backend,options", [("reference", {}),

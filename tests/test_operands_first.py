@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import fusedpar
 from fusedpar._core import _autodiff, _definition, _dispatch, _primitives as prims
-from helpers import assert_close, mesh, normal
+from helpers import assert_close, equations, mesh, normal
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,15 +66,7 @@ def test_operands_first_moves_operands_not_sums():
     n = 4
     x, w = normal(0, (4 * n, n * K), jnp.bfloat16), normal(1, (n * K, N), jnp.bfloat16)
     jaxpr = jax.make_jaxpr(_programs(n, jnp.bfloat16)[1])(x, w)
-    found = []
-
-    def walk(j):
-        for e in j.eqns:
-            found.append(e.primitive.name)
-            for sub in jax.extend.core.jaxprs_in_params(e.params):
-                walk(sub)
-
-    walk(jaxpr.jaxpr)
+    found = [e.primitive.name for e in equations(jaxpr)]
     assert found.count("all_to_all") == 1 and found.count("ppermute") == n - 1
     assert "reduce_scatter" not in found and "psum" not in found
 

@@ -7,14 +7,13 @@ Values and gradients against the pure-lax definition under JAX's autodiff, on ri
 from __future__ import annotations
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
 from fusedpar._core import _definition
-from helpers import assert_close, mesh, normal
+from helpers import assert_close, equations, mesh, normal
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,17 +51,8 @@ def _gathered_widths(f, x, w):
     """The last dimension of every array the program all-gathers (forward and backward)."""
     jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: f(x, w).astype(jnp.float32).sum(),
                                     argnums=(0, 1)))(x, w)
-    widths = []
-
-    def walk(j):
-        for e in j.eqns:
-            if e.primitive.name == "all_gather":
-                widths.append(e.invars[0].aval.shape[-1])
-            for sub in jax.extend.core.jaxprs_in_params(e.params):
-                walk(sub)
-
-    walk(jaxpr.jaxpr)
-    return widths
+    return [e.invars[0].aval.shape[-1] for e in equations(jaxpr)
+            if e.primitive.name == "all_gather"]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -82,17 +72,9 @@ def _collectives(f, x, w):
     besides its all-gathers (which `_gathered_widths` reads)."""
     jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: f(x, w).astype(jnp.float32).sum(),
                                     argnums=(0, 1)))(x, w)
-    found = []
-
-    def walk(j):
-        for e in j.eqns:
-            if e.primitive.name in ("all_to_all", "reduce_scatter", "psum", "psum_invariant"):
-                found.append((e.primitive.name, jnp.dtype(e.invars[0].aval.dtype).name))
-            for sub in jax.extend.core.jaxprs_in_params(e.params):
-                walk(sub)
-
-    walk(jaxpr.jaxpr)
-    return found
+    return [(e.primitive.name, jnp.dtype(e.invars[0].aval.dtype).name)
+            for e in equations(jaxpr)
+            if e.primitive.name in ("all_to_all", "reduce_scatter", "psum", "psum_invariant")]
 
 
 def test_bfloat16_cotangents_travel_as_they_are():

@@ -2,12 +2,11 @@
 
 import equinox as eqx
 import jax
-import jax.extend
 import jax.numpy as jnp
 import pytest
 
 import fusedpar
-from helpers import assert_close, mesh, normal
+from helpers import assert_close, equations, mesh, normal
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,17 +32,9 @@ def _loss(model, x):
 
 def _scattered_dtypes(fn, *args):
     """The dtypes of every array the program reduce-scatters (forward and backward)."""
-    found = set()
-
-    def walk(j):
-        for e in j.eqns:
-            if e.primitive.name == "reduce_scatter":
-                found.add(jnp.dtype(e.invars[0].aval.dtype).name)
-            for sub in jax.extend.core.jaxprs_in_params(e.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return {jnp.dtype(e.invars[0].aval.dtype).name
+            for e in equations(jax.make_jaxpr(fn)(*args))
+            if e.primitive.name == "reduce_scatter"}
 
 
 @pytest.mark.parametrize("reduce_dtype", [None, BF16], ids=["default", "bf16"])

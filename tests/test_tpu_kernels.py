@@ -9,7 +9,6 @@ runs the dual primitives on the same kernels.
 """
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ import fusedpar
 from fusedpar._core._backends import pallas_tpu
 from fusedpar._core._primitives import Call
 
-from helpers import assert_close, mesh, normal
+from helpers import assert_close, equations, mesh, normal
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -275,17 +274,8 @@ def test_ring_over_a_tuple_of_mesh_axes():
 
 def _kernel_w_shapes(f, *args):
     """The right operand's shape of every Pallas kernel in `f`'s jaxpr."""
-    shapes = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                shapes.append(tuple(eqn.invars[1].aval.shape))
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(f)(*args).jaxpr)
-    return shapes
+    return [tuple(e.invars[1].aval.shape) for e in equations(jax.make_jaxpr(f)(*args))
+            if e.primitive.name == "pallas_call"]
 
 
 @pytest.mark.parametrize("n,bidirectional,vmem", [(4, False, True), (2, True, False)],
