@@ -38,8 +38,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-PROGRAMS = ("mlp", "block")
-BACKENDS = ("reference", "ring", "pallas")
+PROGRAMS = ("mlp", "block", "prefill")
+BACKENDS = ("xla", "reference", "ring", "pallas", "auto")
 PRESETS = ("h100_sxm", "h200_sxm")
 _COLLECTIVES = ("all-gather", "collective-permute", "reduce-scatter", "all-reduce",
                 "all-to-all", "collective-broadcast")
@@ -200,8 +200,13 @@ def _dumped(compile_fn) -> str:
 
 
 def prepare(out: str, target: str, programs=PROGRAMS, backends=BACKENDS) -> dict:
-    from fusedpar._compile import _aot as aot, _aot_programs as progs
+    """Each program of `python -m fusedpar.aot --compare` (its mesh, its compiler options:
+    `fusedpar._compile._aot_compare`), `backend` "xla" the program a user writes without
+    fusedpar: its local module, its options and the 8-device replay."""
+    from fusedpar._compile import _aot as aot, _aot_compare as compare
     from fusedpar import cost_model
+
+    import jax
 
     os.makedirs(out, exist_ok=True)
     replay = {}
@@ -210,14 +215,11 @@ def prepare(out: str, target: str, programs=PROGRAMS, backends=BACKENDS) -> dict
             key = f"{program}-{backend}"
             t0 = time.time()
             try:
-                if program == "mlp":
-                    mesh = aot.mesh(target, (8,), ("tp",))
-                    jitted, args = progs.mlp_program(mesh, backend)
-                else:
-                    mesh = aot.mesh(target, (2, 4), ("fsdp", "tp"))
-                    jitted, args = progs.block_program(mesh, backend)
-                lowered = jitted.lower(*args)
-                options = aot.compiler_options(target)
+                mesh = compare.mesh(target, program)
+                jitted, args = compare.build(mesh, program, backend)
+                options = compare.options(target, backend, compare.DEFAULT)
+                with jax.set_mesh(mesh):
+                    lowered = jitted.lower(*args)
                 compiled = [None]
 
                 def compile_fn(extra):
@@ -227,7 +229,8 @@ def prepare(out: str, target: str, programs=PROGRAMS, backends=BACKENDS) -> dict
                 local, replaced = local_module(text)
                 with open(os.path.join(out, key + ".hlo"), "w") as f:
                     f.write(local)
-                row = {"replaced": len(replaced), "seconds_to_prepare": time.time() - t0}
+                row = {"replaced": len(replaced), "seconds_to_prepare": time.time() - t0,
+                       "options": options}
                 for preset in PRESETS:
                     p = aot.predict(compiled[0], cost_model.get_hardware(preset))
                     row[preset] = {"seconds": p.seconds, "compute": p.compute,
@@ -403,12 +406,14 @@ def _category(i) -> str:
     return "other " + i.opcode
 
 
-def measure(directory: str, out: str, runs: int, only=None) -> dict:
+def measure(directory: str, out: str, runs: int, only=None, cublas=False) -> dict:
+    """`cublas`: every program with cuBLAS GEMMs (XLA's Triton GEMMs off), as the
+    comparison's "h100x8 cublas" rows compile them."""
     import jax
 
     from fusedpar._compile import _aot as aot
 
-    options = aot.gpu_compiler_options()
+    options = aot.gpu_compiler_options(cublas)
     device = jax.devices()[0]
     results = {"device": device.device_kind, "jax_version": jax.__version__,
                "options": {k: str(v) for k, v in options.items()}, "programs": {}}
@@ -420,7 +425,12 @@ def measure(directory: str, out: str, runs: int, only=None) -> dict:
         row = {"replay_8_devices": replay["programs"].get(key)}
         try:
             t0 = time.time()
-            compiled, args = _compile_local(open(path).read(), options)
+            # The options the program was compiled with for the table (older folders
+            # carry none: fusedpar's GPU options).
+            own = dict((row["replay_8_devices"] or {}).get("options", options))
+            if cublas:
+                own["xla_gpu_enable_triton_gemm"] = False
+            compiled, args = _compile_local(open(path).read(), own)
             row["compile_s"] = time.time() - t0
             fn = compiled
             values = _random(args)
@@ -583,6 +593,7 @@ def main(argv=None):
     m.add_argument("--out", required=True)
     m.add_argument("--runs", type=int, default=20)
     m.add_argument("--only", default=None)
+    m.add_argument("--cublas", action="store_true")
     t = sub.add_parser("table")
     t.add_argument("json")
     t.add_argument("--compiled", default=None,
@@ -594,7 +605,8 @@ def main(argv=None):
         prepare(args.out, args.target, args.programs.split(","), args.backends.split(","))
     elif args.command == "measure":
         os.makedirs(args.out + ".d", exist_ok=True)
-        measure(args.directory, args.out, args.runs, args.only and args.only.split(","))
+        measure(args.directory, args.out, args.runs, args.only and args.only.split(","),
+                args.cublas)
     else:
         print(table(args.json, args.compiled, args.preset))
         if args.compiled:

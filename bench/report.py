@@ -287,30 +287,52 @@ def gpu_section() -> list:
     and the compute stream of the layer programs against the replay."""
     here = os.path.dirname(os.path.abspath(__file__))
     kernels = os.path.join(here, "results-gpu.json")
-    stream = os.path.join(here, "results-compute-stream.json")
+    # (measured, compiled modules, preset, what it is), newest first.
+    streams = [("results-compute-stream-h100.json", "compute-stream-h100-compiled.tgz",
+                "h100_sxm", "XLA's default GEMMs (autotuned: cuBLAS or Triton per GEMM), "
+                "every program of the comparison: `xla` is the program a user writes without "
+                "fusedpar (`python -m fusedpar.aot --compare`)"),
+               ("results-compute-stream-h100-cublas.json",
+                "compute-stream-h100-cublas-compiled.tgz", "h100_sxm",
+                "cuBLAS GEMMs (`--cublas`; the `mlp-reference` row's queued time is 254 us "
+                "over the sum of its kernels, where every other row's gap is under 100: a "
+                "disturbed measurement)"),
+               ("results-compute-stream.json", "compute-stream-compiled.tgz", "h200_sxm",
+                "the first GPU run, six programs")]
     lines = []
-    if os.path.exists(stream):
+    if any(os.path.exists(os.path.join(here, m)) for m, *_ in streams):
         import compute_stream
 
         lines += ["## One GPU: the compute stream of the layer programs against the replay", "",
-                  "Each program of `python -m fusedpar.aot` (h100x8: `mlp` on 8 devices, `block` "
-                  "on 2 x 4) as XLA partitions it, every collective replaced by a parameter of "
-                  "its shape and its operands kept as outputs, compiled and run on one GPU "
-                  "(`bench/compute_stream.py`): what one device computes between transfers. "
-                  "Measured: 20 calls queued back to back, per call. The replay is of the "
-                  "module the GPU compiled, with the calibrated preset (`fusedpar/_hw/_registry.py`)."
-                  " Commands: `python bench/compute_stream.py prepare --out DIR`, then on the "
-                  "GPU `bash bench/gpu_session.sh`.", ""]
-        compiled = os.path.join(here, "compute-stream-compiled.tgz")
-        lines += compute_stream.table(stream, compiled).splitlines()
-        lines += ["", "The matmul kernels by shape (matched in schedule order to the profiled "
-                  "kernels; all six programs): the rate each reached, against the dense bf16 "
-                  "peak of the sheet.", ""]
-        lines += compute_stream.gemms_by_shape(stream, compiled).splitlines() + [""]
-    if os.path.exists(kernels):
-        import test_gpu_steps
+                  "Each program of `python -m fusedpar.aot --compare` (h100x8: `mlp` on 8 "
+                  "devices, `block` and `prefill` on 2 x 4) as XLA partitions it, every "
+                  "collective replaced by a parameter of its shape and its operands kept as "
+                  "outputs, compiled and run on one GPU (`bench/compute_stream.py`): what one "
+                  "device computes between transfers. Measured: 20 calls queued back to back, "
+                  "per call. The replay is of the module the GPU compiled, with that GPU's "
+                  "calibrated preset (`fusedpar/_hw/_registry.py`). Commands: `python "
+                  "bench/compute_stream.py prepare --out DIR`, then on the GPU `python "
+                  "bench/compute_stream.py measure DIR --out F.json [--cublas]` (or `bash "
+                  "bench/gpu_session.sh`).", ""]
+        for measured, compiled, preset, what in streams:
+            measured, compiled = (os.path.join(here, f) for f in (measured, compiled))
+            if not os.path.exists(measured):
+                continue
+            lines += [f"### {json.load(open(measured))['device']}: {what}", ""]
+            lines += compute_stream.table(measured, compiled, preset).splitlines()
+            lines += ["", "The matmul kernels by shape (matched in schedule order to the "
+                      "profiled kernels): the rate each reached, against the dense bf16 "
+                      "peak of the sheet.", ""]
+            lines += compute_stream.gemms_by_shape(measured, compiled, preset).splitlines()
+            lines += [""]
+    for kernels in (os.path.join(here, "results-gpu-h100.json"), kernels):
+        if os.path.exists(kernels):
+            import test_gpu_steps
 
-        lines += test_gpu_steps.markdown([kernels]).splitlines() + [""]
+            lines += test_gpu_steps.markdown([kernels]).splitlines() + [""]
+    notes = os.path.join(here, "RESULTS-gpu-notes.md")  # how steady, written by hand
+    if os.path.exists(notes):
+        lines += open(notes).read().splitlines() + [""]
     return lines
 
 

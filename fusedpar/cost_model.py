@@ -169,11 +169,17 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
             result[name] = Breakdown(name, hw.ring_kernel_seconds(n, c, t), c, t, n,
                                      per_dir, sent)
             continue
+        gpu = _platform(hw) == "gpu"
+        # A reduce-scatter step's add of the accumulator that arrived: counted in the
+        # step's matmul (its bytes read as `extra`), except for the GPU step kernels,
+        # whose product the ring loop adds to what arrived in a pass of its own.
+        apart = family == "kernel" and gpu and not prims.of(prim).gathers and n > 1
+        adds = 3 * extra / hw.hbm_bandwidth if apart else 0.0
         # Each direction runs its own half-size matmul per step: more launches, same flops.
-        c = _step_time(hw, prim, step, dtype, out_b, extra, dirs)
+        c = _step_time(hw, prim, step, dtype, out_b, 0 if apart else extra, dirs) + adds
         # The first step has no accumulator to read yet (nothing has arrived).
         first = _step_time(hw, prim, step, dtype, out_b, 0, dirs)
-        if n > 1:
+        if n > 1 and not (family == "kernel" and gpu):  # GPU kernels write in place
             c, first = _assembly(hw, prim, step, out_b, c, first)
         t = transfer + (latency if n > 1 else 0.0)
         chunk = _folded_chunk(prim, x_shape, w_shape, n, dirs, comm_dtype, _platform(hw))
@@ -280,8 +286,8 @@ def _assembly(hw, prim, step, out_b, c, first):
     the matmul write into the output in place. The output itself is not filled first
     (`ring.gather_out`: every step writes its segment), and an ag_contract sum starts
     from the first product; a reduce-scatter step's add is in the step model already.
-    The GPU step kernels are given the same (they write in place, but keep the lax
-    ring's costs until measured); the fused TPU kernels are modelled whole."""
+    The GPU step kernels write in place (`breakdown` leaves this out for them); the
+    fused TPU kernels are modelled whole."""
     if prims.of(prim).sums_steps:
         return c, first
     m, _, cols = step[0]

@@ -119,13 +119,31 @@ def aliased_kernel_bytes(i, by_name):
     out = _hlo.array_shapes(i.shape)
     if found is None or not out:
         return None
-    m, n, _, count, _ = found
+    m, n, k, count, _ = found
     size = _hlo.shape_bytes(f"{out[0][0]}[1]")
     aliased = _aliased_operands(i.line)
-    read = sum(by_name[o].bytes for k, o in enumerate(i.operands)
-               if o in by_name and k not in aliased)
+    read = sum(_window_bytes(by_name[o], m * count, n * count, k)
+               for j, o in enumerate(i.operands) if o in by_name and j not in aliased)
     # Pieces adding into one accumulator (the product covers the result) touch it once.
     return read + 2 * min(m * n * count * size, _hlo.shape_bytes(i.shape))
+
+
+def _window_bytes(operand, rows, cols, k) -> int:
+    """The bytes a step kernel multiplying `rows` x `k` by `k` x `cols` reads of
+    `operand`: a step of a reduce-scatter is handed the whole left (or right) operand and
+    multiplies the rows (or columns) of its segment, a gather along the contraction a
+    window of `k` of them; an operand of another shape is read whole."""
+    arrays = _hlo.array_shapes(operand.shape)
+    if len(arrays) != 1 or len(arrays[0][1]) != 2:
+        return operand.bytes
+    dtype, (r, c) = arrays[0]
+    size = _hlo.shape_bytes(f"{dtype}[1]")
+    windows = [operand.bytes]
+    if c % k == 0:  # a left operand (r, k), or a wider one cut to a window of k columns
+        windows.append(min(r, rows) * k * size)
+    if r % k == 0:  # a right operand (k, c)
+        windows.append(k * min(c, cols) * size)
+    return min(windows)
 
 
 # `output_to_operand_aliasing={{}: (3, {})}` (or `{{0}: (3, {}), {1}: (4, {})}`).

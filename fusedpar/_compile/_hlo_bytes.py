@@ -3,6 +3,7 @@ updates, and what a fusion only passes through (to its root tuple or a collectiv
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Optional
 
@@ -10,6 +11,10 @@ from ._hlo_kinds import is_collective
 from ._hlo_parse import Instruction, Module, array_shapes, shape_bytes
 
 _SLICE = re.compile(r"\bslice=\{([^{}]*)\}")
+# Library calls (cuBLAS, cuDNN) return their result and an s8 scratch workspace, which the
+# library uses as it likes (the autotuner gave XLA's GEMMs 32 MiB on an H100, a deviceless
+# compile 4 MiB): not bytes the kernel writes to HBM.
+_LIBRARY_CALLS = ("__cublas$", "__cudnn$")
 
 
 def in_place_bytes(module: Module, i: Instruction, by_name: dict) -> Optional[int]:
@@ -44,9 +49,45 @@ def read_bytes(module: Module, i: Instruction, by_name: dict) -> int:
     if i.opcode in _WINDOWS:
         return i.bytes + sum(o.bytes for o in operands[1:] if o is not None)
     windows = {}  # fused parameter number -> bytes its slices read (only-sliced ones)
+    fraction = 1.0
     for c in i.calls if i.opcode == "fusion" else ():
         windows.update(_sliced_parameters(module, c))
-    return sum(windows.get(n, o.bytes) for n, o in enumerate(operands) if o is not None)
+        fraction = _window_fraction(module, c)
+    return sum(windows.get(n, round(o.bytes * fraction))
+               for n, o in enumerate(operands) if o is not None)
+
+
+_NOT_ELEMENTWISE = ("transpose", "reduce", "slice", "dynamic-slice", "gather",
+                    "concatenate", "pad", "reverse")
+
+
+def _elements(shape: str) -> int:
+    return sum(math.prod(dims) for _, dims in array_shapes(shape))
+
+
+def _window_fraction(module: Module, computation: str) -> float:
+    """The fraction of the fused values a fused computation reads when its root is a
+    window (`slice`, `dynamic-slice`) of a value computed elementwise from its parameters
+    (a step's block of `gelu(buffer + bias)`, say): XLA's loop emitter computes, and so
+    reads, only the window's elements. 1 when anything in the fusion is not elementwise
+    over the window's operand (a reduce, a transpose, an inner slice)."""
+    root = module.roots.get(computation)
+    if root is None or root.opcode not in _WINDOWS:
+        return 1.0
+    inner = module.computations.get(computation, ())
+    source = next((j for j in inner if j.name == root.operands[0]), None)
+    if source is None or source.opcode == "parameter":  # `_sliced_parameters`' case
+        return 1.0
+    size = _elements(source.shape)
+    parameters = {j.name for j in inner if j.opcode == "parameter"}
+    for j in inner:
+        if j is root or j.opcode in ("parameter", "constant"):
+            continue
+        if j.opcode in ("bitcast", "reshape") and j.operands[0] in parameters:
+            continue  # a parameter's view (a dynamic-update-slice's update)
+        if j.opcode in _NOT_ELEMENTWISE or _elements(j.shape) not in (size, 1):
+            return 1.0
+    return min(1.0, _elements(root.shape) / size) if size else 1.0
 
 
 def _sliced_parameters(module: Module, computation: str, depth: int = 0) -> dict:
@@ -96,6 +137,11 @@ def written_bytes(module: Module, i: Instruction) -> int:
     """The bytes `i` writes: its result's, less the parts of a fusion's tuple result that
     its computation passes through from a parameter or takes from a collective (see
     `_passes_through`)."""
+    if i.opcode == "custom-call" and i.target.startswith(_LIBRARY_CALLS):
+        arrays = array_shapes(i.shape)
+        if len(arrays) > 1 and arrays[-1][0] == "s8":  # the library's scratch workspace
+            return sum(shape_bytes(f"{dtype}[{','.join(map(str, dims))}]")
+                       for dtype, dims in arrays[:-1])
     for c in i.calls if i.opcode == "fusion" else ():
         root = module.roots.get(c)
         if root is None or root.opcode != "tuple":

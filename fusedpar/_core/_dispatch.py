@@ -38,14 +38,13 @@ AUTO_MARGIN = 0.95
 # How much faster a bidirectional ring must be estimated to be chosen over a
 # unidirectional one.
 BIDIRECTIONAL_MARGIN = 0.02
-KERNEL_MARGIN = 0.95
-# The fused TPU kernels only need to be estimated faster: timed from their plan
-# (`cost_model._kernel_step`), every near tie 0.95 left to the lax ring replayed faster
-# on the kernel (v5p mlp 2,454 -> 2,271 us, v5e block 12,964 -> 12,681, v5e prefill
-# 11,246 -> 11,038), and none slower. The GPU step kernels keep 0.95: they are modelled
-# as lax ring steps without the ring's folded reduce-scatter, nothing measured says
-# they win by less.
-TPU_KERNEL_MARGIN = 1.0
+# The Pallas kernels over the lax ring need only be estimated faster: the fused TPU
+# kernels are timed from their plan (`cost_model._kernel_step`), and every near tie 0.95
+# left to the lax ring replayed faster on the kernel (v5p mlp 2,454 -> 2,271 us, v5e
+# block 12,964 -> 12,681, v5e prefill 11,246 -> 11,038), none slower; the GPU step
+# kernels write each product in place, which the model gives them since an H100
+# measured their compute streams below the lax ring's (docs/measurements.md).
+KERNEL_MARGIN = 1.0
 
 # How `Choice` describes a call `auto` runs in another arrangement.
 _ARRANGEMENTS = {
@@ -223,10 +222,9 @@ def auto_choice(call: Call) -> tuple[str, str]:
 
     A decomposed ring must beat the reference's estimate by `AUTO_MARGIN` (the model is
     rough; a near tie is not worth the extra code path), and the Pallas kernels, when
-    they can run the call, must beat the lax ring by `KERNEL_MARGIN` (`TPU_KERNEL_MARGIN`
-    for the fused TPU kernels). Each is estimated, and checked to run, at the ring shape
-    it would run (`_shaped`). CPU always stays
-    on the reference: its simulated devices share the cores, and Pallas there is an
+    they can run the call, must beat the lax ring by `KERNEL_MARGIN`. Each is estimated,
+    and checked to run, at the ring shape it would run (`_shaped`). CPU always stays on
+    the reference: its simulated devices share the cores, and Pallas there is an
     interpreter.
     """
     if call.axis_size == 1:
@@ -252,8 +250,7 @@ def auto_choice(call: Call) -> tuple[str, str]:
     # lax ring) by its margin too.
     best = None
     for backend in candidates:
-        margin = 1.0 if backend.cost != "kernel" else (
-            TPU_KERNEL_MARGIN if call.platform == "tpu" else KERNEL_MARGIN)
+        margin = KERNEL_MARGIN if backend.cost == "kernel" else 1.0
         if best is None or est[backend.name].seconds < margin * est[best].seconds:
             best = backend.name
     names_ = [REFERENCE] + [b.name for b in candidates]

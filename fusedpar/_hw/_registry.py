@@ -141,24 +141,24 @@ register(Kind(
                       launch_overhead=20e-6, overlap=0.0)))
 
 
-def _nvswitch(name, flops, hbm_bandwidth, egress):
+def _nvswitch(name, flops, hbm_bandwidth, egress, compute):
     """An NVIDIA SXM part in an NVSwitch box: `egress` bytes/s out of a device, shared
     by all its peers through the switch. The latencies are estimates; the "pallas"
-    backend drives its ring with the lax ring's ppermutes, so its per-step cost is the
-    lax ring's until measured (so "auto", which asks the kernels to be 5% faster, does
-    not pick them on GPU).
+    backend drives its ring with the lax ring's ppermutes, so its per-step latency is
+    the lax ring's.
 
-    `hbm_bandwidth` is the datasheet's; the compute side is calibrated on an H200 (the
-    replay of six layer programs against their measured compute stream: matmuls at 0.75
-    of peak, 0.87 of the datasheet's HBM bandwidth, 6 us per matmul launch; how, in
-    docs/measurements.md). The H100 runs the same SMs at the same clocks: the same
-    fractions, its own HBM."""
-    return Hardware(name, flops, efficiency=0.75, hbm_bandwidth=0.87 * hbm_bandwidth,
-                    link_bandwidth=egress, egress_bandwidth=egress, step_latency=10e-6,
-                    kernel_step_latency=10e-6, hop_latency=3e-6, launch_overhead=6e-6,
-                    overlap=0.9)
+    `hbm_bandwidth` is the datasheet's; `compute`, `(matmul efficiency, fraction of the
+    datasheet's HBM bandwidth, seconds per matmul launch)`, calibrated on the part itself:
+    the replay of layer programs against their measured compute stream on one GPU (how,
+    in docs/measurements.md)."""
+    efficiency, hbm_fraction, launch = compute
+    return Hardware(name, flops, efficiency=efficiency,
+                    hbm_bandwidth=hbm_fraction * hbm_bandwidth, link_bandwidth=egress,
+                    egress_bandwidth=egress, step_latency=10e-6, kernel_step_latency=10e-6,
+                    hop_latency=3e-6, launch_overhead=launch, overlap=0.9)
 
 
+_H200_COMPUTE = (0.75, 0.87, 6e-6)
 # Hopper (NVIDIA H100 datasheet): 989 TFLOP/s dense bf16/fp16, 495 TF32 (JAX's default
 # precision for float32 matmuls on GPU), 67 fp64; 132 SMs; 227 KiB of shared memory per
 # block (opt-in, compute capability 9.0); NVLink 4: 900 GB/s both ways = 450 GB/s out.
@@ -168,22 +168,26 @@ _HOPPER_KIND = dict(platform=GPU, compute_capability=(9, 0), cores=132, smem_byt
                     families=(MOSAIC, TRITON))
 register(Kind(
     "h100_sxm", words=("H100", "H800", "GH200"), aliases=("h100",), default=True,
-    hardware=_nvswitch("H100 SXM", _HOPPER, 3.35 * _T, 450 * _G),  # 3.35 TB/s HBM3
+    # Calibrated on an H100 SXM (2026-11-26, 23 programs within 2.6%).
+    hardware=_nvswitch("H100 SXM", _HOPPER, 3.35 * _T, 450 * _G, (0.80, 0.82, 4.5e-6)),
     aot=Aot("h100", example="h100x8", target_config="h100_sxm.txtpb"), **_HOPPER_KIND))
 # H200 SXM: H100's compute, 141 GB of HBM3e at 4.8 TB/s (NVIDIA H200 datasheet).
 register(Kind(
     "h200", words=("H200",), aliases=("h200_sxm",),
-    hardware=_nvswitch("H200 SXM", _HOPPER, 4.8 * _T, 450 * _G),
+    # Calibrated on an H200 (2026-11-26, 6 programs within 2.2%).
+    hardware=_nvswitch("H200 SXM", _HOPPER, 4.8 * _T, 450 * _G, _H200_COMPUTE),
     aot=Aot("h200", target_config="h200_sxm.txtpb"), **_HOPPER_KIND))
 # B200 (NVIDIA HGX B200 spec, 1000 W): 2250 TFLOP/s dense bf16/fp16, 1100 TF32, 40 fp64;
 # 8 TB/s HBM3e; NVLink 5: 1.8 TB/s both ways = 900 GB/s out; 148 SMs; 227 KiB of shared
 # memory per block (compute capability 10.0). No Blackwell step kernels yet: the Mosaic
 # GPU ones use wgmma, which Blackwell does not run; the Triton ones compile `tl.dot` for
-# the GPU at hand (not yet run on a B200; its compute side takes Hopper's calibration).
+# the GPU at hand (not yet run on a B200; its compute side takes the H200's calibration,
+# the HBM3e part).
 register(Kind(
     "b200", GPU, words=("B200",), compute_capability=(10, 0), cores=148, smem_bytes=232448,
     hardware=_nvswitch("B200", {"bfloat16": 2250 * _T, "float16": 2250 * _T,
-                                "float32": 1100 * _T, "float64": 40 * _T}, 8 * _T, 900 * _G),
+                                "float32": 1100 * _T, "float64": 40 * _T}, 8 * _T, 900 * _G,
+                       _H200_COMPUTE),
     families=(TRITON,), refused={MOSAIC: _no_wgmma((10, 0))}))
 # NVIDIA GPUs known by compute capability only (NVIDIA's CUDA GPUs table): no cost preset
 # of their own (they get the GPU default's), the kernel families their capability runs.
