@@ -203,10 +203,10 @@ def prepare(out: str, target: str, programs=PROGRAMS, backends=BACKENDS) -> dict
     """Each program of `python -m fusedpar.aot --compare` (its mesh, its compiler options:
     `fusedpar._compile._aot_compare`), `backend` "xla" the program a user writes without
     fusedpar: its local module, its options and the 8-device replay."""
+    import jax
+
     from fusedpar._compile import _aot as aot, _aot_compare as compare
     from fusedpar import cost_model
-
-    import jax
 
     os.makedirs(out, exist_ok=True)
     replay = {}

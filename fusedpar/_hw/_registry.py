@@ -158,6 +158,7 @@ def _nvswitch(name, flops, hbm_bandwidth, egress, compute):
                     hop_latency=3e-6, launch_overhead=launch, overlap=0.9)
 
 
+# `_nvswitch`'s `compute` as an H200 measured it (the B200 takes it too, until measured).
 _H200_COMPUTE = (0.75, 0.87, 6e-6)
 # Hopper (NVIDIA H100 datasheet): 989 TFLOP/s dense bf16/fp16, 495 TF32 (JAX's default
 # precision for float32 matmuls on GPU), 67 fp64; 132 SMs; 227 KiB of shared memory per
