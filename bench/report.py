@@ -286,7 +286,7 @@ def gpu_section() -> list:
     the step kernels against cuBLAS and JAX's Hopper matmul, the ops on a ring of one,
     and the compute stream of the layer programs against the replay."""
     here = os.path.dirname(os.path.abspath(__file__))
-    kernels = os.path.join(here, "results-gpu.json")
+    kernel_runs = ("results-gpu-h100.json", "results-gpu.json")  # newest first
     # (measured, compiled modules, preset, what it is), newest first.
     streams = [("results-compute-stream-h100.json", "compute-stream-h100-compiled.tgz",
                 "h100_sxm", "XLA's default GEMMs (autotuned: cuBLAS or Triton per GEMM), "
@@ -325,11 +325,11 @@ def gpu_section() -> list:
                       "peak of the sheet.", ""]
             lines += compute_stream.gemms_by_shape(measured, compiled, preset).splitlines()
             lines += [""]
-    for kernels in (os.path.join(here, "results-gpu-h100.json"), kernels):
-        if os.path.exists(kernels):
+    for run in kernel_runs:
+        if os.path.exists(os.path.join(here, run)):
             import test_gpu_steps
 
-            lines += test_gpu_steps.markdown([kernels]).splitlines() + [""]
+            lines += test_gpu_steps.markdown([os.path.join(here, run)]).splitlines() + [""]
     notes = os.path.join(here, "RESULTS-gpu-notes.md")  # how steady, written by hand
     if os.path.exists(notes):
         lines += open(notes).read().splitlines() + [""]

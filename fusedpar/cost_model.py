@@ -151,6 +151,7 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
         whole = _matmul_time(hw, *full, dtype, out_b)
         collective = _collective_time(hw, n, sent)
         result[name] = Breakdown(name, whole + collective, whole, collective, 1, sent, sent)
+    platform = _platform(hw)
     dirs = 2 if bidirectional and n > 1 else 1
     per_dir = block_bytes // dirs
     transfer = per_dir / hw.send_bandwidth(dirs) if n > 1 else 0.0
@@ -158,7 +159,7 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
         if family not in _STEP_LATENCY:
             continue
         latency = getattr(hw, _STEP_LATENCY[family])
-        if family == "kernel" and n > 1 and _platform(hw) == "tpu":
+        if family == "kernel" and n > 1 and platform == "tpu":
             # One fused kernel (`fusedpar.kernels.tpu`): one launch, each step's whole
             # block (both halves of a bidirectional one) multiplied in place with its DMA
             # beside it -- what the replay reads from a compiled kernel's plan
@@ -169,7 +170,7 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
             result[name] = Breakdown(name, hw.ring_kernel_seconds(n, c, t), c, t, n,
                                      per_dir, sent)
             continue
-        gpu = _platform(hw) == "gpu"
+        gpu = platform == "gpu"
         # A reduce-scatter step's add of the accumulator that arrived: counted in the
         # step's matmul (its bytes read as `extra`), except for the GPU step kernels,
         # whose product the ring loop adds to what arrived in a pass of its own.
@@ -182,7 +183,7 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
         if n > 1 and not (family == "kernel" and gpu):  # GPU kernels write in place
             c, first = _assembly(hw, prim, step, out_b, c, first)
         t = transfer + (latency if n > 1 else 0.0)
-        chunk = _folded_chunk(prim, x_shape, w_shape, n, dirs, comm_dtype, _platform(hw))
+        chunk = _folded_chunk(prim, x_shape, w_shape, n, dirs, comm_dtype, platform)
         if family == "ring" and chunk is not None:
             # ring._folded_reduce_scatter: per direction two chunks half a step apart,
             # each step's add in its matmul; two transfers of half the bytes a step, whose
