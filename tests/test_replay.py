@@ -476,10 +476,10 @@ def test_what_it_cannot_read_is_listed():
         "bandwidth")
 
 
-def _ring_kernel(scope, rows=1024, k=4096, cols=4096, n=8):
-    """A fused TPU ring kernel as the compiler prints it: an all-gather of x's row blocks
-    and a matmul with w in one `tpu_custom_call`, its cost estimate the kernel's own
-    (`kernels/_cost.matmul_cost`: the whole product's flops and bytes, the blocks its
+def _kernel_call(scope, rows=1024, k=4096, cols=4096, n=8, name="kernel", x="%x", w="%w"):
+    """A fused TPU ring kernel's call as the compiler prints it: an all-gather of x's row
+    blocks and a matmul with w in one `tpu_custom_call`, its cost estimate the kernel's
+    own (`kernels/_cost.matmul_cost`: the whole product's flops and bytes, the blocks its
     DMAs send), its `kernel_metadata` over three lines."""
     from fusedpar.kernels._cost import matmul_cost
 
@@ -488,18 +488,25 @@ def _ring_kernel(scope, rows=1024, k=4096, cols=4096, n=8):
     estimate = ('"flops":"%d","transcendentals":"0","bytes_accessed":"%d",'
                 '"remote_bytes_transferred":"%d"' % (
                     cost.flops, cost.bytes_accessed, cost.remote_bytes_transferred))
+    out = f"bf16[{n * rows},{cols}]"
+    return (
+        f"  %{name} = ({out}{B}, bf16[2,{rows},{k}]{B}) custom-call({x}, {w}), "
+        'custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={\n'
+        '"mesh_axes":"[\\"x\\"]"\n'
+        f'}}}}, metadata={{op_name="jit(f)/shard_map/{scope}/all_gather_matmul_rows/'
+        'pallas_call"}, backend_config={"custom_call_config":{"cost_estimate":{'
+        + estimate + "}}}\n")
+
+
+def _ring_kernel(scope, rows=1024, k=4096, cols=4096, n=8):
+    """A module of one fused ring kernel (`_kernel_call`)."""
     x, w, out = f"bf16[{rows},{k}]", f"bf16[{k},{cols}]", f"bf16[{n * rows},{cols}]"
     return (
         f"HloModule kernel, is_scheduled=true, num_partitions={n}\n\n"
         f"ENTRY %main (x: {x}, w: {w}) -> {out} {{\n"
         f"  %x = {x}{B} parameter(0)\n"
         f"  %w = {w}{B} parameter(1)\n"
-        f"  %kernel = ({out}{B}, bf16[2,{rows},{k}]{B}) custom-call(%x, %w), "
-        'custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={\n'
-        '"mesh_axes":"[\\"x\\"]"\n'
-        f'}}}}, metadata={{op_name="jit(f)/shard_map/{scope}/all_gather_matmul_rows/'
-        'pallas_call"}, backend_config={"custom_call_config":{"cost_estimate":{'
-        + estimate + "}}}\n"
+        + _kernel_call(scope, rows, k, cols, n) +
         f"  ROOT %out = {out}{B} get-tuple-element(%kernel), index=0\n"
         "}\n")
 
@@ -526,6 +533,104 @@ def test_a_fused_ring_kernel_is_replayed_from_its_plan(directions):
     model = cost_model.breakdown("ag_rows", (rows, k), (k, cols), n, "bfloat16", V5E,
                                  bidirectional=directions == 2, backends=("pallas",))
     assert p.seconds == pytest.approx(model["pallas"].seconds, rel=1e-6)
+
+
+STATE = (f"bf16[2048,1024]{BS}", f"bf16[2048,2048]{BS}", "u32[]{:S(2)}", "u32[]{:S(2)}")
+
+
+def _collective_beside(kernel: bool) -> str:
+    """A TPU asynchronous collective fusion (an FSDP weight gather over 2 devices) whose
+    state (buffers, semaphores) goes from its start through a continuation fusion, which
+    runs a step of the gather beside its own work and passes the state on in its result
+    tuple, to its done; then a matmul that needs the gathered weight. The continuation's
+    work is a fused ring kernel (`kernel`: as the compiler places a Mosaic call with
+    `xla_tpu_enable_async_collective_fusion_with_mosaic_custom_call`) or a small
+    elementwise one (as with `..._fuse_kloop_fusions`)."""
+    state = ", ".join(STATE)
+    params = ", ".join(f"s{j}: {t.split('{')[0]}" for j, t in enumerate(STATE))
+    passed = "\n".join(f"  %s{j} = {t} parameter({j})" for j, t in enumerate(STATE))
+    if kernel:
+        work = _kernel_call("fusedpar.ag_rows.pallas_tpu.bidirectional")
+        work += f"  %o = bf16[8192,4096]{B} get-tuple-element(%kernel), index=0\n"
+        out, extra = f"bf16[8192,4096]{B}", "x: bf16[1024,4096], w: bf16[4096,4096]"
+        inputs = (f"  %x = bf16[1024,4096]{B} parameter(4)\n"
+                  f"  %w = bf16[4096,4096]{B} parameter(5)\n")
+    else:
+        work = f"  %o = bf16[1024,128]{B} negate(%x)\n"
+        out, extra = f"bf16[1024,128]{B}", "x: bf16[1024,128]"
+        inputs = f"  %x = bf16[1024,128]{B} parameter(4)\n"
+    args = "%x, %w" if kernel else "%x"
+    shapes = "x: bf16[1024,4096], w: bf16[4096,4096]" if kernel else "x: bf16[1024,128]"
+    entry_inputs = inputs.replace("parameter(4)", "parameter(1)").replace(
+        "parameter(5)", "parameter(2)")
+    gtes = "\n".join(f"  %g{j} = {t} get-tuple-element(%async-collective-start), index={j}"
+                      for j, t in enumerate(STATE))
+    carried = "\n".join(f"  %c{j} = {t} get-tuple-element(%cont), index={j + 1}"
+                         for j, t in enumerate(STATE))
+    return f"""\
+HloModule beside, is_scheduled=true, num_partitions=8
+
+{_fused_conv(2048)}
+
+%start_comp (p: bf16[2048,1024]) -> ({state}) {{
+  %p = bf16[2048,1024]{B} parameter(0)
+  %all-gather.1 = bf16[2048,2048]{B} all-gather(%p), channel_id=1, replica_groups={{{{0,1}},{{2,3}},{{4,5}},{{6,7}}}}, dimensions={{1}}, use_global_device_ids=true
+  ROOT %cc = ({state}) custom-call(%all-gather.1), custom_call_target="AsyncCollectiveStart"
+}}
+
+%async_collective_fusion.7 ({params}, {extra}) -> ({out}, {state}) {{
+{passed}
+{inputs}{work}  %step = bf16[2048,2048]{BS} all-gather(%s0), channel_id=1, replica_groups={{{{0,1}},{{2,3}},{{4,5}},{{6,7}}}}, dimensions={{1}}, use_global_device_ids=true
+  ROOT %t = ({out}, {state}) tuple(%o, %s0, %step, %s2, %s3)
+}}
+
+%done_comp ({params}) -> bf16[2048,2048] {{
+{passed}
+  ROOT %cd = bf16[2048,2048]{B} custom-call(%s0, %s1, %s2, %s3), custom_call_target="AsyncCollectiveDone"
+}}
+
+ENTRY %main (g: bf16[2048,1024], {shapes}) -> bf16[2048,2048] {{
+  %g = bf16[2048,1024]{B} parameter(0)
+{entry_inputs}  %async-collective-start = ({state}) fusion(%g), kind=kCustom, calls=%start_comp
+{gtes}
+  %cont = ({out}, {state}) fusion(%g0, %g1, %g2, %g3, {args}), kind=kCustom, calls=%async_collective_fusion.7
+{carried}
+  %async-collective-done = bf16[2048,2048]{B} fusion(%c0, %c1, %c2, %c3), kind=kCustom, calls=%done_comp
+  ROOT %after = bf16[2048,2048]{B} fusion(%async-collective-done, %async-collective-done), kind=kOutput, calls=%fused_conv
+}}
+"""
+
+
+@pytest.mark.parametrize("kernel", (True, False))
+def test_a_collective_fusion_ends_at_its_done_through_its_continuations(kernel):
+    """The done finishes the gather its start began, found through the continuation
+    that carries its state; the continuation is its own work (not a synchronous gather,
+    though it holds the gather's step), and one that runs a fused ring kernel is
+    replayed from the kernel's plan, with the gather in flight beside it."""
+    text = _collective_beside(kernel)
+    module = _hlo.parse(text)
+    by_name = {i.name: i for i in module.computations[module.entry]}
+    assert _hlo.started_by(by_name["async-collective-done"], by_name) == \
+        "async-collective-start"
+    p = _simulate.predict(text, V5E)
+    gather = next(t for t in p.transfers if t.kind == "all-gather")
+    conv = 2 * 2048 ** 3 / V5E.matmul_flops("bfloat16") + V5E.launch_overhead
+    assert gather.runs == 1 and gather.seconds > 0 and p.unread == ()
+    assert [t.kind for t in p.transfers].count("all-gather") == 1
+    if kernel:
+        alone = _simulate.predict(_ring_kernel("fusedpar.ag_rows.pallas_tpu.bidirectional"),
+                                  V5E)
+        assert gather.seconds < alone.seconds  # hidden behind the kernel
+        assert p.seconds == pytest.approx(alone.seconds + conv, rel=1e-6)
+        assert p.exposed == pytest.approx(alone.exposed, rel=1e-6)
+        assert {t.kind for t in p.transfers} == {"all-gather", "ring kernel"}
+    else:
+        small = p.compute - conv  # the continuation's own work
+        assert small < gather.seconds < conv
+        # The matmul after the done waits for the gather (it did not before: the flow
+        # ended with the program, hidden behind the matmul).
+        assert p.seconds == pytest.approx(gather.seconds + conv, rel=1e-6)
+        assert p.exposed == pytest.approx(gather.seconds - small, rel=1e-6)
 
 
 def test_a_kernel_that_sends_without_a_plan_is_listed():

@@ -323,10 +323,11 @@ def overlap(program) -> Report:
                 for _, _, seen in open_.values():
                     seen.append(i.name)
                 key = _op_of(i.op_name)
-                if i.opcode == "custom-call" and i.target == "tpu_custom_call":
+                kernel = _hlo.tpu_kernel(module, i)
+                if kernel is not None:
                     # A Pallas TPU kernel: its backend from its kernel name, its
                     # primitive from its name scope if it has one, else from that name.
-                    name = re.sub(r"\.\d+$", "", i.name)
+                    name = re.sub(r"\.\d+$", "", kernel.name)
                     prim, backend = fused.get(name, (name, "pallas_tpu"))
                     key = (prim if key[0] == "other" else key[0], backend, "fused kernel")
                     kernels.append(key)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ._hlo_parse import COLLECTIVES, MATMUL_TARGETS, Instruction, Module
+from ._hlo_parse import COLLECTIVES, MATMUL_TARGETS, Instruction, Module, array_shapes
 
 
 def is_collective(i: Instruction) -> bool:
@@ -31,11 +31,18 @@ def collective_kind(module: Module, instruction: Instruction) -> Optional[str]:
 def _fused_collective(module: Module, fusion: Instruction) -> Optional[str]:
     """The synchronous collective a fusion is, else None. The TPU compiler wraps a
     reduce-scatter in a fusion (`%all-reduce-scatter`: an all-reduce of the padded input
-    and the slice each device keeps); a fusion with a matmul beside its collective is a
-    step of an asynchronous collective fusion (its transfer is the start's)."""
+    and the slice each device keeps); a fusion with a matmul beside its collective, or
+    that XLA names a continuation, is a step of an asynchronous collective
+    fusion (its transfer is the start's)."""
     inner = list(_inside(module, fusion))
     collective = next((j for j in inner if j.opcode in COLLECTIVES), None)
     if collective is None or any(_is_matmul_itself(j) for j in inner):
+        return None
+    if any(c.startswith("async_collective_fusion") for c in fusion.calls):
+        # The TPU compiler's name for a continuation: a step of an asynchronous
+        # collective fusion run inside a fusion of other work, which passes the state on
+        # (an elementwise one with `xla_tpu_enable_async_collective_fusion_fuse_kloop_
+        # fusions`).
         return None
     root = module.roots.get(fusion.calls[0]) if fusion.calls else None
     if collective.opcode == "all-reduce" and root is not None and root.opcode == "dynamic-slice":
@@ -81,20 +88,55 @@ def is_async_start(i: Instruction) -> bool:
         i.opcode == "fusion" and i.name.startswith("async-collective-start"))
 
 
+def tpu_kernel(module: Module, i: Instruction) -> Optional[Instruction]:
+    """The Pallas TPU call `i` runs: `i` itself, or the one in the fusion `i` is. With
+    `xla_tpu_enable_async_collective_fusion_with_mosaic_custom_call` the TPU compiler
+    moves a Mosaic call into the continuation fusion of one of its own asynchronous
+    collectives, which then runs beside the kernel."""
+    if i.opcode == "custom-call":
+        return i if i.target == "tpu_custom_call" else None
+    if i.opcode != "fusion" or not i.calls:
+        return None
+    return next((c for c in module.computations.get(i.calls[0], ())
+                 if c.opcode == "custom-call" and c.target == "tpu_custom_call"), None)
+
+
 def started_by(i: Instruction, by_name: dict) -> Optional[str]:
     """The name of the start an asynchronous done `i` finishes (`<op>-done(start)`, or a
-    TPU `async-collective-done` fusion of the start's tuple elements), else None."""
+    TPU `async-collective-done` fusion of the start's tuple elements), else None.
+
+    A TPU asynchronous collective fusion's state (its buffers and semaphores) does not
+    always go from its start to its done directly: it goes through the continuation
+    fusions that run the collective's steps beside their own work (an XLA fusion, or a
+    Mosaic call), each taking the state in and passing it on in its result tuple. The
+    walk back follows the state: through tuple elements to the fusion that made them,
+    and from a fusion only through its operands shaped like the done's (the state's
+    arrays), never through another collective's done."""
     if i.opcode.endswith("-done") and i.operands:
         return i.operands[0]
-    if i.opcode == "fusion" and i.name.startswith("async-collective-done"):
-        for name in i.operands:
-            source = by_name.get(name)
-            while source is not None and source.opcode == "get-tuple-element":
-                name = source.operands[0] if source.operands else None
-                source = by_name.get(name)
-            if source is not None and is_async_start(source):
-                return source.name
+    if not (i.opcode == "fusion" and i.name.startswith("async-collective-done")):
+        return None
+    state = {_array_key(by_name[o].shape) for o in i.operands if o in by_name}
+    queue, seen = list(i.operands), set()
+    while queue:
+        name = queue.pop(0)
+        source = by_name.get(name)
+        if name in seen or source is None:
+            continue
+        seen.add(name)
+        if is_async_start(source):
+            return source.name
+        if source.opcode == "get-tuple-element":
+            queue.extend(source.operands[:1])
+        elif source.opcode in ("fusion", "custom-call") and not (
+                source.name.startswith("async-collective-done")):
+            queue.extend(o for o in source.operands
+                         if o in by_name and _array_key(by_name[o].shape) in state)
     return None
+
+
+def _array_key(shape: str) -> tuple:
+    return tuple(array_shapes(shape))
 
 
 def matmul_computations(module: Module) -> set:

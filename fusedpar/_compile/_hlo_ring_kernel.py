@@ -115,7 +115,14 @@ def ring_size(prim: str, x: tuple, w: tuple, out: tuple) -> Optional[int]:
 def read(module, i, by_name) -> tuple[Optional[RingKernel], str]:
     """`(plan, why not)` of instruction `i`: the plan of a fused ring kernel fusedpar
     launched; None with "" for anything that sends nothing itself; None with the reason
-    for a kernel that sends bytes but whose plan cannot be read."""
+    for a kernel that sends bytes but whose plan cannot be read.
+
+    `i` may also be a fusion around the kernel's call (`_hlo.tpu_kernel`).
+    """
+    inner = _hlo.tpu_kernel(module, i)
+    if inner is not None and inner is not i:
+        by_name = {c.name: c for c in module.computations[i.calls[0]]}
+        i = inner
     if i.opcode != "custom-call":
         return None, ""
     remote = _estimate(i.line, "remote_bytes_transferred")

@@ -377,8 +377,11 @@ class _Replay:
     def _waited(self, i, by_name, in_flight) -> Optional[str]:
         """The value in flight that `i` (a `-done`, or a TPU `async-collective-done`
         fusion) finishes, if any."""
-        if not (i.opcode.endswith("-done") or
-                (i.opcode == "fusion" and i.name.startswith("async-collective-done"))):
+        if i.opcode == "fusion" and i.name.startswith("async-collective-done"):
+            # Through the continuation fusions that carry its state (`started_by`).
+            start = _hlo.started_by(i, by_name)
+            return start if start in in_flight else None
+        if not i.opcode.endswith("-done"):
             return None
         for name in i.operands:
             while name is not None:
