@@ -633,6 +633,19 @@ def test_a_collective_fusion_ends_at_its_done_through_its_continuations(kernel):
         assert p.exposed == pytest.approx(gather.seconds - small, rel=1e-6)
 
 
+def test_the_overlap_report_says_what_fused_kernels_move_themselves():
+    """A program of fused ring kernels has no transfer XLA can see: the report's last
+    line says its kernels' blocks are not counted, rather than reading as 'nothing
+    overlaps'; the kernel inside a continuation fusion counts as one too."""
+    from fusedpar import aot
+
+    for text in (_ring_kernel("fusedpar.ag_rows.pallas_tpu.bidirectional"),
+                 _collective_beside(kernel=True)):
+        report = aot.overlap(text)
+        assert sum(s.kernels for s in report.ops) == 1
+        assert "Not counted: the blocks 1 fused kernel(s) move" in report.markdown()
+
+
 def test_a_kernel_that_sends_without_a_plan_is_listed():
     """A kernel that sends bytes itself but carries no fusedpar scope: its matmul is
     timed, its transfers cannot be, and the replay says so (a floor)."""

@@ -89,3 +89,28 @@ def check_threads(op: str, backend: str, options, target) -> None:
         f"NPROC={devices + 1} (or more) in the environment before JAX starts (importing "
         "fusedpar before configuring the CPU devices sets it only for the devices "
         "configured by then), or use backend='ring'.")
+
+
+def check_fsdp_beside(where: str, backend: str, fsdp_axis: str, tp_axis: str, target) -> None:
+    """Raise before tracing a layer whose tensor-parallel op would run interpreted TPU
+    kernels beside its FSDP weight gather (an XLA collective over `fsdp_axis`).
+
+    The interpreter synchronises the simulated devices inside Python callbacks (semaphore
+    waits, a barrier over every device after each kernel) that XLA's CPU runtime cannot
+    see, and that runtime orders each device's independent work itself: one device can
+    enter the FSDP gradient's reduce-scatter while its FSDP partner waits in a kernel for
+    it, and both wait until XLA's rendezvous timeout aborts the process (the demo's 2x4
+    run: 8 of 22 tries; a TP-only mesh: 27 of 27 finished)."""
+    from . import _backends
+
+    # "auto" chooses among the backends that compile here: never an interpreted kernel.
+    if backend not in _backends.TABLE or not _backends.get(backend).interprets(target, {}):
+        return
+    raise RuntimeError(
+        f"{where}: backend {backend!r} runs the TPU kernels in interpret mode here "
+        f"(simulated CPU devices), beside this layer's FSDP weight gather over "
+        f"{fsdp_axis!r}, an XLA collective: the interpreter's device synchronisation, "
+        "which XLA's CPU runtime cannot see, can deadlock with it (the process aborts "
+        "when XLA's rendezvous times out). Use backend='ring' (the same ring in lax), "
+        f"or a mesh with only {tp_axis!r} (no fsdp_axis), or run on a TPU, where the "
+        "kernels are compiled.")

@@ -32,6 +32,11 @@ def operands(op, x, w):
 
 def axis_size(op, axis_name) -> int:
     """Size of mesh axis `axis_name`, which must be bound by an enclosing shard_map."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not names or not all(isinstance(a, str) for a in names):
+        # lax.axis_size reads a non-string name as a positional axis of nothing.
+        raise TypeError(f"{op}: axis_name must be a mesh axis name (a str) or a tuple of "
+                        f"them, got {axis_name!r}.")
     try:
         return lax.axis_size(axis_name)
     except NameError:

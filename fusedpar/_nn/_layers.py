@@ -60,7 +60,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 from . import _collective_names, _context, _shared_gather
-from .._core import _definition, _dispatch, _folding, _vma
+from .._core import _definition, _dispatch, _folding, _interpret, _vma
 from .._sharding import _specs, _whole_model
 from .._hw import _target
 from ._fsdp_gather import fsdp_matmul, gather_fsdp
@@ -170,6 +170,10 @@ class ParallelLinear(eqx.Module):
         where = type(self).__name__
         check_quantized_weight(where, self.weight)
         kind, mesh = _context.detect(where, self.rule.axes, array_of(self.weight))
+        tp, f = self.rule.tp, self.rule.fsdp
+        if kind != _context.DENSE and tp is not None and f is not None:  # before a hang
+            _interpret.check_fsdp_beside(where, self._ops_backend, f.axis, tp.axis,
+                                         _target.current(x, array_of(self.weight)))
         if kind == _context.LOCAL:
             y = self._local(x, self.rule)
         elif x.shape[-1] != length(self.in_features):
@@ -222,6 +226,10 @@ class ParallelLinear(eqx.Module):
         x_spec, y_spec = rule.activation_specs(x.ndim, data)
         _specs.check_spec(f"{where}: x of shape {x.shape}", x.shape, x_spec, sizes,
                           what="input")
+        # A sequence-parallel Row scatters the sequence of its output, not of its input.
+        y_shape = x.shape[:-1] + (length(self.out_features),)
+        _specs.check_spec(f"{where}: x of shape {x.shape} gives an output of shape "
+                          f"{y_shape}", y_shape, y_spec, sizes, what="output")
         x_spec, y_spec, manual = _context.layouts(mesh, rule.axes, x, x_spec, y_spec)
         check = _dispatch.check_vma(self.backend, _target.current(x).platform)
 
