@@ -11,6 +11,7 @@ from ._nn._embedding import Embedding as Embedding
 from ._nn._layers import (
     ColumnLinear as ColumnLinear,
     FSDPLinear as FSDPLinear,
+    Linear as Linear,
     ParallelLinear as ParallelLinear,
     RowLinear as RowLinear,
 )
@@ -48,7 +49,7 @@ __all__ = [
     "all_gather_matmul", "matmul_reduce_scatter", "explain", "backend_names", "Choice",
     "Ring", "cost_model",
     # layers
-    "ColumnLinear", "RowLinear", "FSDPLinear", "ParallelLinear", "Embedding",
+    "ColumnLinear", "RowLinear", "FSDPLinear", "Linear", "ParallelLinear", "Embedding",
     "cross_entropy", "parallelize", "describe", "local_size",
     # specs
     "param_specs", "shard_map_specs", "validate", "shard", "init_sharded", "compose",

@@ -107,7 +107,10 @@ def test_parallelize_and_relaxed():
     relaxed, dropped = fusedpar.validate(odd, mesh((4,), ("tp",)), relaxed=True)
     assert [str(d) for d in dropped] == [
         "embed.weight: dim 0 (size 10) no longer sharded over ('tp',)"]
-    assert type(relaxed["embed"]) is eqx.nn.Embedding
+    # No style left: replicated, and still called on ids of any shape.
+    assert type(relaxed["embed"]) is fusedpar.Embedding and relaxed["embed"].rule.axes == ()
+    ids = jnp.array([[1, 9], [3, 4]])
+    assert (relaxed["embed"](ids) == odd["embed"].weight[ids]).all()
 
 
 class TiedLM(eqx.Module):

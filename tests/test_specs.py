@@ -181,7 +181,8 @@ def test_relaxed_mode():
     assert relaxed["a"] is model["a"] and relaxed["b"] is model["b"]
     assert isinstance(relaxed["c"], fusedpar.FSDPLinear)  # FSDP kept on in_features
     assert fusedpar.param_specs(relaxed["c"]).weight == P(None, "fsdp")
-    assert type(relaxed["d"]) is eqx.nn.Linear
+    # No style left: replicated, and called as the layer was (on (..., in_features)).
+    assert type(relaxed["d"]) is fusedpar.Linear
     assert (relaxed["d"].weight == model["d"].weight).all()
     with pytest.warns(UserWarning, match=r"replicated what does not divide: c\.weight: dim 0"):
         sharded = fusedpar.shard(model, m, relaxed=True)
@@ -189,9 +190,11 @@ def test_relaxed_mode():
     # The relaxed model computes what the dense one does.
     x = normal(0, (4, 6), jnp.float32)
     with jax.set_mesh(m):
-        got = eqx.filter_jit(lambda s, x: jax.vmap(s["d"])(s["c"](x)))(sharded, x)
+        got = eqx.filter_jit(lambda s, x: s["d"](s["c"](x)))(sharded, x)
+        vmapped = eqx.filter_jit(lambda s, x: jax.vmap(s["d"])(s["c"](x)))(sharded, x)
     want = jax.vmap(lambda r: model["d"](model["c"](r)))(x)  # no mesh: dense math
     assert_close(got, want, jnp.float32, "relaxed")
+    assert_close(vmapped, want, jnp.float32, "relaxed, vmapped")
 
 
 def test_shard_and_init_sharded():

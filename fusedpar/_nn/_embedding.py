@@ -121,9 +121,8 @@ class Embedding(eqx.Module):
         return obj
 
     def with_rule(self, rule: TableRule):
-        """The same table under `rule`; an `eqx.nn.Embedding` when no style is left."""
-        if not rule.axes:
-            return eqx.nn.Embedding(weight=self.weight)
+        """The same table under `rule` (with no style left: replicated, and still called
+        on ids of any shape, as `eqx.nn.Embedding`, which takes one id, is not)."""
         return Embedding.from_embedding(self, rule)
 
     def collectives(self) -> tuple[list, list]:

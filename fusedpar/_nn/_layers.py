@@ -126,12 +126,8 @@ class ParallelLinear(eqx.Module):
         """The same weights under `rule`, as the class that implements it.
 
         Column -> ColumnLinear, Row -> RowLinear, FSDP alone -> FSDPLinear, no style ->
-        `eqx.nn.Linear`.
+        `Linear` (replicated, and called as every fusedpar layer is).
         """
-        if rule.tp is None and rule.fsdp is None:
-            return _new(eqx.nn.Linear, weight=self.weight, bias=self.bias,
-                        in_features=self.in_features, out_features=self.out_features,
-                        use_bias=self.use_bias)
         return layer_class(rule).from_linear(self, rule, self.backend)
 
     @property
@@ -285,12 +281,12 @@ def _fsdp_style(where, axis, dim, comm_dtype, grad_comm_dtype, reduce_dtype=None
 
 
 def layer_class(rule: Rule):
-    """The layer class that implements `rule`: Column, Row, or FSDP alone."""
+    """The layer class that implements `rule`: Column, Row, FSDP alone, or no style."""
     if isinstance(rule.tp, _specs.Column):
         return ColumnLinear
     if isinstance(rule.tp, _specs.Row):
         return RowLinear
-    return FSDPLinear
+    return FSDPLinear if rule.fsdp is not None else Linear
 
 
 class ColumnLinear(ParallelLinear):
@@ -517,3 +513,26 @@ class FSDPLinear(ParallelLinear):
     def _local(self, x, rule):
         w, b, x = self._operands(x, rule, length(self.in_features))
         return add_bias(fsdp_matmul(x, w, rule, self._ops_backend), b)
+
+
+class Linear(ParallelLinear):
+    """`eqx.nn.Linear` replicated on every device, called as the fusedpar layers are: on
+    `(in_features,)` or `(..., in_features)`, with no collective. It is what
+    `fusedpar.validate(..., relaxed=True)` (and `shard`) leaves of a layer none of whose
+    styles divide its dimensions, so the model's code calls it as it called the layer.
+    """
+
+    def __init__(self, in_features: int, out_features: int, use_bias: bool = True,
+                 dtype=None, *, key):
+        """**Arguments:** `in_features`, `out_features`, `use_bias`, `dtype`, `key`: as
+        `eqx.nn.Linear` (the same key gives the same weights)."""
+        self._setup(in_features, out_features, use_bias, dtype, key, Rule(), "auto")
+
+    def collectives(self) -> tuple[list, list]:
+        """The collectives of the forward and of the backward pass: none."""
+        return [], []
+
+    def _local(self, x, rule):
+        w, b, x = self._operands(x, rule, length(self.in_features))
+        return add_bias(matmul_t(x, w), b)
+

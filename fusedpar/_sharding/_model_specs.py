@@ -168,7 +168,8 @@ def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
     by the product of its axes' sizes; otherwise a `ValueError` names the parameter path,
     dimension, size and axes. With `relaxed=True` a layer whose dimension does not divide
     loses that style instead (its dimension is replicated; a layer left with no style
-    becomes an `eqx.nn.Linear` with the same weights), and `dropped` lists each `Drop`.
+    becomes a `fusedpar.Linear`, or an `Embedding` with no axis, with the same weights,
+    called as before), and `dropped` lists each `Drop`.
     """
     sizes = mesh_sizes(mesh)
     dropped: list = []
