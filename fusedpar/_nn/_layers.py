@@ -535,4 +535,3 @@ class Linear(ParallelLinear):
     def _local(self, x, rule):
         w, b, x = self._operands(x, rule, length(self.in_features))
         return add_bias(matmul_t(x, w), b)
-
