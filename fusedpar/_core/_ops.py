@@ -40,8 +40,10 @@ def _explain_target(target, platform) -> _target.Target:
         return found
     if hasattr(target, "platform") and hasattr(target, "device_kind"):
         return _target.of_device(target)
+    hint = (f" (for hardware that is not here, the mesh of its compile-only devices: "
+            f"target=fusedpar.aot.mesh({target!r}))" if isinstance(target, str) else "")
     raise TypeError(f"explain: target must be a jax.sharding.Mesh, an AbstractMesh, a "
-                    f"jax.Device or a fusedpar Target, got {type(target).__name__}.")
+                    f"jax.Device or a fusedpar Target, got {type(target).__name__}{hint}.")
 
 
 def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,

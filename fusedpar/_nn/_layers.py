@@ -167,7 +167,8 @@ class ParallelLinear(eqx.Module):
         check_quantized_weight(where, self.weight)
         kind, mesh = _context.detect(where, self.rule.axes, array_of(self.weight))
         tp, f = self.rule.tp, self.rule.fsdp
-        if kind != _context.DENSE and tp is not None and f is not None:  # before a hang
+        if (kind != _context.DENSE and tp is not None and f is not None
+                and dict(mesh.shape).get(f.axis, 1) > 1):  # before a hang
             _interpret.check_fsdp_beside(where, self._ops_backend, f.axis, tp.axis,
                                          _target.current(x, array_of(self.weight)))
         if kind == _context.LOCAL:
