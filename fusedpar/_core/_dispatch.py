@@ -338,14 +338,6 @@ def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
         if why_not is not None:
             raise NotImplementedError(
                 f"{call.op}: backend {name!r} cannot run this call: {why_not}")
-        if call.vma_typed and not _backends.get(name).check_vma:
-            # Said before the kernel is traced, where JAX's own error would come first.
-            raise ValueError(
-                f"{call.op}: backend {name!r} runs collective Pallas kernels, which need "
-                "the enclosing jax.shard_map to be called with check_vma=False; this one "
-                "checks varying axes (check_vma=True, its default). Pass check_vma=False "
-                "to jax.shard_map, or use backend='ring' or 'auto', which run under "
-                "either.")
     bidirectional, unroll = ring_shape(call, unroll)
     describe = _backends.get(name).kernels
     choice = Choice(name, reason, bidirectional, unroll, call.target,

@@ -210,6 +210,17 @@ def _misaligned(module, params, x, w, scales=None):
 
 def unavailable(call):
     """Why the TPU kernels cannot run `call` (a `_primitives.Call`), or None."""
+    why = _unfit(call)
+    if why is None and call.vma_typed:
+        # Said before the kernel is traced, where JAX's own error would come first.
+        return ("the enclosing jax.shard_map checks varying axes (check_vma=True, its "
+                "default) and these collective kernels need it called with "
+                "check_vma=False; or use backend='ring' or 'auto', which run under either")
+    return why
+
+
+def _unfit(call):
+    """Why the TPU kernels cannot run `call` at its platform, axes, dtype and shapes."""
     if call.platform not in ("tpu", "cpu"):
         return (f"the fused TPU kernels run on TPU (or interpreted on CPU), not on "
                 f"platform {call.platform!r}")
