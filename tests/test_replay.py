@@ -659,7 +659,8 @@ def test_a_kernel_that_sends_without_a_plan_is_listed():
     (GPU_SEND_RECV, H100, None),
     (TPU_ASYNC_SLICE, V5E, None), (_all_gather("mesh['x'=2,'y'=4] {'y'}"), H100, None),
     (_permutes("{{0,2}}", "{{1,2}}"), V5E, LINE),
-    (_ring_kernel("fusedpar.ag_rows.pallas_tpu.bidirectional"), V5E, None)])
+    (_ring_kernel("fusedpar.ag_rows.pallas_tpu.bidirectional"), V5E, None),
+    (_collective_beside(kernel=True), V5E, None), (_collective_beside(kernel=False), V5E, None)])
 def test_the_bounds_hold(text, hw, coords):
     p = _simulate.predict(text, hw, coords)
     assert p.compute >= p.min_compute_s * (1 - 1e-9)
