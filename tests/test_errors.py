@@ -485,7 +485,7 @@ LAYERS = [
         global_call(_col(8, 8, sequence_parallel=True, fsdp_axis="fsdp",
                          backend="pallas_tpu"), (2, 4, 8)), RuntimeError,
         ("ColumnLinear: backend 'pallas_tpu' runs the TPU kernels in interpret mode",
-         "FSDP weight gather over 'fsdp'", "can deadlock", "backend='ring'")),
+         "FSDP axis 'fsdp' puts XLA collectives beside them", "can deadlock", "backend='ring'")),
     Row("layers", "batch not divisible by the FSDP axis",
         global_call(fusedpar.FSDPLinear(8, 8, key=KEY), (3, 5, 8)), ValueError,
         ("FSDPLinear: x of shape (3, 5, 8): input dim 0 has size 3, not divisible by 2",

@@ -26,8 +26,9 @@ def _pallas_unavailable():
     return None
 
 
-# The TPU kernels run in interpret mode here (seconds per call): they are checked on the
-# 2-D meshes only, where the layers use every op (gather lhs/rhs, reduce-scatter).
+# The TPU kernels run in interpret mode here (seconds per call), on a TP-only mesh: beside
+# an FSDP axis the layers refuse the interpreter (it can deadlock with XLA's collectives
+# on CPU). Their FSDP composition (gather="rhs") is compiled for TPU in test_aot.py.
 _WHY = _pallas_unavailable()
 PALLAS = pytest.param("pallas_tpu", marks=[pytest.mark.slow] + (
     [pytest.mark.skip(reason=_WHY)] if _WHY else []))

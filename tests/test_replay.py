@@ -610,7 +610,7 @@ def test_a_collective_fusion_ends_at_its_done_through_its_continuations(kernel):
     text = _collective_beside(kernel)
     module = _hlo.parse(text)
     by_name = {i.name: i for i in module.computations[module.entry]}
-    assert _hlo.started_by(by_name["async-collective-done"], by_name) == \
+    assert _hlo.started_by(by_name["async-collective-done"], by_name, module) == \
         "async-collective-start"
     p = _simulate.predict(text, V5E)
     gather = next(t for t in p.transfers if t.kind == "all-gather")
@@ -624,6 +624,9 @@ def test_a_collective_fusion_ends_at_its_done_through_its_continuations(kernel):
         assert p.seconds == pytest.approx(alone.seconds + conv, rel=1e-6)
         assert p.exposed == pytest.approx(alone.exposed, rel=1e-6)
         assert {t.kind for t in p.transfers} == {"all-gather", "ring kernel"}
+        # The bounds count the kernel's matmul inside the fusion, and its ring's bytes.
+        assert p.dot_flops == pytest.approx(alone.dot_flops + 2 * 2048 ** 3, rel=1e-9)
+        assert p.min_comm_s >= alone.min_comm_s > 0
     else:
         small = p.compute - conv  # the continuation's own work
         assert small < gather.seconds < conv
@@ -631,6 +634,148 @@ def test_a_collective_fusion_ends_at_its_done_through_its_continuations(kernel):
         # ended with the program, hidden behind the matmul).
         assert p.seconds == pytest.approx(gather.seconds + conv, rel=1e-6)
         assert p.exposed == pytest.approx(gather.seconds - small, rel=1e-6)
+
+
+def test_each_collective_fusion_done_finds_its_own_start():
+    """Two gathers in flight whose state has the same shapes, one continuation's work
+    taking the other's result (of a state array's shape): each done is matched with its
+    own start by the tuple elements its state travels in, not by shapes."""
+    state = ", ".join(STATE)
+    params = ", ".join(f"s{j}: {t.split('{')[0]}" for j, t in enumerate(STATE))
+    passed = "\n".join(f"  %s{j} = {t} parameter({j})" for j, t in enumerate(STATE))
+    big = f"bf16[2048,2048]{BS}"
+    lines = [f"  %x = {big} parameter(2)"]
+    for c in "ab":
+        lines.append(f"  %async-collective-start.{c} = ({state}) fusion(%g{c}), "
+                     "kind=kCustom, calls=%start_comp")
+        lines += [f"  %{c}{j} = {t} get-tuple-element(%async-collective-start.{c}), "
+                  f"index={j}" for j, t in enumerate(STATE)]
+    # b's continuation first; a's takes b's work result as its own input.
+    for c, work in (("b", "%x"), ("a", "%ob")):
+        lines.append(f"  %cont{c} = ({big}, {state}) fusion(%{c}0, %{c}1, %{c}2, %{c}3, "
+                     f"{work}), kind=kCustom, calls=%async_collective_fusion.1")
+        lines.append(f"  %o{c} = {big} get-tuple-element(%cont{c}), index=0")
+        lines += [f"  %c{c}{j} = {t} get-tuple-element(%cont{c}), index={j + 1}"
+                  for j, t in enumerate(STATE)]
+    for c in "ab":
+        lines.append(f"  %async-collective-done.{c} = bf16[2048,2048]{B} fusion(%c{c}0, "
+                     f"%c{c}1, %c{c}2, %c{c}3), kind=kCustom, calls=%done_comp")
+    lines.append(f"  ROOT %t = ({big}, bf16[2048,2048]{B}, bf16[2048,2048]{B}) tuple(%oa, "
+                 "%async-collective-done.a, %async-collective-done.b)")
+    text = f"""\
+HloModule two, is_scheduled=true, num_partitions=8
+
+%start_comp (p: bf16[2048,1024]) -> ({state}) {{
+  %p = bf16[2048,1024]{B} parameter(0)
+  %all-gather.1 = bf16[2048,2048]{B} all-gather(%p), channel_id=1, replica_groups={{{{0,1}},{{2,3}},{{4,5}},{{6,7}}}}, dimensions={{1}}, use_global_device_ids=true
+  ROOT %cc = ({state}) custom-call(%all-gather.1), custom_call_target="AsyncCollectiveStart"
+}}
+
+%async_collective_fusion.1 ({params}, w: bf16[2048,2048]) -> ({big}, {state}) {{
+{passed}
+  %w = {big} parameter(4)
+  %o = {big} negate(%w)
+  %step = {big} all-gather(%s0), channel_id=1, replica_groups={{{{0,1}},{{2,3}},{{4,5}},{{6,7}}}}, dimensions={{1}}, use_global_device_ids=true
+  ROOT %r = ({big}, {state}) tuple(%o, %s0, %step, %s2, %s3)
+}}
+
+%done_comp ({params}) -> bf16[2048,2048] {{
+{passed}
+  ROOT %cd = bf16[2048,2048]{B} custom-call(%s0, %s1, %s2, %s3), custom_call_target="AsyncCollectiveDone"
+}}
+
+ENTRY %main (ga: bf16[2048,1024], gb: bf16[2048,1024], x: bf16[2048,2048]) -> ({big}, bf16[2048,2048], bf16[2048,2048]) {{
+  %ga = bf16[2048,1024]{B} parameter(0)
+  %gb = bf16[2048,1024]{B} parameter(1)
+""" + "\n".join(lines) + "\n}\n"
+    module = _hlo.parse(text)
+    by_name = {i.name: i for i in module.computations[module.entry]}
+    for c in "ab":
+        assert _hlo.started_by(by_name[f"async-collective-done.{c}"], by_name, module) == \
+            f"async-collective-start.{c}"
+    p = _simulate.predict(text, V5E)
+    assert [t.runs for t in p.transfers if t.kind == "all-gather"] == [1, 1]
+
+
+ST = f"(bf16[2048,2048]{B}, bf16[2048,2048]{BS}, u32[]{{:S(2)}}, u32[]{{:S(2)}})"
+ST_LOOP = (f"(u32[]{U}, bf16[2048,2048]{B}, bf16[2048,2048]{B}, {ST}, bf16[2048,2048]{B}, "
+           f"u32[]{U})")
+
+# A TPU collective fusion carried across a loop's iterations: started before the loop,
+# each iteration waits for the transfer in flight (its done), starts the next and
+# multiplies; the last finishes after the loop.
+TPU_FUSION_LOOP = f"""HloModule l, is_scheduled=true, num_partitions=4
+
+{_fused_conv(2048)}
+
+%start_comp (p: bf16[2048,2048]) -> {ST} {{
+  %p = bf16[2048,2048]{B} parameter(0)
+  %cp = bf16[2048,2048]{B} collective-permute(%p), channel_id=1, source_target_pairs={{{{0,1}},{{1,3}},{{3,2}},{{2,0}}}}
+  ROOT %cc = {ST} custom-call(%cp), custom_call_target="AsyncCollectiveStart"
+}}
+
+%done_comp (s0: bf16[2048,2048], s1: bf16[2048,2048], s2: u32[], s3: u32[]) -> bf16[2048,2048] {{
+  %s0 = bf16[2048,2048]{B} parameter(0)
+  %s1 = bf16[2048,2048]{BS} parameter(1)
+  %s2 = u32[]{{:S(2)}} parameter(2)
+  %s3 = u32[]{{:S(2)}} parameter(3)
+  ROOT %cd = bf16[2048,2048]{B} custom-call(%s0, %s1, %s2, %s3), custom_call_target="AsyncCollectiveDone"
+}}
+
+%cond (cp: {ST_LOOP}) -> pred[] {{
+  %limit = u32[]{U} constant(3)
+  %cp = {ST_LOOP} parameter(0)
+  %i = u32[]{U} get-tuple-element(%cp), index=5
+  ROOT %lt = pred[]{{:T(512)}} compare(%i, %limit), direction=LT
+}}
+
+%body (bp: {ST_LOOP}) -> {ST_LOOP} {{
+  %one = u32[]{U} constant(1)
+  %bp = {ST_LOOP} parameter(0)
+  %x = bf16[2048,2048]{B} get-tuple-element(%bp), index=1
+  %w = bf16[2048,2048]{B} get-tuple-element(%bp), index=2
+  %fusion.a = bf16[2048,2048]{B} fusion(%x, %w), kind=kOutput, calls=%fused_conv
+  %inflight = {ST} get-tuple-element(%bp), index=3
+  %e0 = bf16[2048,2048]{B} get-tuple-element(%inflight), index=0
+  %e1 = bf16[2048,2048]{BS} get-tuple-element(%inflight), index=1
+  %e2 = u32[]{{:S(2)}} get-tuple-element(%inflight), index=2
+  %e3 = u32[]{{:S(2)}} get-tuple-element(%inflight), index=3
+  %async-collective-done = bf16[2048,2048]{B} fusion(%e0, %e1, %e2, %e3), kind=kCustom, calls=%done_comp
+  %async-collective-start.1 = {ST} fusion(%async-collective-done), kind=kCustom, calls=%start_comp
+  %fusion.b = bf16[2048,2048]{B} fusion(%async-collective-done, %w), kind=kOutput, calls=%fused_conv
+  %i = u32[]{U} get-tuple-element(%bp), index=5
+  %i1 = u32[]{U} add(%i, %one)
+  %c0 = u32[]{U} get-tuple-element(%bp), index=0
+  ROOT %t = {ST_LOOP} tuple(%c0, %x, %w, %async-collective-start.1, %fusion.b, %i1)
+}}
+
+ENTRY %main (x: bf16[2048,2048], w: bf16[2048,2048]) -> bf16[2048,2048] {{
+  %zero = u32[]{U} constant(0)
+  %x = bf16[2048,2048]{B} parameter(0)
+  %w = bf16[2048,2048]{B} parameter(1)
+  %async-collective-start = {ST} fusion(%x), kind=kCustom, calls=%start_comp
+  %init = {ST_LOOP} tuple(%zero, %x, %w, %async-collective-start, %x, %zero)
+  %loop = {ST_LOOP} while(%init), condition=%cond, body=%body
+  %last = {ST} get-tuple-element(%loop), index=3
+  %l0 = bf16[2048,2048]{B} get-tuple-element(%last), index=0
+  %l1 = bf16[2048,2048]{BS} get-tuple-element(%last), index=1
+  %l2 = u32[]{{:S(2)}} get-tuple-element(%last), index=2
+  %l3 = u32[]{{:S(2)}} get-tuple-element(%last), index=3
+  %async-collective-done.9 = bf16[2048,2048]{B} fusion(%l0, %l1, %l2, %l3), kind=kCustom, calls=%done_comp
+  ROOT %r = bf16[2048,2048]{B} fusion(%async-collective-done.9, %w), kind=kOutput, calls=%fused_conv
+}}
+"""
+
+
+def test_a_collective_fusion_carried_through_a_loop_is_waited_for():
+    """Each done in the loop body finds the start the previous iteration left in the
+    loop's tuple (and the one after the loop, the last iteration's): three waits the
+    convolutions beside cannot cover, none dropped."""
+    p = _simulate.predict(TPU_FUSION_LOOP, V5E)
+    assert sorted((t.name, t.runs) for t in p.transfers) == [
+        ("async-collective-start", 1), ("async-collective-start.1", 3)]
+    assert p.exposed > 0 and p.unread == ()
+    assert p.seconds == pytest.approx(p.compute + p.exposed, rel=1e-9)
 
 
 def test_the_overlap_report_says_what_fused_kernels_move_themselves():
@@ -641,9 +786,14 @@ def test_the_overlap_report_says_what_fused_kernels_move_themselves():
 
     for text in (_ring_kernel("fusedpar.ag_rows.pallas_tpu.bidirectional"),
                  _collective_beside(kernel=True)):
-        report = aot.overlap(text)
-        assert sum(s.kernels for s in report.ops) == 1
+        # The name the fused kernel has in a program (not a local kernel's).
+        report = aot.overlap(text.replace("%kernel", "%all_gather_matmul_rows.3"))
+        op, = [s for s in report.ops if s.kernels]
+        assert op.op == ("ag_rows", "pallas_tpu", "fused kernel") and op.kernels == 1
         assert "Not counted: the blocks 1 fused kernel(s) move" in report.markdown()
+    # A Pallas kernel that is not one of fusedpar's rings: nothing said.
+    report = aot.overlap(_ring_kernel("fusedpar.ag_rows.pallas_tpu.bidirectional"))
+    assert "Not counted" not in report.markdown()
 
 
 def test_a_kernel_that_sends_without_a_plan_is_listed():

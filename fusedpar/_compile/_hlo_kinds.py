@@ -4,9 +4,11 @@ dataflow within one."""
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
-from ._hlo_parse import COLLECTIVES, MATMUL_TARGETS, Instruction, Module, array_shapes
+from ._hlo_loops import element_index
+from ._hlo_parse import COLLECTIVES, MATMUL_TARGETS, Instruction, Module
 
 
 def is_collective(i: Instruction) -> bool:
@@ -101,42 +103,67 @@ def tpu_kernel(module: Module, i: Instruction) -> Optional[Instruction]:
                  if c.opcode == "custom-call" and c.target == "tpu_custom_call"), None)
 
 
-def started_by(i: Instruction, by_name: dict) -> Optional[str]:
+def started_by(i: Instruction, by_name: dict, module: Optional[Module] = None
+               ) -> Optional[str]:
     """The name of the start an asynchronous done `i` finishes (`<op>-done(start)`, or a
     TPU `async-collective-done` fusion of the start's tuple elements), else None.
 
     A TPU asynchronous collective fusion's state (its buffers and semaphores) does not
     always go from its start to its done directly: it goes through the continuation
     fusions that run the collective's steps beside their own work (an XLA fusion, or a
-    Mosaic call), each taking the state in and passing it on in its result tuple. The
-    walk back follows the state: through tuple elements to the fusion that made them,
-    and from a fusion only through its operands shaped like the done's (the state's
-    arrays), never through another collective's done."""
+    Mosaic call), each taking the state in as operands and passing it on in its result
+    tuple. With `module` (whose computations hold the continuations' bodies) the walk
+    follows the state exactly: from a tuple element of a continuation to the parameter
+    its body passes on in that element (through the collective's step), then to the
+    continuation's operand at that parameter."""
     if i.opcode.endswith("-done") and i.operands:
         return i.operands[0]
     if not (i.opcode == "fusion" and i.name.startswith("async-collective-done")):
         return None
-    state = {_array_key(by_name[o].shape) for o in i.operands if o in by_name}
-    queue, seen = list(i.operands), set()
-    while queue:
-        name = queue.pop(0)
-        source = by_name.get(name)
-        if name in seen or source is None:
-            continue
-        seen.add(name)
-        if is_async_start(source):
-            return source.name
-        if source.opcode == "get-tuple-element":
-            queue.extend(source.operands[:1])
-        elif source.opcode in ("fusion", "custom-call") and not (
-                source.name.startswith("async-collective-done")):
-            queue.extend(o for o in source.operands
-                         if o in by_name and _array_key(by_name[o].shape) in state)
+    for name in i.operands:
+        for _ in range(len(by_name) + 1):  # each step goes one instruction back
+            source = by_name.get(name)
+            if source is None:
+                break
+            if source.opcode == "fusion" and source.name.startswith("async-collective-start"):
+                return source.name
+            if source.opcode != "get-tuple-element" or not source.operands:
+                break
+            tuple_of = by_name.get(source.operands[0])
+            if tuple_of is None:
+                break
+            if not (tuple_of.opcode == "fusion" and module is not None and tuple_of.calls
+                    and not tuple_of.name.startswith("async-collective-start")):
+                name = tuple_of.name
+                continue
+            passed = _passed_parameter(module, tuple_of.calls[0], element_index(source))
+            if passed is None or passed >= len(tuple_of.operands):
+                break
+            name = tuple_of.operands[passed]
     return None
 
 
-def _array_key(shape: str) -> tuple:
-    return tuple(array_shapes(shape))
+_PARAMETER = re.compile(r"\bparameter\((\d+)\)")
+
+
+def _passed_parameter(module: Module, computation: str, element: Optional[int]
+                      ) -> Optional[int]:
+    """The parameter number that `computation`'s root tuple passes on in `element`
+    (through views, copies and the collective step that runs on it), else None."""
+    root = module.roots.get(computation)
+    if root is None or root.opcode != "tuple" or element is None or \
+            element >= len(root.operands):
+        return None
+    inner = {j.name: j for j in module.computations.get(computation, ())}
+    j = inner.get(root.operands[element])
+    while j is not None and j.opcode != "parameter":
+        if j.operands and (j.opcode in ("get-tuple-element", "bitcast", "copy")
+                           or j.opcode in COLLECTIVES):
+            j = inner.get(j.operands[0])
+        else:
+            return None
+    found = _PARAMETER.search(j.line) if j is not None else None
+    return int(found.group(1)) if found else None
 
 
 def matmul_computations(module: Module) -> set:

@@ -377,12 +377,11 @@ class _Replay:
     def _waited(self, i, by_name, in_flight) -> Optional[str]:
         """The value in flight that `i` (a `-done`, or a TPU `async-collective-done`
         fusion) finishes, if any."""
-        if i.opcode == "fusion" and i.name.startswith("async-collective-done"):
-            # Through the continuation fusions that carry its state (`started_by`).
-            start = _hlo.started_by(i, by_name)
-            return start if start in in_flight else None
-        if not i.opcode.endswith("-done"):
+        collective_done = i.opcode == "fusion" and i.name.startswith("async-collective-done")
+        if not (i.opcode.endswith("-done") or collective_done):
             return None
+        # In flight under a name a tuple element leads to: the start itself, or the
+        # element of a loop's tuple that carries it (`_element`).
         for name in i.operands:
             while name is not None:
                 if name in in_flight:
@@ -390,6 +389,9 @@ class _Replay:
                 source = by_name.get(name)
                 name = source.operands[0] if source is not None and \
                     source.opcode == "get-tuple-element" and source.operands else None
+        if collective_done:  # through the continuation fusions that carry its state
+            start = _hlo.started_by(i, by_name, self.module)
+            return start if start in in_flight else None
         return None
 
     def _loop(self, i, by_name, now, in_flight, after_loop) -> float:

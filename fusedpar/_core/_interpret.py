@@ -92,8 +92,9 @@ def check_threads(op: str, backend: str, options, target) -> None:
 
 
 def check_fsdp_beside(where: str, backend: str, fsdp_axis: str, tp_axis: str, target) -> None:
-    """Raise before tracing a layer whose tensor-parallel op would run interpreted TPU
-    kernels beside its FSDP weight gather (an XLA collective over `fsdp_axis`).
+    """Raise before tracing a layer with tensor-parallel and FSDP styles whose ops would
+    run interpreted TPU kernels beside XLA collectives (its FSDP weight gather over
+    `fsdp_axis`, or its `tp_axis` psum where the kernel is the FSDP gather).
 
     The interpreter synchronises the simulated devices inside Python callbacks (semaphore
     waits, a barrier over every device after each kernel) that XLA's CPU runtime cannot
@@ -108,9 +109,10 @@ def check_fsdp_beside(where: str, backend: str, fsdp_axis: str, tp_axis: str, ta
         return
     raise RuntimeError(
         f"{where}: backend {backend!r} runs the TPU kernels in interpret mode here "
-        f"(simulated CPU devices), beside this layer's FSDP weight gather over "
-        f"{fsdp_axis!r}, an XLA collective: the interpreter's device synchronisation, "
-        "which XLA's CPU runtime cannot see, can deadlock with it (the process aborts "
-        "when XLA's rendezvous times out). Use backend='ring' (the same ring in lax), "
-        f"or a mesh with only {tp_axis!r} (no fsdp_axis), or run on a TPU, where the "
-        "kernels are compiled.")
+        f"(simulated CPU devices), and this layer's FSDP axis {fsdp_axis!r} puts XLA "
+        f"collectives beside them (the FSDP weight gather, or the {tp_axis!r} psum where "
+        "the kernel is the gather): the interpreter's device synchronisation, which XLA's "
+        "CPU runtime cannot see, can deadlock with them (the process aborts when XLA's "
+        "rendezvous times out). Use backend='ring' (the same ring in lax), or a mesh with "
+        f"only {tp_axis!r} (no fsdp_axis), or run on a TPU, where the kernels are "
+        "compiled.")
