@@ -476,9 +476,9 @@ def test_what_it_cannot_read_is_listed():
         "bandwidth")
 
 
-def _kernel_call(scope, rows=1024, k=4096, cols=4096, n=8, name="kernel", x="%x", w="%w"):
-    """A fused TPU ring kernel's call as the compiler prints it: an all-gather of x's row
-    blocks and a matmul with w in one `tpu_custom_call`, its cost estimate the kernel's
+def _kernel_call(scope, rows=1024, k=4096, cols=4096, n=8):
+    """A fused TPU ring kernel's call `%kernel` as the compiler prints it (operands `%x`,
+    `%w`): an all-gather of x's row blocks and a matmul with w in one `tpu_custom_call`, its cost estimate the kernel's
     own (`kernels/_cost.matmul_cost`: the whole product's flops and bytes, the blocks its
     DMAs send), its `kernel_metadata` over three lines."""
     from fusedpar.kernels._cost import matmul_cost
@@ -490,7 +490,7 @@ def _kernel_call(scope, rows=1024, k=4096, cols=4096, n=8, name="kernel", x="%x"
                     cost.flops, cost.bytes_accessed, cost.remote_bytes_transferred))
     out = f"bf16[{n * rows},{cols}]"
     return (
-        f"  %{name} = ({out}{B}, bf16[2,{rows},{k}]{B}) custom-call({x}, {w}), "
+        f"  %kernel = ({out}{B}, bf16[2,{rows},{k}]{B}) custom-call(%x, %w), "
         'custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={\n'
         '"mesh_axes":"[\\"x\\"]"\n'
         f'}}}}, metadata={{op_name="jit(f)/shard_map/{scope}/all_gather_matmul_rows/'
