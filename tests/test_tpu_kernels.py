@@ -160,7 +160,9 @@ def test_check_vma_true_error_names_the_fix():
     x, w = normal(0, (32, 128), jnp.float32), normal(1, (128, 128), jnp.float32)
     f = jax.shard_map(lambda x, w: fusedpar.all_gather_matmul(x, w, "x", backend="pallas_tpu"),
                       mesh=mm, in_specs=(P("x"), P()), out_specs=P("x"))
-    with pytest.raises(ValueError, match="check_vma=False"):
+    # Said by pallas_tpu's `unavailable` before the kernel is traced (JAX's own error,
+    # about `manual_axis_type`, came first before).
+    with pytest.raises(NotImplementedError, match="called with check_vma=False"):
         jax.jit(f)(x, w)
 
 
