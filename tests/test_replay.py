@@ -536,6 +536,24 @@ def test_a_fused_ring_kernel_is_replayed_from_its_plan(directions):
 
 
 STATE = (f"bf16[2048,1024]{BS}", f"bf16[2048,2048]{BS}", "u32[]{:S(2)}", "u32[]{:S(2)}")
+# A gather's state as a tuple, as parameters, and as those parameters' instructions.
+STATE_TUPLE = ", ".join(STATE)
+STATE_PARAMS = ", ".join(f"s{j}: {t.split('{')[0]}" for j, t in enumerate(STATE))
+STATE_PASSED = "\n".join(f"  %s{j} = {t} parameter({j})" for j, t in enumerate(STATE))
+GATHER_2 = ("channel_id=1, replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={1}, "
+            "use_global_device_ids=true")  # over 2 devices, along the columns
+# The gather's start (its first step) and done, as the TPU compiler's fusions call them.
+GATHER_START_DONE = f"""\
+%start_comp (p: bf16[2048,1024]) -> ({STATE_TUPLE}) {{
+  %p = bf16[2048,1024]{B} parameter(0)
+  %all-gather.1 = bf16[2048,2048]{B} all-gather(%p), {GATHER_2}
+  ROOT %cc = ({STATE_TUPLE}) custom-call(%all-gather.1), custom_call_target="AsyncCollectiveStart"
+}}
+
+%done_comp ({STATE_PARAMS}) -> bf16[2048,2048] {{
+{STATE_PASSED}
+  ROOT %cd = bf16[2048,2048]{B} custom-call(%s0, %s1, %s2, %s3), custom_call_target="AsyncCollectiveDone"
+}}"""
 
 
 def _collective_beside(kernel: bool) -> str:
@@ -546,9 +564,7 @@ def _collective_beside(kernel: bool) -> str:
     work is a fused ring kernel (`kernel`: as the compiler places a Mosaic call with
     `xla_tpu_enable_async_collective_fusion_with_mosaic_custom_call`) or a small
     elementwise one (as with `..._fuse_kloop_fusions`)."""
-    state = ", ".join(STATE)
-    params = ", ".join(f"s{j}: {t.split('{')[0]}" for j, t in enumerate(STATE))
-    passed = "\n".join(f"  %s{j} = {t} parameter({j})" for j, t in enumerate(STATE))
+    state, params, passed = STATE_TUPLE, STATE_PARAMS, STATE_PASSED
     if kernel:
         work = _kernel_call("fusedpar.ag_rows.pallas_tpu.bidirectional")
         work += f"  %o = bf16[8192,4096]{B} get-tuple-element(%kernel), index=0\n"
@@ -572,21 +588,12 @@ HloModule beside, is_scheduled=true, num_partitions=8
 
 {_fused_conv(2048)}
 
-%start_comp (p: bf16[2048,1024]) -> ({state}) {{
-  %p = bf16[2048,1024]{B} parameter(0)
-  %all-gather.1 = bf16[2048,2048]{B} all-gather(%p), channel_id=1, replica_groups={{{{0,1}},{{2,3}},{{4,5}},{{6,7}}}}, dimensions={{1}}, use_global_device_ids=true
-  ROOT %cc = ({state}) custom-call(%all-gather.1), custom_call_target="AsyncCollectiveStart"
-}}
+{GATHER_START_DONE}
 
 %async_collective_fusion.7 ({params}, {extra}) -> ({out}, {state}) {{
 {passed}
-{inputs}{work}  %step = bf16[2048,2048]{BS} all-gather(%s0), channel_id=1, replica_groups={{{{0,1}},{{2,3}},{{4,5}},{{6,7}}}}, dimensions={{1}}, use_global_device_ids=true
+{inputs}{work}  %step = bf16[2048,2048]{BS} all-gather(%s0), {GATHER_2}
   ROOT %t = ({out}, {state}) tuple(%o, %s0, %step, %s2, %s3)
-}}
-
-%done_comp ({params}) -> bf16[2048,2048] {{
-{passed}
-  ROOT %cd = bf16[2048,2048]{B} custom-call(%s0, %s1, %s2, %s3), custom_call_target="AsyncCollectiveDone"
 }}
 
 ENTRY %main (g: bf16[2048,1024], {shapes}) -> bf16[2048,2048] {{
@@ -640,9 +647,7 @@ def test_each_collective_fusion_done_finds_its_own_start():
     """Two gathers in flight whose state has the same shapes, one continuation's work
     taking the other's result (of a state array's shape): each done is matched with its
     own start by the tuple elements its state travels in, not by shapes."""
-    state = ", ".join(STATE)
-    params = ", ".join(f"s{j}: {t.split('{')[0]}" for j, t in enumerate(STATE))
-    passed = "\n".join(f"  %s{j} = {t} parameter({j})" for j, t in enumerate(STATE))
+    state = STATE_TUPLE
     big = f"bf16[2048,2048]{BS}"
     lines = [f"  %x = {big} parameter(2)"]
     for c in "ab":
@@ -665,23 +670,14 @@ def test_each_collective_fusion_done_finds_its_own_start():
     text = f"""\
 HloModule two, is_scheduled=true, num_partitions=8
 
-%start_comp (p: bf16[2048,1024]) -> ({state}) {{
-  %p = bf16[2048,1024]{B} parameter(0)
-  %all-gather.1 = bf16[2048,2048]{B} all-gather(%p), channel_id=1, replica_groups={{{{0,1}},{{2,3}},{{4,5}},{{6,7}}}}, dimensions={{1}}, use_global_device_ids=true
-  ROOT %cc = ({state}) custom-call(%all-gather.1), custom_call_target="AsyncCollectiveStart"
-}}
+{GATHER_START_DONE}
 
-%async_collective_fusion.1 ({params}, w: bf16[2048,2048]) -> ({big}, {state}) {{
-{passed}
+%async_collective_fusion.1 ({STATE_PARAMS}, w: bf16[2048,2048]) -> ({big}, {state}) {{
+{STATE_PASSED}
   %w = {big} parameter(4)
   %o = {big} negate(%w)
-  %step = {big} all-gather(%s0), channel_id=1, replica_groups={{{{0,1}},{{2,3}},{{4,5}},{{6,7}}}}, dimensions={{1}}, use_global_device_ids=true
+  %step = {big} all-gather(%s0), {GATHER_2}
   ROOT %r = ({big}, {state}) tuple(%o, %s0, %step, %s2, %s3)
-}}
-
-%done_comp ({params}) -> bf16[2048,2048] {{
-{passed}
-  ROOT %cd = bf16[2048,2048]{B} custom-call(%s0, %s1, %s2, %s3), custom_call_target="AsyncCollectiveDone"
 }}
 
 ENTRY %main (ga: bf16[2048,1024], gb: bf16[2048,1024], x: bf16[2048,2048]) -> ({big}, bf16[2048,2048], bf16[2048,2048]) {{
