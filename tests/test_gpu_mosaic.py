@@ -108,6 +108,54 @@ def test_matmul_into_interpret(dtype, axis, segs, changes):
                                     (g[:, kept], o[:, kept])))
 
 
+# (dtype, axis, config changes): every way the warpgroups split the kept block.
+KEPT_CASES = [
+    ("bfloat16", 0, dict(stages=4, num_sms=2)),  # A rows split between warpgroups
+    ("float16", 0, dict(wg_dim="n", stages=2)),  # one warpgroup stores the A block
+    ("bfloat16", 1, dict(wg_dim="n", stages=2)),  # B columns split
+    ("float32", 0, dict(wg_dim="n", stages=2)),  # TF32: B read K-major, A kept as is
+]
+
+
+@pytest.mark.parametrize("dtype,axis,changes", KEPT_CASES)
+def test_matmul_into_keeps_the_pieces(dtype, axis, changes):
+    """`kept`: the launch also writes each piece at its segment of the gathered buffer
+    (both pieces of a step), bit for bit, and leaves the other segments as they were."""
+    block, k, segments, segs = 128, 128, 4, [3, 0]
+    pieces = [normal(10 + i, (block, k) if axis == 0 else (k, block), dtype)
+              for i in range(len(segs))]
+    other = normal(1, (k, 128) if axis == 0 else (128, k), dtype)
+    out = jnp.zeros((segments * block, 128) if axis == 0 else (128, segments * block), dtype)
+    kept = np.array(normal(3, (segments * block, k) if axis == 0 else
+                           (k, segments * block), dtype))
+    for s in segs:  # poison what must be written
+        window = np.s_[s * block:(s + 1) * block]
+        kept[(window, slice(None)) if axis == 0 else (slice(None), window)] = np.nan
+    kept, segs = jnp.asarray(kept), jnp.asarray(segs, jnp.int32)
+    got_out, got_kept = mosaic.matmul_into(out, pieces, other, segs, axis=axis,
+                                           config=_small(dtype, **changes),
+                                           interpret=_interpret(), kept=kept)
+    _no_races()
+    want_out, want_kept = gpu.matmul_into_reference(out, pieces, other, segs, axis=axis,
+                                                    kept=kept)
+    _close(got_out, want_out, dtype)
+    np.testing.assert_array_equal(np.asarray(got_kept, np.float32),
+                                  np.asarray(want_kept, np.float32))
+
+
+def test_matmul_into_kept_must_fit():
+    x = jnp.zeros((128, 128), jnp.bfloat16)
+    segs = jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match=r"kept is bfloat16\[256, 128\], the pieces gather "
+                                         r"into bfloat16\[512, 128\]"):
+        mosaic.matmul_into(jnp.zeros((512, 128), jnp.bfloat16), [x], x, segs, axis=0,
+                           kept=jnp.zeros((256, 128), jnp.bfloat16))
+    f = jnp.zeros((128, 128), jnp.float32)
+    with pytest.raises(NotImplementedError, match="K-major"):
+        mosaic.matmul_into(jnp.zeros((128, 512), jnp.float32), [f], f, segs, axis=1,
+                           kept=jnp.zeros((128, 512), jnp.float32))
+
+
 def _terms(kind, dtype, m, n, k):
     """The terms of one ring primitive's step, with int32 offsets as the ring passes them."""
     i32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
@@ -234,6 +282,38 @@ def test_gather_steps_of_a_ring(prim, n):
     assert_close(out.astype(jnp.float32), want.astype(jnp.float32), dt, prim)
 
 
+def test_gather_steps_keep_the_gathered_operand():
+    """ag_rows with its gathered x kept (a training step's forward): device 0's steps of
+    a bidirectional ring of 3 through the backend's keeping step write the products and
+    the pieces, each at its segment, in the same launches."""
+    from fusedpar._core._backends import _ring_loop, pallas_gpu
+
+    dt, n = jnp.bfloat16, 3
+    ring = fusedpar.Ring(n, True)
+    cfg = _backend_config("ag_rows", n, True)
+    x, w = normal(0, (n * 128, 64), dt), normal(1, (64, 128), dt)
+    length = x.shape[0] // ring.num_segments
+
+    @jax.jit
+    def steps(x, w):
+        local_x = x[:n * 128 // n]
+        step = pallas_gpu.gather_keeping_step("ag_rows", cfg, local_x, w)
+        out = _ring_loop.gather_out("ag_rows", cfg, local_x, w)
+        gathered = jnp.full(x.shape, jnp.nan, dt)  # poisoned: every row must be written
+        for s in range(n):
+            segs = [ring.gather_segment(0, s, r) for r in ring.directions]
+            pieces = tuple(lax.slice_in_dim(x, g * length, (g + 1) * length) for g in segs)
+            out, gathered = step(out, gathered, pieces, tuple(jnp.int32(g) for g in segs))
+        return out, gathered
+
+    out, gathered = steps(x, w)
+    assert_close(out.astype(jnp.float32), (x @ w).astype(jnp.float32), dt, "ag_rows")
+    np.testing.assert_array_equal(np.asarray(gathered, np.float32), np.asarray(x, np.float32))
+    # The Triton kernels have no such step: the ring loop copies the pieces in itself.
+    triton = dataclasses.replace(cfg, options=(("kernels", "triton"),))
+    assert pallas_gpu.gather_keeping_step("ag_rows", triton, x, w) is None
+
+
 def test_scatter_steps_of_a_ring_of_three():
     """rs_rows, every device's steps, the accumulators passed between them by hand: each
     device ends with its block of the sum of the partial products (the reduce-add)."""
@@ -276,19 +356,23 @@ def _custom_calls(text):
     return [l for l in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in l]
 
 
-@pytest.mark.parametrize("dtype,axis,num_pieces", [
-    ("bfloat16", 0, 1), ("float16", 1, 2), ("float32", 0, 2), ("float32", 1, 1)])
-def test_matmul_into_lowers_for_cuda(dtype, axis, num_pieces):
+@pytest.mark.parametrize("dtype,axis,num_pieces,keeps", [
+    ("bfloat16", 0, 1, False), ("float16", 1, 2, False), ("float32", 0, 2, False),
+    ("float32", 1, 1, False), ("bfloat16", 0, 2, True), ("bfloat16", 1, 2, True)])
+def test_matmul_into_lowers_for_cuda(dtype, axis, num_pieces, keeps):
     piece = _S((S // 8, S) if axis == 0 else (S, S // 8), dtype)
 
-    def f(out, other, segs, *pieces):
-        return mosaic.matmul_into(out, pieces, other, segs, axis=axis)
+    def f(out, kept, other, segs, *pieces):
+        return mosaic.matmul_into(out, pieces, other, segs, axis=axis,
+                                  kept=kept if keeps else None)
 
-    text = _lower_cuda(f, _S((S, S), dtype), _S((S, S), dtype), _S((num_pieces,), jnp.int32),
-                       *[piece] * num_pieces, donate_argnums=0)
+    text = _lower_cuda(f, _S((S, S), dtype), _S((S, S), dtype), _S((S, S), dtype),
+                       _S((num_pieces,), jnp.int32), *[piece] * num_pieces,
+                       donate_argnums=(0, 1) if keeps else 0)
     (call,) = _custom_calls(text)  # both halves of a bidirectional step: one launch
-    assert "output_operand_alias" in call  # in place
+    assert call.count("operand_index =") == (2 if keeps else 1)  # in place
     assert "tf.aliasing_output = 0" in text  # the donated `out` is the result
+    assert ("tf.aliasing_output = 1" in text) == keeps  # and `kept`
 
 
 @pytest.mark.parametrize("kind,dtype,with_acc", [

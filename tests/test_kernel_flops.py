@@ -67,3 +67,27 @@ def test_a_step_moves_its_slice_of_the_aliased_output():
     whole = (1024 * 4096 + 4096 * 4096 + 2 * 8192 * 4096) * 2
     assert whole / H100.hbm_bandwidth > 1.2 * matmul
     assert p.compute == pytest.approx(matmul + H100.launch_overhead)
+
+
+def test_a_step_keeping_its_pieces_writes_them_once():
+    """A gather step that also writes its pieces into the gathered operand (a second
+    output aliasing a second buffer, `matmul_into(kept=...)`): x and w read, the
+    product's rows read and written, and x's rows written once into the gathered buffer:
+    neither aliased buffer whole."""
+    from fusedpar._compile import _flops
+
+    text = ("HloModule k, is_scheduled=true\n\n"
+            "ENTRY %main (x: bf16[1024,4096], w: bf16[4096,2048], out: bf16[8192,2048], "
+            "kept: bf16[8192,4096]) -> (bf16[8192,2048], bf16[8192,4096]) {\n"
+            "  %x = bf16[1024,4096]{1,0} parameter(0)\n"
+            "  %w = bf16[4096,2048]{1,0} parameter(1)\n"
+            "  %out = bf16[8192,2048]{1,0} parameter(2)\n"
+            "  %kept = bf16[8192,4096]{1,0} parameter(3)\n"
+            "  ROOT %kernel = (bf16[8192,2048]{1,0}, bf16[8192,4096]{1,0}) custom-call(%x, %w, "
+            '%out, %kept), custom_call_target="mosaic_gpu_v2", '
+            "output_to_operand_aliasing={{0}: (2, {}), {1}: (3, {})}\n}\n")
+    module = _hlo.parse(text)
+    by_name = {i.name: i for i in module.computations[module.entry]}
+    moved = _flops.aliased_kernel_bytes(by_name["kernel"], by_name)
+    x, w, rows = 1024 * 4096 * 2, 4096 * 2048 * 2, 1024 * 2048 * 2
+    assert moved == x + w + 2 * rows + x

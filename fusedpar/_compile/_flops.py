@@ -129,7 +129,25 @@ def aliased_kernel_bytes(i, by_name):
     read = sum(_window_bytes(by_name[o], m * count, n * count, k)
                for j, o in enumerate(i.operands) if o in by_name and j not in aliased)
     # Pieces adding into one accumulator (the product covers the result) touch it once.
-    return read + 2 * min(m * n * count * size, _hlo.shape_bytes(i.shape))
+    whole = math.prod(out[0][1]) * size  # the product's buffer (not a kept one beside it)
+    product = 2 * min(m * n * count * size, whole)
+    return read + product + _kept_bytes(out[1:], m, n, k, count)
+
+
+def _kept_bytes(kept, m, n, k, count) -> int:
+    """The bytes a gather step writes into the further buffers its result aliases (the
+    gathered operand, `matmul_into(kept=...)`): its pieces, `(m, k)` row blocks or `(k,
+    n)` column blocks, each written once at its segment."""
+    total = 0
+    for dtype, dims in kept:
+        size = _hlo.shape_bytes(f"{dtype}[1]")
+        if len(dims) == 2 and dims[1] == k:
+            total += m * k * count * size
+        elif len(dims) == 2 and dims[0] == k:
+            total += k * n * count * size
+        else:  # not a gathered operand we know: all of it
+            total += math.prod(dims) * size
+    return total
 
 
 def _window_bytes(operand, rows, cols, k) -> int:

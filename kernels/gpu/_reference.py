@@ -7,15 +7,18 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def matmul_into_reference(out, pieces, other, segs, *, axis, precision=None):
-    """`out` with each piece's product (f32 accumulation) written at its segment."""
+def matmul_into_reference(out, pieces, other, segs, *, axis, precision=None, kept=None):
+    """`out` with each piece's product (f32 accumulation) written at its segment; with
+    `kept`, `(out, kept)`, each piece also written at its segment of `kept`."""
     for p, s in zip(pieces, segs):
         prod = (jnp.matmul(p, other, precision=precision, preferred_element_type=jnp.float32)
                 if axis == 0 else
                 jnp.matmul(other, p, precision=precision, preferred_element_type=jnp.float32))
         out = lax.dynamic_update_slice_in_dim(out, prod.astype(out.dtype),
                                               s * prod.shape[axis], axis)
-    return out
+        if kept is not None:
+            kept = lax.dynamic_update_slice_in_dim(kept, p, s * p.shape[axis], axis)
+    return out if kept is None else (out, kept)
 
 
 def matmul_acc_reference(acc, terms, out_shape, out_dtype, *, precision=None):

@@ -36,7 +36,7 @@ its partial product; the last add is not quantized.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -59,12 +59,17 @@ class Steps:
     returns its product alone (in the accumulation dtype), rather than adding it to zeros.
     `fold_adds`: a reduce-scatter's `accumulate` is asked for `acc + part` in one call
     (`_folded_reduce_scatter`; its windows are half a direction's block).
+    `gather_keeping(prim, cfg, x, w)`: None, or `step(out, gathered, pieces, segs) ->
+    (out, gathered)`, a gather step that also writes its pieces into the gathered
+    operand (`run_steps(return_gathered=True)`) in the same launch, where the provider
+    can (it returns None where it cannot); else each piece is copied in apart (`put`).
     """
 
     gather: Callable
     scatter: Callable
     first_product_starts_sum: bool = False
     fold_adds: bool = False
+    gather_keeping: Optional[Callable] = None
 
 
 def _loop(cfg, start, stop, body, state):
@@ -367,12 +372,17 @@ def run_steps(steps: Steps, prim, cfg, x, w, return_gathered=False, addend=None)
     if cfg.comm_dtype is not None:  # quantized once, here on its owner (or stored so)
         travelling = _quantize.quantized(own, cfg.comm_dtype, p.scale_axis)
 
+    keeping = (steps.gather_keeping(prim, cfg, x, w)
+               if return_gathered and steps.gather_keeping is not None else None)
+
     def step_fn(carry, pieces, segs):
         out, gathered = carry
         if cfg.comm_dtype is not None:
             # No step provider takes a `Quantized`: dequantize on arrival (a step
             # that multiplied narrow values, e.g. fp8 wgmma, would take them here).
             pieces = tuple(_quantize.dequantize(p, x.dtype) for p in pieces)
+        if keeping is not None:  # the step's own launch writes the pieces in
+            return keeping(out, gathered, pieces, segs)
         if return_gathered:
             for piece, seg in zip(pieces, segs):
                 gathered = put(gathered, piece, seg, axis)

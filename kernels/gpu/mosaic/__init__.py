@@ -2,7 +2,8 @@
 
 - `matmul_into`: an all-gather step, the product of the block(s) in hand written in
   place into their segment(s) of the output (both halves of a bidirectional step in
-  one launch);
+  one launch), and, with `kept` (where `can_keep`), the blocks themselves into the
+  gathered operand;
 - `matmul_acc`: a reduce-scatter step, `acc + sum_t a_t[window] @ b_t[window]` in one
   pass over the float32 accumulator (a TMA reduce-add store).
 
@@ -18,8 +19,8 @@ from ._config import (
     choose as choose_config,
 )
 from ._matmul_acc import matmul_acc as matmul_acc
-from ._matmul_into import matmul_into as matmul_into
+from ._matmul_into import can_keep as can_keep, matmul_into as matmul_into
 from ._precision import unsupported_reason as unsupported_reason
 
-__all__ = ["matmul_acc", "matmul_into", "CONFIG_OPTIONS", "GemmConfig", "choose_config",
-           "unsupported_reason"]
+__all__ = ["matmul_acc", "matmul_into", "can_keep", "CONFIG_OPTIONS", "GemmConfig",
+           "choose_config", "unsupported_reason"]

@@ -9,7 +9,15 @@
   segment `seg` of `tile` into one ring slot (A block `(cta_m, tile_k)`, B block
   `(tile_k, cta_n)`, or `(cta_n, tile_k)` when B is K-major), both arriving on `barrier`;
 - `out_origin(tile)`: the (row, column) of the CTA tile in the output ref (traced);
-- `reduce_add`: store with a TMA reduce-add (`out += tile`) instead of a plain store.
+- `reduce_add`: store with a TMA reduce-add (`out += tile`) instead of a plain store;
+- `keep`: None, or `(operand, ref, origin)`: the compute warpgroups also store the
+  blocks of `operand` ("a" or "b", the travelling piece) they multiply into `ref`, each
+  block once (A's from the tiles of the first output column, B's from the first output
+  row), straight from the shared-memory slot the TMA load filled: `origin(tile, kk)` is
+  the (row, column) in `ref` of step `kk`'s `(cta_m, tile_k)` A block (or `(tile_k,
+  cta_n)` B block) of `tile`. A gather keeps its gathered operand this way with no
+  pass of its own: the store runs beside the wgmma, and the slot is released once the
+  store has read it.
 
 Synchronisation, per ring slot `s` (`stages` slots, step `g` of the CTA uses `g % stages`):
 `full[s]` (2 arrivals: the A and B copies, with their byte counts) and `empty[s]`
@@ -17,7 +25,10 @@ Synchronisation, per ring slot `s` (`stages` slots, step `g` of the CTA uses `g 
 memory warpgroup waits `empty` before refilling a slot; the compute warpgroups wait
 `full`, issue the wgmma, keep one wgmma in flight (`wgmma_wait(1)`) and release the
 previous step's slot. The step counter runs on across a CTA's tiles, so the loads of the
-next tile overlap the last MMAs and the epilogue of the current one. Mosaic tracks each
+next tile overlap the last MMAs and the epilogue of the current one. With `keep`, a
+compute warpgroup stores step `g`'s block before its wgmma and releases slot `g - 1`
+only once that block's store has read it (all but the newest store group; all of them
+at the end of a tile, before the epilogue reuses the store groups). Mosaic tracks each
 barrier's phase per thread; every thread waits every phase of the barriers it waits on
 (the memory warpgroup drains `empty` at the end), as the phase tracking needs.
 """
@@ -48,8 +59,11 @@ def swizzled(minor_elems: int, dtype):
 def emit_gemm(cfg: GemmConfig, *, in_dtype, out_dtype, b_k_major: bool,
               k_steps: tuple[int, ...], num_groups: int, tiles_m: int, tiles_n: int,
               num_ctas: int, issue: Callable, out_origin: Callable, out_ref,
-              reduce_add: bool):
+              reduce_add: bool, keep=None):
     """Emit the kernel body (call inside the `plgpu` kernel, all warpgroups)."""
+    if keep is not None and keep[0] == "b" and b_k_major:
+        raise NotImplementedError("keep: a K-major B block is stored transposed in shared "
+                                  "memory; keep the A operand, or a 16-bit B")
     stages, nwg = cfg.stages, cfg.num_compute_wgs
     cta_m, cta_n, tk = cfg.cta_m, cfg.cta_n, cfg.tile_k
     steps_per_tile = sum(k_steps)
@@ -111,6 +125,31 @@ def emit_gemm(cfg: GemmConfig, *, in_dtype, out_dtype, b_k_major: bool,
                 a_rows = slice(None)
                 b_cols = pl.ds(wg * cfg.tile_n, cfg.tile_n)
 
+            def store_kept(tile, kk, slot):
+                """`keep`'s store of this warpgroup's share of step `kk`'s block."""
+                operand, ref, origin = keep
+                row, col = origin(tile, kk)
+                # Split along the block's rows (A, wg_dim "m") or columns (B, "n"), each
+                # warpgroup stores its share; otherwise every one holds all of it: one does.
+                split = cfg.wg_dim == ("m" if operand == "a" else "n")
+                mine = True if split else wg == 0
+                if operand == "a":
+                    first, src = tile.j == 0, a_smem.at[slot]
+                    rows, cols = cta_m, tk
+                    if cfg.wg_dim == "m":
+                        src, row, rows = src.at[a_rows], row + wg * cfg.tile_m, cfg.tile_m
+                else:
+                    first, src = tile.i == 0, b_smem.at[slot]
+                    rows, cols = tk, cta_n
+                    if cfg.wg_dim == "n":
+                        src, col, cols = src.at[:, b_cols], col + wg * cfg.tile_n, cfg.tile_n
+                # A branch, not the copy's predicate (which jax's GPU interpreter lacks):
+                # every step of a tile stores or none does, so the store groups the
+                # waits count are the same either way.
+                @pl.when(jnp.logical_and(first, mine))
+                def _():
+                    plgpu.copy_smem_to_gmem(src, ref.at[pl.ds(row, rows), pl.ds(col, cols)])
+
             def tile_body(it, carry):
                 tile = coords(it)
                 base = it * steps_per_tile
@@ -127,8 +166,12 @@ def emit_gemm(cfg: GemmConfig, *, in_dtype, out_dtype, b_k_major: bool,
                                 b = b_smem.at[slot].at[b_cols].T
                             else:
                                 b = b_smem.at[slot].at[:, b_cols]
+                            if keep is not None:
+                                store_kept(tile, kk, slot)
                             plgpu.wgmma(acc_ref, a, b)
                             plgpu.wgmma_wait(1)  # the previous step's wgmma has retired
+                            if keep is not None:  # and its block's store has read it
+                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
 
                             @pl.when(g_in > 0)
                             def _():
@@ -138,6 +181,8 @@ def emit_gemm(cfg: GemmConfig, *, in_dtype, out_dtype, b_k_major: bool,
 
                         lax.fori_loop(0, ks, step, 0)
                     plgpu.wgmma_wait(0)
+                    if keep is not None:
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     plgpu.barrier_arrive(
                         empty.at[lax.rem(base + steps_per_tile - 1, stages)])
                     return acc_ref[...]
@@ -184,7 +229,8 @@ def emit_gemm(cfg: GemmConfig, *, in_dtype, out_dtype, b_k_major: bool,
 
 def launch(body: Callable, cfg: GemmConfig, *, num_ctas: int, operands, out_type,
            aliases: dict[int, int], interpret, name: str, cost_estimate=None):
-    """Run `body(*in_refs, *out_refs)` as a warp-specialised Mosaic GPU kernel.
+    """Run `body(*in_refs, *out_refs)` as a warp-specialised Mosaic GPU kernel:
+    its result, or a tuple of them for a tuple `out_type`.
 
     `aliases` maps operand index -> output index (the output *is* that operand's buffer).
     `plgpu.kernel` cannot alias an input to an output except through a Ref, and jax
@@ -198,12 +244,13 @@ def launch(body: Callable, cfg: GemmConfig, *, num_ctas: int, operands, out_type
     mesh = plgpu.Mesh(grid=(num_ctas,), grid_names=(SM_AXIS,),
                       num_threads=cfg.num_compute_wgs + 1, thread_name=WG_AXIS)
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+    out_types = out_type if isinstance(out_type, tuple) else (out_type,)
     with jax_config._check_vma(False):
-        call = mpmd._mpmd_map([(mesh, body)], (out_type,), input_output_aliases=aliases,
+        call = mpmd._mpmd_map([(mesh, body)], out_types, input_output_aliases=aliases,
                               compiler_params=params, interpret=_interpret_params(interpret),
                               cost_estimate=cost_estimate, name=name)
-        (out,) = call(*operands)
-    return out
+        outs = call(*operands)
+    return tuple(outs) if isinstance(out_type, tuple) else outs[0]
 
 
 def _interpret_params(interpret):

@@ -5,7 +5,9 @@ the rows (`axis=0`) or columns (`axis=1`) of its pieces' segments, tile by tile,
 stores at offsets computed from the traced segment indices; nothing else of `out` is
 read or written. Two pieces (both halves of a bidirectional ring step) are one launch:
 the tile space is pieces x tile rows x tile columns, and the memory warpgroup picks the
-piece's operand per tile.
+piece's operand per tile. With `kept`, the same launch writes the pieces themselves into
+their segments of a second buffer (a gather's gathered operand, kept for the backward),
+from the shared-memory blocks it loaded to multiply them (`_gemm.emit_gemm`'s `keep`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from . import _config, _gemm, _precision
 
 
 def matmul_into(out, pieces, other, segs, *, axis, precision=None, config=None,
-                interpret=False):
+                interpret=False, kept=None):
     """`out` with each piece's product written at its segment along `axis`, in place.
 
     **Arguments:**
@@ -42,8 +44,13 @@ def matmul_into(out, pieces, other, segs, *, axis, precision=None, config=None,
     - `config`: a `GemmConfig`, a dict of overrides of the heuristic's choice, or None.
     - `interpret`: True (Mosaic GPU's interpreter with its default parameters), or an
       `InterpretGPUParams`, to run in interpret mode (CPU).
+    - `kept`: None, or the buffer the pieces are gathered into, `(R, k)` for `axis=0`
+      (`(k, C)` for `axis=1`) in the pieces' dtype, aliased in place like `out`: piece
+      `p` is written at the same segment as its product. Not for float32 column pieces
+      (`axis=1`), which TF32 reads transposed.
 
-    **Returns:** the new `out`: products accumulated in float32, stored as `out.dtype`.
+    **Returns:** the new `out`: products accumulated in float32, stored as `out.dtype`;
+    with `kept`, `(out, kept)`.
     """
     pieces = tuple(pieces)
     piece = pieces[0]
@@ -67,6 +74,14 @@ def matmul_into(out, pieces, other, segs, *, axis, precision=None, config=None,
     else:
         raise ValueError(f"axis must be 0 or 1, got {axis}")
     k_major = _precision.b_must_be_k_major(dtype, precision)
+    if kept is not None:
+        want = (out.shape[0], k) if axis == 0 else (k, out.shape[1])
+        if kept.shape != want or kept.dtype != dtype:
+            raise ValueError(f"matmul_into(axis={axis}): kept is {kept.dtype}{list(kept.shape)}"
+                             f", the pieces gather into {dtype}{list(want)}")
+        if not can_keep(dtype, axis):
+            raise NotImplementedError(f"matmul_into(axis=1): kept with {dtype} pieces at "
+                                      "this precision (read K-major, transposed)")
     cfg = _config_for(config, m, n, (k,), dtype, out.dtype)
     segs = jnp.asarray(segs, jnp.int32).reshape(len(pieces))
 
@@ -82,17 +97,27 @@ def matmul_into(out, pieces, other, segs, *, axis, precision=None, config=None,
     tiles_m, tiles_n = m // cfg.cta_m, n // cfg.cta_n
     num_groups = len(pieces)
     num_ctas = min(cfg.num_sms, num_groups * tiles_m * tiles_n)
-    operands = (segs, *a_ops, *b_ops, out)
+    buffers = (out,) if kept is None else (out, kept)
+    operands = (segs, *a_ops, *b_ops, *buffers)
     body = functools.partial(
         _body, cfg=cfg, axis=axis, num_a=len(a_ops), num_b=len(b_ops), m=m, n=n,
         k=k, k_major=k_major, in_dtype=dtype, out_dtype=out.dtype, tiles_m=tiles_m,
-        tiles_n=tiles_n, num_groups=num_groups, num_ctas=num_ctas)
+        tiles_n=tiles_n, num_groups=num_groups, num_ctas=num_ctas, keeps=kept is not None)
+    out_types = tuple(result_type(b.shape, b.dtype, *operands) for b in buffers)
+    first = len(operands) - len(buffers)
     return _gemm.launch(
         body, cfg, num_ctas=num_ctas, operands=operands,
-        out_type=result_type(out.shape, out.dtype, *operands),
-        aliases={len(operands) - 1: 0}, interpret=interpret,
+        out_type=out_types if kept is not None else out_types[0],
+        aliases={first + j: j for j in range(len(buffers))}, interpret=interpret,
         name=f"fusedpar_mgpu_matmul_into_{'rows' if axis == 0 else 'cols'}",
         cost_estimate=matmul_cost([(m, n, k)] * len(pieces), dtype, out.dtype))
+
+
+def can_keep(dtype, axis: int) -> bool:
+    """Whether `matmul_into` takes `kept` for pieces of `dtype` along `axis`: row pieces
+    (the left operand) always, column pieces in 16-bit dtypes (float32 ones are read
+    K-major, transposed, for TF32)."""
+    return axis == 0 or jnp.dtype(dtype).itemsize == 2
 
 
 def _config_for(config, m, n, ks, dtype, out_dtype):
@@ -103,9 +128,10 @@ def _config_for(config, m, n, ks, dtype, out_dtype):
 
 
 def _body(segs_ref, *refs, cfg, axis, num_a, num_b, m, n, k, k_major, in_dtype,
-          out_dtype, tiles_m, tiles_n, num_groups, num_ctas):
+          out_dtype, tiles_m, tiles_n, num_groups, num_ctas, keeps):
     a_refs, b_refs = refs[:num_a], refs[num_a:num_a + num_b]
-    out_ref = refs[-1]  # refs[-2] is `out` going in: the same buffer
+    # The outputs come last, after the same buffers going in: out (and kept).
+    out_ref, kept_ref = (refs[-2], refs[-1]) if keeps else (refs[-1], None)
     tk, cta_m, cta_n = cfg.tile_k, cfg.cta_m, cfg.cta_n
 
     def pick(refs_, group, fn):
@@ -130,15 +156,25 @@ def _body(segs_ref, *refs, cfg, axis, num_a, num_b, m, n, k, k_major, in_dtype,
                                                        barrier)
         pick(b_refs, tile.group, b_copy)
 
-    def out_origin(tile):
+    def segment(tile):
         seg = segs_ref[0]
         if num_groups == 2:  # the segment of this tile's piece
             seg = seg + (segs_ref[1] - seg) * tile.group
+        return seg
+
+    def out_origin(tile):
         if axis == 0:
-            return seg * m + tile.i * cta_m, tile.j * cta_n
-        return tile.i * cta_m, seg * n + tile.j * cta_n
+            return segment(tile) * m + tile.i * cta_m, tile.j * cta_n
+        return tile.i * cta_m, segment(tile) * n + tile.j * cta_n
+
+    def kept_origin(tile, kk):
+        """Where step `kk`'s block of the piece goes in `kept`: its segment."""
+        if axis == 0:  # A block (cta_m, tk) of rows of the piece
+            return segment(tile) * m + tile.i * cta_m, kk * tk
+        return kk * tk, segment(tile) * n + tile.j * cta_n  # B block (tk, cta_n)
 
     _gemm.emit_gemm(cfg, in_dtype=in_dtype, out_dtype=out_dtype, b_k_major=k_major,
                     k_steps=(k // tk,), num_groups=num_groups, tiles_m=tiles_m,
                     tiles_n=tiles_n, num_ctas=num_ctas, issue=issue,
-                    out_origin=out_origin, out_ref=out_ref, reduce_add=False)
+                    out_origin=out_origin, out_ref=out_ref, reduce_add=False,
+                    keep=(("a" if axis == 0 else "b"), kept_ref, kept_origin) if keeps else None)
