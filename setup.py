@@ -13,9 +13,12 @@ ROOT = pathlib.Path(__file__).resolve().parent
 
 
 def packages() -> list:
-    """fusedpar's packages, and kernels/'s as fusedpar.kernels, fusedpar.kernels.tpu, ..."""
+    """fusedpar's packages (its data-only `targets` too), and kernels/'s as fusedpar.kernels,
+    fusedpar.kernels.tpu, ..."""
     kernels = find_packages(ROOT, include=["kernels", "kernels.*"])
-    return (find_packages(ROOT, include=["fusedpar", "fusedpar.*"])
+    # fusedpar.targets holds data only (the GPU target descriptions): no __init__.py for
+    # find_packages to see, so it is named here.
+    return (find_packages(ROOT, include=["fusedpar", "fusedpar.*"]) + ["fusedpar.targets"]
             + ["fusedpar." + name for name in kernels])
 
 

@@ -22,9 +22,15 @@ def test_every_subpackage_is_installed():
                for p in (ROOT / "kernels").rglob("__init__.py")}
     on_disk |= {".".join(p.parent.relative_to(ROOT).parts)
                 for p in (ROOT / "fusedpar").rglob("__init__.py")}
+    # Data only: the package-data its pyproject.toml entry names, and nothing to import.
+    data = {name: globs for name, globs in config["package-data"].items()
+            if not (ROOT / name.replace(".", "/") / "__init__.py").exists()}
+    assert data == {"fusedpar.targets": ["*.txtpb"]}, data
+    assert list((ROOT / "fusedpar" / "targets").glob("*.txtpb"))
+    on_disk |= set(data)
     assert on_disk == listed, (sorted(on_disk - listed), sorted(listed - on_disk))
     assert not any(name == "kernels" or name.startswith("kernels.") for name in listed)
-    for name in on_disk:
+    for name in on_disk - set(data):
         importlib.import_module(name)
 
 
