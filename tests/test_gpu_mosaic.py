@@ -309,9 +309,11 @@ def test_gather_steps_keep_the_gathered_operand():
     out, gathered = steps(x, w)
     assert_close(out.astype(jnp.float32), (x @ w).astype(jnp.float32), dt, "ag_rows")
     np.testing.assert_array_equal(np.asarray(gathered, np.float32), np.asarray(x, np.float32))
-    # The Triton kernels have no such step: the ring loop copies the pieces in itself.
-    triton = dataclasses.replace(cfg, options=(("kernels", "triton"),))
-    assert pallas_gpu.gather_keeping_step("ag_rows", triton, x, w) is None
+    # No such step where the kernel cannot keep: the ring loop copies the pieces in itself.
+    assert pallas_gpu.gather_keeping_step("ag_contract", cfg, x, w) is None  # a sum
+    f = jnp.zeros((64, 128), jnp.float32)
+    assert pallas_gpu.gather_keeping_step("ag_cols", cfg, f, f) is None  # TF32 reads B K-major
+    assert pallas_gpu.gather_keeping_step("ag_cols", cfg, x, normal(2, (64, 128), dt))
 
 
 def test_scatter_steps_of_a_ring_of_three():

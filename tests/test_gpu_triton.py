@@ -49,10 +49,24 @@ def test_matmul_into(axis, num_pieces, dtype):
         other, out = normal(9, (m, k), dtype), normal(8, (m, segments * n), dtype)
     segs = jnp.array([3, 0][:num_pieces], jnp.int32)
     prec = PRECISION[dtype]
+    # Two pieces: also keep them (a training step's gather), into a buffer whose segments
+    # to be written are poisoned.
+    kept = None
+    if num_pieces == 2:
+        kept = np.array(normal(7, (segments * m, k) if axis == 0 else (k, segments * n), dtype))
+        for s in segs.tolist():
+            window = slice(s * (m if axis == 0 else n), (s + 1) * (m if axis == 0 else n))
+            kept[(window, slice(None)) if axis == 0 else (slice(None), window)] = np.nan
+        kept = jnp.asarray(kept)
     got = jax.jit(functools.partial(gpu.triton.matmul_into, axis=axis, precision=prec,
                                     config=dict(SMALL, group_m=2), interpret=INTERPRET))(
-        out, pieces, other, segs)
-    want = gpu.matmul_into_reference(out, pieces, other, segs, axis=axis, precision=prec)
+        out, pieces, other, segs, kept=kept)
+    want = gpu.matmul_into_reference(out, pieces, other, segs, axis=axis, precision=prec,
+                                     kept=kept)
+    if kept is not None:
+        (got, got_kept), (want, want_kept) = got, want
+        np.testing.assert_array_equal(np.asarray(got_kept, np.float32),
+                                      np.asarray(want_kept, np.float32))
     assert_close(got, want, dtype, "matmul_into")
     # The segments no piece was written to are left as they were (in place, not zeroed).
     length = m if axis == 0 else n

@@ -16,10 +16,10 @@ step's compute is a kernel (`fusedpar.kernels.gpu`):
 
 ¹ The ring asks for the product alone (`acc=None`) and adds the accumulator that
 arrived itself: a kernel that read it would wait for the transfer (`_ring_loop.py`).
-² Where the gathered operand is kept (for the backward), the Mosaic kernel also writes
-each piece into it, from the shared-memory blocks it loads to multiply anyway
-(`gather_keeping_step`); the lax ring copies each piece in with a dynamic-update-slice,
-a pass over the piece of its own (16 of them, 98 us per device in the 8-H100 MLP's
+² Where the gathered operand is kept (for the backward), the kernel also writes each
+piece into it, from the blocks it loads to multiply anyway (`gather_keeping_step`); the
+lax ring copies each piece in with a dynamic-update-slice, a pass over the piece of its
+own (16 of them, 98 us per device in the 8-H100 MLP's
 training step, replayed).
 
 Two kernel families compute these steps (option `kernels`): `"mosaic"` (Mosaic GPU:
@@ -225,13 +225,11 @@ def gather_step(prim, cfg, x, w):
 
 def gather_keeping_step(prim, cfg, x, w):
     """`gather_step`'s step that also writes the pieces into the gathered operand, in the
-    same Mosaic launch (from the shared-memory blocks it multiplies: no copy of its own);
-    None where it cannot (the Triton kernels, ag_contract's sum, mixed or float32 column
-    pieces)."""
+    same launch (from the blocks it loads to multiply: no copy of its own); None where it
+    cannot (ag_contract's sum, mixed dtypes, the Mosaic kernels' float32 column pieces)."""
     kernels, kw = _step_kernels(cfg)
     p = prims.of(prim)
-    if (kernels is not _kernels().mosaic or p.sums_steps or x.dtype != w.dtype
-            or not kernels.can_keep(x.dtype, p.gather_axis)):
+    if p.sums_steps or x.dtype != w.dtype or not kernels.can_keep(x.dtype, p.gather_axis):
         return None
     resident = w if p.traveller == "x" else x
 

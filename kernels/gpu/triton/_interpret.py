@@ -50,7 +50,11 @@ mlir.register_lowering(_interpret_p, _lowering)
 
 
 def interpreted(fn, out_shape, *args):
-    """`fn(*args)`, whose result is described by `out_shape`, lowered without the check."""
-    aval = pallas_core._convert_out_shape_to_aval(out_shape)
-    (result,) = _interpret_p.bind(*args, fn=lambda *a: (fn(*a),), out_avals=(aval,))
-    return result
+    """`fn(*args)`, whose result is described by `out_shape` (a tuple of them for a tuple
+    of results), lowered without the check."""
+    several = isinstance(out_shape, tuple)
+    shapes = out_shape if several else (out_shape,)
+    avals = tuple(pallas_core._convert_out_shape_to_aval(s) for s in shapes)
+    results = _interpret_p.bind(*args, fn=lambda *a: tuple(fn(*a)) if several else (fn(*a),),
+                                out_avals=avals)
+    return tuple(results) if several else results[0]

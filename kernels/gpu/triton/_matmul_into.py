@@ -3,7 +3,9 @@
 `out` is the gathered result being filled in, aliased in place (`input_output_aliases`):
 each step writes only its own rows (`ag_rows`) or columns (`ag_cols`) and the rest of
 the buffer is left as it is, so no step copies the output. A bidirectional ring hands
-both halves of a step to one launch (one grid over the tiles of both).
+both halves of a step to one launch (one grid over the tiles of both). With `kept`, the
+launch also writes the pieces into their segments of the gathered operand, as the tiles
+of the first output column (row) load them.
 """
 
 from __future__ import annotations
@@ -21,8 +23,12 @@ from . import _tile_config, _tile_loop
 
 
 def _kernel(segs_ref, *refs, axis, num_pieces, tiles_m, tiles_n, k, tiles, precision,
-            widen):
-    *piece_refs, other_ref, _, out_ref = refs  # `_`: `out` going in, aliased to out_ref
+            widen, keeps):
+    # After the pieces and `other`: the aliased buffers going in, then the same coming out.
+    if keeps:
+        *piece_refs, other_ref, _, _, out_ref, kept_ref = refs
+    else:
+        (*piece_refs, other_ref, _, out_ref), kept_ref = refs, None
     bm, bn = tiles.block_m, tiles.block_n
     pid = pl.program_id(0)
     per_piece = tiles_m * tiles_n
@@ -34,11 +40,15 @@ def _kernel(segs_ref, *refs, axis, num_pieces, tiles_m, tiles_n, k, tiles, preci
         start = segs_ref[p] * (tiles_m * bm if axis == 0 else tiles_n * bn)
         if axis == 0:  # piece (mp, k) @ other (k, n) -> rows of out
             a_ref, b_ref, rows, cols = piece_refs[p], other_ref, start + i * bm, j * bn
+            # The piece's rows go to `kept` from the tiles of the first output column.
+            keep = ("a", kept_ref, rows, 0, j == 0)
         else:  # other (m, k) @ piece (k, np) -> columns of out
             a_ref, b_ref, rows, cols = other_ref, piece_refs[p], i * bm, start + j * bn
+            keep = ("b", kept_ref, 0, cols, i == 0)
         acc = jnp.zeros((bm, bn), jnp.float32)
         acc = _tile_loop.tile_product(acc, a_ref, i * bm, 0, b_ref, 0, j * bn, k=k,
-                                   block_k=tiles.block_k, precision=precision, widen=widen)
+                                      block_k=tiles.block_k, precision=precision, widen=widen,
+                                      keep=keep if keeps else None)
         out_ref[pl.ds(pl.multiple_of(rows, bm), bm),
                 pl.ds(pl.multiple_of(cols, bn), bn)] = acc.astype(out_ref.dtype)
 
@@ -48,8 +58,15 @@ def _kernel(segs_ref, *refs, axis, num_pieces, tiles_m, tiles_n, k, tiles, preci
         lax.cond(pid < per_piece, lambda: piece(0), lambda: piece(1))
 
 
+def can_keep(dtype, axis: int) -> bool:
+    """Whether `matmul_into` takes `kept` for these pieces: always (the kernel stores the
+    blocks it loads, in any layout)."""
+    del dtype, axis
+    return True
+
+
 def matmul_into(out, pieces, other, segs, *, axis, precision=None, config=(),
-                interpret=False):
+                interpret=False, kept=None):
     """`out` with each product written at its segment along `axis`, in place.
 
     **Arguments:**
@@ -63,10 +80,14 @@ def matmul_into(out, pieces, other, segs, *, axis, precision=None, config=(),
     - `precision`: as for `jnp.dot`; `config`: tile overrides (a mapping or pairs of
       `_tile_config.OPTIONS` fields);
       `interpret`: run in Pallas interpret mode (CPU).
+    - `kept`: None, or the buffer the pieces are gathered into, `(R, k)` for `axis=0`
+      (`(k, C)` for `axis=1`) in the pieces' dtype, aliased in place like `out`: each
+      piece is written at its segment, from the blocks the tiles of the first output
+      column (row) load to multiply.
 
     **Returns:** `out` with rows `[s*mp, (s+1)*mp)` (axis 0) or columns `[s*np, (s+1)*np)`
     (axis 1) replaced by `piece @ other` / `other @ piece`, computed in float32 and cast
-    to `out.dtype`.
+    to `out.dtype`; with `kept`, `(out, kept)`.
     """
     pieces = tuple(pieces)
     piece = pieces[0]
@@ -75,23 +96,31 @@ def matmul_into(out, pieces, other, segs, *, axis, precision=None, config=(),
         m = mp
     else:
         m, (k, n) = other.shape[0], piece.shape
+    if kept is not None:
+        want = (out.shape[0], k) if axis == 0 else (k, out.shape[1])
+        if kept.shape != want or kept.dtype != piece.dtype:
+            raise ValueError(f"matmul_into(axis={axis}): kept is {kept.dtype}{list(kept.shape)}"
+                             f", the pieces gather into {piece.dtype}{list(want)}")
     tiles = _tile_config.choose(m, n, k, piece.dtype, config)
     tiles_m, tiles_n = m // tiles.block_m, n // tiles.block_n
     kernel = functools.partial(
         _kernel, axis=axis, num_pieces=len(pieces), tiles_m=tiles_m, tiles_n=tiles_n, k=k,
         tiles=tiles, precision=_tile_loop.dot_precision(precision, piece.dtype),
-        widen=bool(interpret))
-    out_index = 1 + len(pieces) + 1  # segs, pieces..., other, out
+        widen=bool(interpret), keeps=kept is not None)
+    out_index = 1 + len(pieces) + 1  # segs, pieces..., other, out (, kept)
     segs = jnp.asarray(segs, jnp.int32)
-    out_shape = result_type(out.shape, out.dtype, segs, *pieces, other, out)
+    buffers = (out,) if kept is None else (out, kept)
+    out_shapes = tuple(result_type(b.shape, b.dtype, segs, *pieces, other, *buffers)
+                       for b in buffers)
+    out_shape = out_shapes if kept is not None else out_shapes[0]
     call = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(len(pieces) * tiles_m * tiles_n,),
-        input_output_aliases={out_index: 0},
+        input_output_aliases={out_index + j: j for j in range(len(buffers))},
         compiler_params=_tile_loop.compiler_params(tiles),
         interpret=interpret,
         name=f"fusedpar_matmul_into_{'rows' if axis == 0 else 'cols'}",
         cost_estimate=matmul_cost([(m, n, k)] * len(pieces), piece.dtype, out.dtype),
     )
-    return _tile_loop.launch(call, out_shape, interpret, segs, *pieces, other, out)
+    return _tile_loop.launch(call, out_shape, interpret, segs, *pieces, other, *buffers)
