@@ -476,6 +476,26 @@ def test_what_it_cannot_read_is_listed():
         "bandwidth")
 
 
+def test_braces_inside_a_quoted_attribute_are_not_the_instructions():
+    """A Mosaic GPU call carries its kernel as MLIR bytecode in a quoted string, whose
+    printable bytes come out as they are, `{` and `}` among them, unbalanced as often as
+    not (an escaped quote is `\\22`; a TPU call's metadata escapes them `\\"`). Read as the
+    instruction's own braces they joined every later line onto it: the instructions
+    after it were lost, and the replay of an 8-H100 MLP came out at half its time."""
+    kernel = ('  %k = f32[8]{0} custom-call(%p), custom_call_target="mosaic_gpu_v2", '
+              'backend_config={kernel_hash = "\\02{\\E2", module = "ML\\EFR{{}\\22{[", '
+              'meta = "{\\"x\\": 1"}\n')
+    text = ("HloModule m, is_scheduled=true\n\n"
+            "ENTRY %main (p: f32[8]) -> f32[8] {\n"
+            "  %p = f32[8]{0} parameter(0)\n" + kernel +
+            "  %n = f32[8]{0} negate(%k)\n"
+            "  ROOT %r = f32[8]{0} add(%n, %k)\n"
+            "}\n")
+    module = _hlo.parse(text)
+    assert [i.name for i in module.computations[module.entry]] == ["p", "k", "n", "r"]
+    assert module.roots[module.entry].name == "r"
+
+
 def _kernel_call(scope, rows=1024, k=4096, cols=4096, n=8):
     """A fused TPU ring kernel's call `%kernel` as the compiler prints it (operands `%x`,
     `%w`): an all-gather of x's row blocks and a matmul with w in one `tpu_custom_call`, its cost estimate the kernel's

@@ -179,6 +179,20 @@ def parse_instruction(line: str) -> Optional[Instruction]:
                        target.group(1) if target else "", line)
 
 
+# A quoted attribute value: no raw quote inside (MLIR prints one as `\22`), any escape.
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _unclosed(line: str) -> bool:
+    """Whether instruction text `line` goes on past its end: a brace it opened is not
+    closed, or a quoted string is. Braces inside quoted strings do not count: a Mosaic GPU
+    call carries its kernel as MLIR bytecode in a string (`module = "ML\EFR..."`), whose
+    bytes print as they are where printable, `{` and `}` among them, unbalanced as often
+    as not (which bytes come out depends even on where the package is installed)."""
+    bare = _QUOTED.sub('""', line)
+    return bare.count('"') % 2 == 1 or bare.count("{") > bare.count("}")
+
+
 def parse(text: str) -> Module:
     """Parse a scheduled HLO module's text."""
     computations, roots, entry, current, devices = {}, {}, None, None, 1
@@ -201,7 +215,7 @@ def parse(text: str) -> Module:
             continue
         # An attribute can hold line breaks (a Pallas TPU call's `kernel_metadata`): the
         # instruction goes on until its braces close.
-        while line.count("{") > line.count("}"):
+        while _unclosed(line):
             more = next(lines, None)
             if more is None:
                 break
