@@ -201,6 +201,22 @@ def test_three_contexts_agree():
     assert_close(y, want, F32, "global, Explicit axes")
 
 
+def test_a_sequence_parallel_column_runs_op_by_op():
+    """Outside `jit` (on global arrays, and in an eager `shard_map`), as under it: the
+    op that keeps its gathered input for sibling layers has a gradient with symbolic
+    zeros, which JAX cannot run op by op in a `shard_map` (it raised NotImplementedError)."""
+    m = mesh((4,), ("tp",))
+    k = jax.random.key(7)
+    layer = fusedpar.ColumnLinear(IN, HID, key=k, sequence_parallel=True, backend="reference")
+    x = normal(8, (8, IN), F32)
+    want = dense_apply(eqx.nn.Linear(IN, HID, key=k), x)
+    with jax.set_mesh(m):
+        assert_close(layer(x), want, F32, "global, eager")
+    local = jax.shard_map(lambda l, x: l(x), mesh=m,
+                          in_specs=(fusedpar.param_specs(layer), P("tp")), out_specs=P(None, "tp"))
+    assert_close(local(layer, x), want, F32, "shard_map, eager")
+
+
 def test_explicit_mesh_keeps_other_axes():
     """Tensor-parallel layers on an Explicit (data, tp) mesh keep "data" on the batch."""
     m = mesh((2, 4), ("data", "tp"), AxisType.Explicit)

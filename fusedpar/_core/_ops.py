@@ -178,13 +178,27 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
         return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
     assert c.prim == prims.AG_ROWS, c.prim  # a gather of x's rows (`_autodiff`)
     if gathered is KEEP:
-        y, g = _autodiff.apply_keeping(c.prim, cfg, c.x, c.w)
+        y, g = _keeping(c.prim, cfg, c.x, c.w)
         return c.restore(y), c.restore(g)
     return c.restore(_autodiff.apply_given(c.prim, cfg, c.x, c.w,
                                            prims.rows_first(gathered, dim)))
 
 
 KEEP = object()  # `_run(gathered=KEEP)`: return the gathered operand too
+
+
+def _keeping(prim, cfg, x, w):
+    """`_autodiff.apply_keeping`, staged out where JAX cannot run it op by op: its
+    gradient takes symbolic zeros (a sibling that does not use the gathered operand costs
+    nothing), and JAX (0.10, 0.11) raises NotImplementedError for a custom_vjp with
+    symbolic zeros in an eager `shard_map` (a sequence-parallel `ColumnLinear` called
+    outside `jit`); under `jit` it runs, and the error comes before any work is done."""
+    try:
+        return _autodiff.apply_keeping(prim, cfg, x, w)
+    except NotImplementedError as e:
+        if "symbolic_zeros" not in str(e):
+            raise
+    return jax.jit(_autodiff.apply_keeping, static_argnums=(0, 1))(prim, cfg, x, w)
 
 
 def all_gather_matmul_keeping(x, w, axis_name, *, dim=0, **kwargs):
