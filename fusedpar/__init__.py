@@ -69,3 +69,14 @@ __all__ = [
 _interpret.setup_threads()
 _platforms.setup_platforms()
 
+
+
+def __getattr__(name):
+    # `fusedpar.aot` (compiling for absent hardware) on first use after a plain
+    # `import fusedpar`, as the docs write it; not imported eagerly, since it sets the
+    # environment libtpu and the CUDA compiler read and imports their compile paths.
+    if name == "aot":
+        import importlib
+
+        return importlib.import_module(".aot", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,7 +4,10 @@ fusedpar.kernels."""
 
 import importlib
 import importlib.util
+import os
 import pathlib
+import subprocess
+import sys
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -41,6 +44,17 @@ def test_public_names():
                  "Ring"):
         assert hasattr(fusedpar, name), name
     assert {"reference", "ring", "pallas"} <= set(fusedpar.backend_names())
+
+
+def test_aot_after_a_plain_import():
+    """`fusedpar.aot.mesh(...)`, as the docs and the errors write it, after `import
+    fusedpar` alone (in a fresh process: this one may have imported fusedpar.aot)."""
+    code = ("import fusedpar, jax.numpy as jnp; jnp.ones(2).sum(); "
+            "print(fusedpar.aot.mesh('h100x8').devices.size); fusedpar.no_such_name")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run.stdout.strip() == "8", run.stderr[-2000:]
+    assert "module 'fusedpar' has no attribute 'no_such_name'" in run.stderr
 
 
 def _imports(path: pathlib.Path):

@@ -37,6 +37,9 @@ def axis_size(op, axis_name) -> int:
         # lax.axis_size reads a non-string name as a positional axis of nothing.
         raise TypeError(f"{op}: axis_name must be a mesh axis name (a str) or a tuple of "
                         f"them, got {axis_name!r}.")
+    if len(set(names)) < len(names):
+        raise ValueError(f"{op}: axis_name={axis_name!r} names an axis twice; name each "
+                         "mesh axis of the ring once.")
     try:
         return lax.axis_size(axis_name)
     except NameError:
