@@ -133,8 +133,11 @@ def _check(got, want, what):
     assert err < 1e-2, f"{what} differs from jnp.dot by {err:.3g} of the largest element"
 
 
+# matmul_into+kept: the gather step that also writes its piece into the kept gathered
+# operand (a training step's), beside matmul_into alone: what the kept store costs.
 KERNEL_VARIANTS = ["jnp.dot", "acc+jnp.dot"] + [
-    f"{kernel} ({family})" for family in FAMILIES for kernel in ("matmul_into", "matmul_acc")]
+    f"{kernel} ({family})" for family in FAMILIES
+    for kernel in ("matmul_into", "matmul_into+kept", "matmul_acc")]
 if SIZES != "cpu":
     # JAX's own Hopper matmul (Mosaic GPU, warp-specialised): what a Pallas GEMM reaches.
     KERNEL_VARIANTS.append("hopper_matmul_mgpu")
@@ -180,7 +183,17 @@ def test_kernel(benchmark, timed, s, dtype, variant):
         kw = dict(config=TILES[family], interpret=ON_CPU)
         # The kernel computes its product on the device that runs it: the output is
         # poisoned with NaN (every element must be written), the accumulator random.
-        if kernel == "matmul_into":
+        if kernel == "matmul_into+kept":
+            seg = jnp.zeros((1,), jnp.int32)
+            out, kept = jax.jit(lambda o, g, x, w: kernels.matmul_into(
+                o, [x], w, seg, axis=0, kept=g, **kw))(
+                jnp.full((s, s), jnp.nan, dtype), jnp.full((s, s), jnp.nan, dtype), x, w)
+            _check(out, jnp.dot(x, w, preferred_element_type=f32), variant)
+            assert bool((kept == x).all()), f"{variant}: the kept piece is not x"
+            fn, args = _donating(lambda state, x, w: kernels.matmul_into(
+                *state[:1], [x], w, seg, axis=0, kept=state[1], **kw),
+                (jnp.zeros((s, s), dtype), jnp.zeros((s, s), dtype)), x, w), ()
+        elif kernel == "matmul_into":
             seg = jnp.zeros((1,), jnp.int32)
             _check(jax.jit(lambda o, x, w: kernels.matmul_into(o, [x], w, seg, axis=0, **kw))(
                 jnp.full((s, s), jnp.nan, dtype), x, w),
