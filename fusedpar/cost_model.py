@@ -121,14 +121,16 @@ def _problem(prim, x_shape, w_shape, n, dtype, reduce_dtype, comm_dtype=None):
 def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
               hardware: Union[str, Hardware, None] = None, *,
               bidirectional: bool = False, reduce_dtype=None,
-              backends=None, comm_dtype=None) -> dict[str, Breakdown]:
+              backends=None, comm_dtype=None, gathered: bool = False) -> dict[str, Breakdown]:
     """The model for one primitive (`_primitives.py`) on canonical 2-D local shapes.
 
     `backends`: the backend names to estimate (default: those `"auto"` weighs, the
     registry's candidates: "reference", "ring", "pallas"); each is estimated by the cost
     family it declares (`_backends.Backend.cost`); names without one are left out.
     `comm_dtype`: the narrow dtype the travelling block is sent in (its values, plus
-    float32 scales), None for the inputs' own.
+    float32 scales), None for the inputs' own. `gathered`: an all-gather also keeps its
+    gathered operand (for the backward): the lax ring copies each block into it, the
+    kernels write it as they go and the reference's collective makes it.
     """
     hw = get_hardware(hardware)
     n = int(ring_size)
@@ -182,6 +184,12 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
         first = _step_time(hw, prim, step, dtype, out_b, 0, dirs)
         if n > 1 and not (family == "kernel" and gpu):  # GPU kernels write in place
             c, first = _assembly(hw, prim, step, out_b, c, first)
+        if n > 1 and gathered and family == "ring" and prims.of(prim).gathers:
+            # `_ring_loop.put`: each step's block copied into the kept operand (read and
+            # written, in the inputs' dtype however it travelled).
+            own = x_shape if prims.of(prim).traveller == "x" else w_shape
+            keep = 2 * own[0] * own[1] * _itemsize(dtype) / hw.hbm_bandwidth
+            c, first = c + keep, first + keep
         t = transfer + (latency if n > 1 else 0.0)
         chunk = _folded_chunk(prim, x_shape, w_shape, n, dirs, comm_dtype, platform)
         if family == "ring" and chunk is not None:
@@ -335,7 +343,8 @@ def estimate_call(call, hardware=None, reduce_dtype=None,
     return breakdown(call.prim, call.x_shape, call.w_shape, call.axis_size, call.dtype,
                      get_hardware(hardware, call.target),
                      bidirectional=call.runs_bidirectional, reduce_dtype=reduce_dtype,
-                     comm_dtype=call.comm_dtype, backends=backends)
+                     comm_dtype=call.comm_dtype, backends=backends,
+                     gathered=bool(call.gathered))
 
 
 def matmul_seconds(m: int, k: int, n: int, dtype="bfloat16",

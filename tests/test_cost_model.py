@@ -48,6 +48,23 @@ def test_compute_bound_ring_hides_all_communication():
     assert est["ring"].seconds < est["reference"].seconds
 
 
+def test_a_kept_gathered_operand_costs_the_lax_ring_a_copy_per_step():
+    """With the gathered operand kept (a training step's all-gather), the lax ring copies
+    each block into it: one read and one write of the block per step, every step. The
+    kernels write it as they go and the reference's collective makes it: no change."""
+    hw = _one_link(flops={"float32": 1e9}, link_bandwidth=1e12, egress_bandwidth=4e12,
+                   hbm_bandwidth=1e9)
+    n, m, k, cols = 4, 64, 128, 256
+    plain, kept = (cost_model.breakdown("ag_rows", (m, k), (k, cols), n, "float32", hw,
+                                        backends=("reference", "ring", "pallas"),
+                                        gathered=g) for g in (False, True))
+    copy = 2 * m * k * 4 / 1e9
+    assert kept["ring"].compute_step == pytest.approx(plain["ring"].compute_step + copy)
+    assert kept["ring"].seconds == pytest.approx(plain["ring"].seconds + n * copy)
+    for name in ("reference", "pallas"):
+        assert kept[name] == plain[name], name
+
+
 def test_communication_bound_ring_costs_first_step_plus_transfers():
     hw = _one_link(flops={"float32": 1e15})
     n, m, k, cols = 8, 64, 128, 256
