@@ -70,7 +70,6 @@ _interpret.setup_threads()
 _platforms.setup_platforms()
 
 
-
 def __getattr__(name):
     # `fusedpar.aot` (compiling for absent hardware) on first use after a plain
     # `import fusedpar`, as the docs write it; not imported eagerly, since it sets the

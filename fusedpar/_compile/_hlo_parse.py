@@ -186,7 +186,7 @@ _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
 def _unclosed(line: str) -> bool:
     """Whether instruction text `line` goes on past its end: a brace it opened is not
     closed, or a quoted string is. Braces inside quoted strings do not count: a Mosaic GPU
-    call carries its kernel as MLIR bytecode in a string (`module = "ML\EFR..."`), whose
+    call carries its kernel as MLIR bytecode in a string (`module = "ML\\EFR..."`), whose
     bytes print as they are where printable, `{` and `}` among them, unbalanced as often
     as not (which bytes come out depends even on where the package is installed)."""
     bare = _QUOTED.sub('""', line)
