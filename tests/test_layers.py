@@ -212,8 +212,9 @@ def test_a_sequence_parallel_column_runs_op_by_op():
     want = dense_apply(eqx.nn.Linear(IN, HID, key=k), x)
     with jax.set_mesh(m):
         assert_close(layer(x), want, F32, "global, eager")
-    local = jax.shard_map(lambda l, x: l(x), mesh=m,
-                          in_specs=(fusedpar.param_specs(layer), P("tp")), out_specs=P(None, "tp"))
+    local = jax.shard_map(lambda l, x: l(x), mesh=m, in_specs=(fusedpar.param_specs(layer),
+                                                               P("tp")),
+                          out_specs=P(None, "tp"))
     assert_close(local(layer, x), want, F32, "shard_map, eager")
 
 
