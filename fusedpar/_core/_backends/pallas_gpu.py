@@ -19,8 +19,7 @@ arrived itself: a kernel that read it would wait for the transfer (`_ring_loop.p
 ² Where the gathered operand is kept (for the backward), the kernel also writes each
 piece into it, from the blocks it loads to multiply anyway (`gather_keeping_step`); the
 lax ring copies each piece in with a dynamic-update-slice, a pass over the piece of its
-own (16 of them, 98 us per device in the 8-H100 MLP's
-training step, replayed).
+own (16 of them, 98 us per device in the 8-H100 MLP's training step, replayed).
 
 Two kernel families compute these steps (option `kernels`): `"mosaic"` (Mosaic GPU:
 TMA, wgmma, warp specialisation), the default on Hopper (compute capability 9.0);

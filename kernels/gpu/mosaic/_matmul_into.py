@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from .._kept import check_kept
 from .._result_type import result_type
 from ..._cost import matmul_cost
 from . import _config, _gemm, _precision
@@ -75,10 +76,7 @@ def matmul_into(out, pieces, other, segs, *, axis, precision=None, config=None,
         raise ValueError(f"axis must be 0 or 1, got {axis}")
     k_major = _precision.b_must_be_k_major(dtype, precision)
     if kept is not None:
-        want = (out.shape[0], k) if axis == 0 else (k, out.shape[1])
-        if kept.shape != want or kept.dtype != dtype:
-            raise ValueError(f"matmul_into(axis={axis}): kept is {kept.dtype}{list(kept.shape)}"
-                             f", the pieces gather into {dtype}{list(want)}")
+        check_kept(kept, out.shape, k, axis, dtype)
         if not can_keep(dtype, axis):
             raise NotImplementedError(f"matmul_into(axis=1): kept with {dtype} pieces at "
                                       "this precision (read K-major, transposed)")

@@ -17,6 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..._cost import matmul_cost
+from .._kept import check_kept
 from .._result_type import result_type
 from .._tile_order import tile_of
 from . import _tile_config, _tile_loop
@@ -97,10 +98,7 @@ def matmul_into(out, pieces, other, segs, *, axis, precision=None, config=(),
     else:
         m, (k, n) = other.shape[0], piece.shape
     if kept is not None:
-        want = (out.shape[0], k) if axis == 0 else (k, out.shape[1])
-        if kept.shape != want or kept.dtype != piece.dtype:
-            raise ValueError(f"matmul_into(axis={axis}): kept is {kept.dtype}{list(kept.shape)}"
-                             f", the pieces gather into {piece.dtype}{list(want)}")
+        check_kept(kept, out.shape, k, axis, piece.dtype)
     tiles = _tile_config.choose(m, n, k, piece.dtype, config)
     tiles_m, tiles_n = m // tiles.block_m, n // tiles.block_n
     kernel = functools.partial(
