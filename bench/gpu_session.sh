@@ -21,6 +21,10 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,memory.total,driv
 python3 -c "import jax, fusedpar; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -3
 FLAGS=$(python3 -c "import fusedpar; print(fusedpar.gpu_overlap_flags())" 2>/dev/null)
 
+echo "== 0. the gather kernels' kept store, checked at real sizes (interpret mode cannot race)"
+timeout 170 python3 bench/gpu_kept_check.py --trials 2 --out "$OUT/kept-check.json" \
+  > "$OUT/kept-check.log" 2>&1; grep -E "^FAIL|passed" "$OUT/kept-check.log" | cut -c1-200
+
 echo "== 1. compute stream"
 timeout 230 python3 bench/compute_stream.py measure "$PREPARED" --out "$OUT/compute-stream.json" \
   --runs 20 2>&1 | grep -v -e "^W0" -e "^I0" | tee "$OUT/compute-stream.log" | tail -12

@@ -12,12 +12,15 @@
 - `reduce_add`: store with a TMA reduce-add (`out += tile`) instead of a plain store;
 - `keep`: None, or `(operand, ref, origin)`: the compute warpgroups also store the
   blocks of `operand` ("a" or "b", the travelling piece) they multiply into `ref`, each
-  block once (A's from the tiles of the first output column, B's from the first output
-  row), straight from the shared-memory slot the TMA load filled: `origin(tile, kk)` is
-  the (row, column) in `ref` of step `kk`'s `(cta_m, tile_k)` A block (or `(tile_k,
-  cta_n)` B block) of `tile`. A gather keeps its gathered operand this way with no
-  pass of its own: the store runs beside the wgmma, and the slot is released once the
-  store has read it.
+  block once, straight from the shared-memory slot the TMA load filled: `origin(tile,
+  kk)` is the (row, column) in `ref` of step `kk`'s `(cta_m, tile_k)` A block (or
+  `(tile_k, cta_n)` B block) of `tile`. Step `kk`'s A block is stored by the tile of
+  column `kk % tiles_n` of its row (B's by row `kk % tiles_m` of its column): the
+  stores are spread over the tiles that load the block. (Stored all by the first
+  column's tiles, those tiles ran 1.6x as long as the others on an H100, and a launch
+  takes as long as its slowest tile: a 1024 x 4096 x 4096 step 39 us against 24.) A
+  gather keeps its gathered operand this way with no pass of its own: the store runs
+  beside the wgmma, and the slot is released once the store has read it.
 
 Synchronisation, per ring slot `s` (`stages` slots, step `g` of the CTA uses `g % stages`):
 `full[s]` (2 arrivals: the A and B copies, with their byte counts) and `empty[s]`
@@ -26,9 +29,10 @@ memory warpgroup waits `empty` before refilling a slot; the compute warpgroups w
 `full`, issue the wgmma, keep one wgmma in flight (`wgmma_wait(1)`) and release the
 previous step's slot. The step counter runs on across a CTA's tiles, so the loads of the
 next tile overlap the last MMAs and the epilogue of the current one. With `keep`, a
-compute warpgroup stores step `g`'s block before its wgmma and releases slot `g - 1`
-only once that block's store has read it (all but the newest store group; all of them
-at the end of a tile, before the epilogue reuses the store groups). Mosaic tracks each
+compute warpgroup stores step `g`'s block (if it is its to store) before its wgmma and
+releases slot `g - 1` only once that block's store has read it (all store groups but
+step `g`'s own; all of them at the end of a tile, before the epilogue reuses the store
+groups). Mosaic tracks each
 barrier's phase per thread; every thread waits every phase of the barriers it waits on
 (the memory warpgroup drains `empty` at the end), as the phase tracking needs.
 """
@@ -125,30 +129,49 @@ def emit_gemm(cfg: GemmConfig, *, in_dtype, out_dtype, b_k_major: bool,
                 a_rows = slice(None)
                 b_cols = pl.ds(wg * cfg.tile_n, cfg.tile_n)
 
+            def stores_kept(tile, kk):
+                """Whether this warpgroup stores (its share of) step `kk`'s block."""
+                operand = keep[0]
+                if operand == "a":
+                    ours = lax.rem(kk, tiles_n) == tile.j
+                else:
+                    ours = lax.rem(kk, tiles_m) == tile.i
+                # A blocks split by rows (wg_dim "m"): each warpgroup stores its rows.
+                # Otherwise one stores the whole block (a column share of a swizzled B
+                # block is not contiguous, which a TMA store needs).
+                if operand == "a" and cfg.wg_dim == "m":
+                    return ours
+                return jnp.logical_and(ours, wg == 0)
+
             def store_kept(tile, kk, slot):
                 """`keep`'s store of this warpgroup's share of step `kk`'s block."""
                 operand, ref, origin = keep
                 row, col = origin(tile, kk)
-                # Split along the block's rows (A, wg_dim "m") or columns (B, "n"), each
-                # warpgroup stores its share; otherwise every one holds all of it: one does.
-                split = cfg.wg_dim == ("m" if operand == "a" else "n")
-                mine = True if split else wg == 0
                 if operand == "a":
-                    first, src = tile.j == 0, a_smem.at[slot]
-                    rows, cols = cta_m, tk
+                    src, rows, cols = a_smem.at[slot], cta_m, tk
                     if cfg.wg_dim == "m":
                         src, row, rows = src.at[a_rows], row + wg * cfg.tile_m, cfg.tile_m
                 else:
-                    first, src = tile.i == 0, b_smem.at[slot]
-                    rows, cols = tk, cta_n
-                    if cfg.wg_dim == "n":
-                        src, col, cols = src.at[:, b_cols], col + wg * cfg.tile_n, cfg.tile_n
-                # A branch, not the copy's predicate (which jax's GPU interpreter lacks):
-                # every step of a tile stores or none does, so the store groups the
-                # waits count are the same either way.
-                @pl.when(jnp.logical_and(first, mine))
+                    src, rows, cols = b_smem.at[slot], tk, cta_n
+
+                # A branch, not the copy's predicate (which jax's GPU interpreter lacks).
+                @pl.when(stores_kept(tile, kk))
                 def _():
                     plgpu.copy_smem_to_gmem(src, ref.at[pl.ds(row, rows), pl.ds(col, cols)])
+
+            def release_kept(tile, kk):
+                """Wait until the store of step `kk - 1`'s block (if any) has read its
+                slot; step `kk`'s own store (if any) may still be reading."""
+                before = jnp.logical_and(kk > 0, stores_kept(tile, kk - 1))
+                now = stores_kept(tile, kk)
+
+                @pl.when(jnp.logical_and(before, now))
+                def _():
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+
+                @pl.when(jnp.logical_and(before, jnp.logical_not(now)))
+                def _():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             def tile_body(it, carry):
                 tile = coords(it)
@@ -171,7 +194,7 @@ def emit_gemm(cfg: GemmConfig, *, in_dtype, out_dtype, b_k_major: bool,
                             plgpu.wgmma(acc_ref, a, b)
                             plgpu.wgmma_wait(1)  # the previous step's wgmma has retired
                             if keep is not None:  # and its block's store has read it
-                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                                release_kept(tile, kk)
 
                             @pl.when(g_in > 0)
                             def _():

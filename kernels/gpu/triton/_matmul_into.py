@@ -4,8 +4,8 @@
 each step writes only its own rows (`ag_rows`) or columns (`ag_cols`) and the rest of
 the buffer is left as it is, so no step copies the output. A bidirectional ring hands
 both halves of a step to one launch (one grid over the tiles of both). With `kept`, the
-launch also writes the pieces into their segments of the gathered operand, as the tiles
-of the first output column (row) load them.
+launch also copies the pieces into their segments of the gathered operand, each tile a
+share of the blocks it multiplies.
 """
 
 from __future__ import annotations
@@ -41,17 +41,42 @@ def _kernel(segs_ref, *refs, axis, num_pieces, tiles_m, tiles_n, k, tiles, preci
         start = segs_ref[p] * (tiles_m * bm if axis == 0 else tiles_n * bn)
         if axis == 0:  # piece (mp, k) @ other (k, n) -> rows of out
             a_ref, b_ref, rows, cols = piece_refs[p], other_ref, start + i * bm, j * bn
-            # The piece's rows go to `kept` from the tiles of the first output column.
-            keep = ("a", kept_ref, rows, 0, j == 0)
         else:  # other (m, k) @ piece (k, np) -> columns of out
             a_ref, b_ref, rows, cols = other_ref, piece_refs[p], i * bm, start + j * bn
-            keep = ("b", kept_ref, 0, cols, i == 0)
         acc = jnp.zeros((bm, bn), jnp.float32)
         acc = _tile_loop.tile_product(acc, a_ref, i * bm, 0, b_ref, 0, j * bn, k=k,
-                                      block_k=tiles.block_k, precision=precision, widen=widen,
-                                      keep=keep if keeps else None)
+                                      block_k=tiles.block_k, precision=precision, widen=widen)
         out_ref[pl.ds(pl.multiple_of(rows, bm), bm),
                 pl.ds(pl.multiple_of(cols, bn), bn)] = acc.astype(out_ref.dtype)
+        if keeps:
+            keep(piece_refs[p], rows if axis == 0 else cols)
+
+    def keep(piece_ref, at):
+        """This tile's share of the piece into `kept` at `at` (its rows or columns
+        there): the `block_k` blocks `t` of its rows (columns) with `t % tiles_n == j`
+        (`t % tiles_m == i`), so that each block is copied once, by the tiles that load
+        it, spread over them. A copy of its own after the product: storing the blocks
+        the product loop loads, inside that software-pipelined loop, gave wrong products
+        on an H100 (Triton 3.6, jax 0.11.2), though right in interpret mode."""
+        bk = tiles.block_k
+        along, mine = (tiles_n, j) if axis == 0 else (tiles_m, i)
+        blocks = k // bk
+
+        def body(u, carry):
+            t = mine + u * along
+
+            @pl.when(t < blocks)
+            def _():
+                kk = pl.multiple_of(t * bk, bk)
+                if axis == 0:
+                    kept_ref[pl.ds(at, bm), pl.ds(kk, bk)] = piece_ref[pl.ds(i * bm, bm),
+                                                                       pl.ds(kk, bk)]
+                else:
+                    kept_ref[pl.ds(kk, bk), pl.ds(at, bn)] = piece_ref[pl.ds(kk, bk),
+                                                                       pl.ds(j * bn, bn)]
+            return carry
+
+        lax.fori_loop(0, -(-blocks // along), body, 0)
 
     if num_pieces == 1:
         piece(0)
@@ -83,8 +108,8 @@ def matmul_into(out, pieces, other, segs, *, axis, precision=None, config=(),
       `interpret`: run in Pallas interpret mode (CPU).
     - `kept`: None, or the buffer the pieces are gathered into, `(R, k)` for `axis=0`
       (`(k, C)` for `axis=1`) in the pieces' dtype, aliased in place like `out`: each
-      piece is written at its segment, from the blocks the tiles of the first output
-      column (row) load to multiply.
+      piece is written at its segment, each tile copying a share of the blocks it
+      multiplies after its product.
 
     **Returns:** `out` with rows `[s*mp, (s+1)*mp)` (axis 0) or columns `[s*np, (s+1)*np)`
     (axis 1) replaced by `piece @ other` / `other @ piece`, computed in float32 and cast

@@ -28,34 +28,20 @@ def dot_precision(precision, dtype):
 
 
 def tile_product(acc, a_ref, a_rows, a_cols, b_ref, b_rows, b_cols, *, k, block_k,
-                 precision, widen=False, keep=None):
+                 precision, widen=False):
     """`acc + a[a_rows:+bm, a_cols:+k] @ b[b_rows:+k, b_cols:+bn]` in float32.
 
     `acc` is the `(bm, bn)` float32 tile; the contraction runs `block_k` at a time in a
     loop that Triton software-pipelines (`num_stages` loads in flight). `widen` (interpret
     mode on CPU only) multiplies tiles widened to float32: XLA's CPU runtime cannot run a
-    bf16 x bf16 -> f32 dot, and widening is exact. `keep`: None, or `(operand, ref, row,
-    col, when)`: where `when` holds, each block of `operand` ("a" or "b") loaded is also
-    stored into `ref`, its `(bm, k)` rows (or `(k, bn)` columns) at (`row`, `col`).
+    bf16 x bf16 -> f32 dot, and widening is exact.
     """
     bm, bn = acc.shape
-
-    def store(kk, a, b):
-        operand, ref, row, col, when = keep
-
-        @pl.when(when)
-        def _():
-            if operand == "a":
-                ref[pl.ds(row, bm), pl.ds(col + kk, block_k)] = a
-            else:
-                ref[pl.ds(row + kk, block_k), pl.ds(col, bn)] = b
 
     def body(t, acc):
         kk = t * block_k if isinstance(t, int) else pl.multiple_of(t * block_k, block_k)
         a = a_ref[pl.ds(a_rows, bm), pl.ds(a_cols + kk, block_k)]
         b = b_ref[pl.ds(b_rows + kk, block_k), pl.ds(b_cols, bn)]
-        if keep is not None:
-            store(kk, a, b)
         if widen:
             a, b = a.astype(jnp.float32), b.astype(jnp.float32)
         return acc + pltriton.dot(a, b, precision=precision)
