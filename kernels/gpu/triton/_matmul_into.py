@@ -57,7 +57,7 @@ def _kernel(segs_ref, *refs, axis, num_pieces, tiles_m, tiles_n, k, tiles, preci
         (`t % tiles_m == i`), so that each block is copied once, by the tiles that load
         it, spread over them. A copy of its own after the product: storing the blocks
         the product loop loads, inside that software-pipelined loop, gave wrong products
-        on an H100 (Triton 3.6, jax 0.11.2), though right in interpret mode."""
+        on an H100 (jax 0.11.2), though right in interpret mode."""
         bk = tiles.block_k
         along, mine = (tiles_n, j) if axis == 0 else (tiles_m, i)
         blocks = k // bk
