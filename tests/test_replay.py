@@ -368,6 +368,62 @@ def test_async_slices_and_copies_run_beside_the_compute_stream():
     assert p.compute == pytest.approx(2 * g, rel=1e-6) and p.unread == ()
 
 
+def _offloaded_gather(offloaded: bool) -> str:
+    """An FSDP weight gather over 2 devices beside a matmul: offloaded to the SparseCores
+    (the TPU compiler's `call-start` / `call-done` of a computation on the "sparsecore"
+    execution thread, after its handshake custom calls), or XLA's synchronous all-gather."""
+    gather = ("all-gather(%w), channel_id=1, replica_groups={{0,1}}, dimensions={0}, "
+              "use_global_device_ids=true")
+    if offloaded:
+        head = f"""\
+%called_computation (param_0: bf16[1024,2048], param_1: token[]) -> bf16[2048,2048] {{
+  %param_1 = token[] parameter(1)
+  %param_0 = bf16[1024,2048]{B} parameter(0)
+  ROOT %all-gather.1 = bf16[2048,2048]{B} {gather.replace("%w", "%param_0")}
+}}, execution_thread="sparsecore"
+"""
+        body = f"""\
+  %prepare_start = s32[]{{:S(2)}} custom-call(), custom_call_target="PrepareAsyncCallStart"
+  %prepare_done = token[] custom-call(%prepare_start), custom_call_target="PrepareAsyncCallDone"
+  %call-start = ((bf16[1024,2048]{B}, token[]), bf16[2048,2048]{B}) call-start(%w, %prepare_done), async_execution_thread="sparsecore", to_apply=%called_computation
+  %fusion.1 = bf16[2048,2048]{B} fusion(%x, %x), kind=kOutput, calls=%fused_conv
+  %gathered = bf16[2048,2048]{B} call-done(%call-start)
+"""
+    else:
+        head = ""
+        body = f"""\
+  %fusion.1 = bf16[2048,2048]{B} fusion(%x, %x), kind=kOutput, calls=%fused_conv
+  %gathered = bf16[2048,2048]{B} {gather}
+"""
+    return f"""\
+HloModule offload, is_scheduled=true, num_partitions=2
+
+{_fused_conv(2048)}
+
+{head}
+ENTRY %main (x: bf16[2048,2048], w: bf16[1024,2048]) -> bf16[2048,2048] {{
+  %x = bf16[2048,2048]{B} parameter(0)
+  %w = bf16[1024,2048]{B} parameter(1)
+{body}  ROOT %fusion.2 = bf16[2048,2048]{B} fusion(%fusion.1, %gathered), kind=kOutput, calls=%fused_conv
+}}
+"""
+
+
+def test_a_collective_offloaded_to_the_sparsecores_runs_beside_the_compute_stream():
+    """The computation a SparseCore collective calls ends with its execution thread
+    (`}, execution_thread="sparsecore"`): the module after it is still read, the
+    handshake costs nothing, and the gather hides behind the matmul before its done."""
+    sync = _simulate.predict(_offloaded_gather(False), V5E)
+    p = _simulate.predict(_offloaded_gather(True), V5E)
+    g = 2 * 2048 ** 3 / V5E.matmul_flops("bfloat16") + V5E.launch_overhead
+    assert p.unread == () and sync.unread == ()
+    assert [t.kind for t in p.transfers] == ["all-gather"]
+    assert p.communication == pytest.approx(sync.communication, rel=1e-9)
+    assert 0 < p.communication < g
+    assert p.seconds == pytest.approx(2 * g, rel=1e-6)
+    assert sync.seconds == pytest.approx(2 * g + sync.communication, rel=1e-6)
+
+
 LINE = [(0, 0, 0), (1, 0, 0), (2, 0, 0)]  # three chips in a row, no wrap-around
 
 

@@ -210,7 +210,10 @@ def parse(text: str) -> Module:
                 if m.group(1):
                     entry = current
             continue
-        if line.strip() == "}":
+        # A computation ends at a brace in the first column; one run on another
+        # execution thread says which after it (`}, execution_thread="sparsecore"`: the
+        # TPU compiler's collectives offloaded to the SparseCores).
+        if line.startswith("}"):
             current = None
             continue
         # An attribute can hold line breaks (a Pallas TPU call's `kernel_metadata`): the

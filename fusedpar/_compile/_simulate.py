@@ -55,9 +55,12 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant",
          "after-all", "partition-id", "replica-id", "opt-barrier",
          "optimization-barrier", "add-dependency", "get-dimension-size", "recv"}
 # Custom calls that move nothing: the TPU compiler's concatenation of slices it already
-# placed side by side in memory (a bitcast of their buffers), and its allocation of an
-# uninitialised buffer.
-_FREE_TARGETS = {"ConcatBitcast", "AllocateBuffer"}
+# placed side by side in memory (a bitcast of their buffers), its allocation of an
+# uninitialised buffer, and the handshake before a collective offloaded to the
+# SparseCores starts (`call-start` on the "sparsecore" execution thread, whose transfer
+# is the collective the call runs).
+_FREE_TARGETS = {"ConcatBitcast", "AllocateBuffer", "PrepareAsyncCallStart",
+                 "PrepareAsyncCallDone"}
 _DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64",
                 "s8": "int8", "u8": "uint8", "s32": "int32",
                 "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2"}
