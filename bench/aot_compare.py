@@ -55,10 +55,9 @@ def run(targets, programs, force=False, only=None) -> dict:
                 rows = tuple(r for r in rows if _label(*r) in only)
             new = [vars(r) | {"unread": list(r.unread)} for r in _aot_compare.compare(
                 target, program, cublas=variant == "cublas", rows=rows)]
-            if only and key in cache:
-                fresh = {_label(r["backend"], r["settings"]): r for r in new}
-                new = [fresh.get(_label(r["backend"], r["settings"]), r)
-                       for r in cache[key]]
+            if only and key in cache:  # in the table's order, new rows included
+                have = {_label(r["backend"], r["settings"]): r for r in cache[key] + new}
+                new = [have[_label(*r)] for r in _aot_compare.ROWS if _label(*r) in have]
             cache[key] = _speedups(new)
             CACHE.write_text(json.dumps(cache, indent=1))
             print(f"{name}: {program}: " + ", ".join(
@@ -92,10 +91,10 @@ def _order(key):
 def table(cache) -> str:
     """One line per (target, program): each variant's predicted time, and auto's and the
     best fusedpar backend's speed-up over the best xla row."""
-    head = ("| target | program | xla | xla (CM) | reference | reference (CM) | ring | "
-            "pallas | auto | auto vs best xla | bounds | temp MiB: best xla / ring / auto "
-            "| auto temp / best xla |")
-    lines = [head, "|---|---|" + "---:|" * 8 + "---|---:|---:|"]
+    head = ("| target | program | xla | xla (CM) | xla (SC) | xla (CM+SC) | reference | "
+            "reference (CM) | ring | pallas | auto | auto vs best xla | bounds | temp MiB: "
+            "best xla / ring / auto | auto temp / best xla |")
+    lines = [head, "|---|---|" + "---:|" * 10 + "---|---:|---:|"]
     order = [_label(b, s) for b, s in _aot_compare.ROWS]
     for key in sorted(cache, key=_order):
         rows = cache[key]
@@ -208,6 +207,10 @@ def markdown(cache) -> str:
         "`xla_gpu_multi_streamed_windowed_einsum`, the latency-hiding scheduler). On GPU "
         "the windowed einsum cannot fire in a deviceless compile (`fusedpar/"
         "_aot_baseline.py` says why), so both xla rows are the same program there. "
+        "*(SC)*, *(CM+SC)*: the same with XLA's all-gathers, reduce-scatters and "
+        "all-reduces offloaded to the SparseCores (`xla_tpu_enable_sparse_core_collective_"
+        "offload_*`), on v5p and v6e, where `fusedpar.set_overlap_flags()` turns it on; "
+        "elsewhere the rows without it. "
         "fusedpar's rows are compiled with `fusedpar.set_overlap_flags()`'s flags. "
         "*auto vs best xla*: the best xla row's time over auto's (above 1: auto is "
         "faster). *bounds*: the replay's compute and communication are at least the "

@@ -108,6 +108,47 @@ def test_compare_tpu_small():
                            tokens=256))
 
 
+@pytest.mark.aot
+@needs_aot
+@pytest.mark.timeout(180)
+def test_compare_offloads_xlas_collectives_to_the_sparsecores():
+    """v6e: the `(SparseCore offload)` row compiles the plain block with XLA's FSDP
+    collectives on the SparseCores (`call-start`s on the "sparsecore" thread), which the
+    replay reads within the program's bounds; the default row has none."""
+    texts = {}
+    rows = compare.compare("v6e:2x4", "block", rows=(("xla", compare.DEFAULT),
+                                                     ("xla", compare.OFFLOAD)),
+                           texts=texts, dim=512, hidden=2048, heads=4, seq=128)
+    _check(rows)
+    offloaded = 'async_execution_thread="sparsecore"'
+    assert offloaded not in texts["xla", compare.DEFAULT]
+    assert offloaded in texts["xla", compare.OFFLOAD]
+
+
+def test_offload_rows_without_sparsecores_are_not_compiled_again(monkeypatch):
+    """v5e and the GPUs have no SparseCores: the offload rows are the default's and the
+    collective matmul's programs, each compiled once."""
+    compiled = []
+
+    def row(target, mesh_, program, backend, settings, *rest):
+        compiled.append((backend, settings))
+        return compare.Row(backend, settings, seconds=1e-3 * len(compiled))
+
+    monkeypatch.setattr(compare, "_row", row)
+    xla = [("xla", s) for s in (compare.DEFAULT, compare.CM, compare.OFFLOAD,
+                                compare.CM_OFFLOAD)]
+    for target in ("v5e:2x4", "h100x8"):
+        compiled.clear()
+        rows = compare.compare(target, "mlp", rows=xla)
+        assert compiled == xla[:2]
+        assert [(r.backend, r.settings) for r in rows] == xla
+        assert [r.seconds for r in rows] == [1e-3, 2e-3, 1e-3, 2e-3]
+    assert compare.has_sparsecores("v5p:2x2x2") and compare.has_sparsecores("v6e:2x4")
+    sc = "xla_tpu_enable_sparse_core_collective_offload_all_gather"
+    assert compare.options("v6e:2x4", "xla", compare.CM_OFFLOAD)[sc] is True
+    assert sc not in compare.options("v5e:2x4", "xla", compare.CM_OFFLOAD)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--program", "demo"], "--compare: --program must be ops, or one of"),
     (["--program", "mlp", "--mesh", "8"], "leave out --mesh and --axes"),

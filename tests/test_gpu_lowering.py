@@ -169,8 +169,11 @@ def test_tpu_overlap_flags_per_generation(monkeypatch):
         "--xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter=true",
         "--xla_enable_async_reduce_scatter_fusion=true",
         "--xla_tpu_scoped_vmem_limit_kib=32768"]
-    for generation in ("v5p", "v6e"):  # the same fusion pays there too
-        assert fusedpar.tpu_overlap_flags(generation) == fusedpar.tpu_overlap_flags("v5e")
+    for generation in ("v5p", "v6e"):  # the SparseCores instead of the fusion
+        assert fusedpar.tpu_overlap_flags(generation).split() == common + [
+            "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
+            "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=true",
+            "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true"]
     assert fusedpar.tpu_overlap_flags("v4").split() == common  # v4 runs out of VMEM
     with pytest.raises(ValueError, match="v5e, v5p, v6e or None, got 'v5E'"):
         fusedpar.tpu_overlap_flags("v5E")
@@ -185,7 +188,8 @@ def test_tpu_overlap_flags_per_generation(monkeypatch):
     # `fusedpar.aot` compiles a slice with its own generation's flags.
     from fusedpar._compile import _aot
 
-    names = {"v5e:2x4": v5e, "v6e:2x4": v5e, "v4:2x2x2": common}
+    names = {"v5e:2x4": v5e, "v6e:2x4": fusedpar.tpu_overlap_flags("v6e").split(),
+             "v4:2x2x2": common}
     for target, flags in names.items():
         assert ["--" + f"{k}={str(v).lower()}" for k, v in _aot.compiler_options(
             target).items()] == flags, target

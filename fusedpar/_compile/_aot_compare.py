@@ -13,13 +13,19 @@ from . import _aot_baseline as baseline, _hlo_ring_kernel
 from .._core import _backends, _primitives as prims
 
 DEFAULT, CM = "default", "collective matmul"
+# XLA's collectives offloaded to the SparseCores (`_xla_flags.SPARSECORE_OFFLOAD`), alone
+# and with the collective matmul: fusedpar's flags turn it on for v5p and v6e, so the
+# plain program gets it too. On a target without SparseCores these rows are the
+# default's and the collective matmul's programs, not compiled again.
+OFFLOAD, CM_OFFLOAD = "SparseCore offload", "collective matmul + SparseCore offload"
+_WITHOUT_OFFLOAD = {OFFLOAD: DEFAULT, CM_OFFLOAD: CM}
 # (backend, settings) of every row, in the table's order: "xla" is XLA's own partitioning
 # of the plain program; the others are fusedpar's backends, compiled with the flags
 # `fusedpar.set_overlap_flags()` sets, and the reference also with XLA's
 # collective-matmul settings (which, on TPU, decompose its all_gather + dot).
 # fusedpar's rows are the backends `auto` weighs (`_backends.candidates()`: reference,
 # ring, pallas), a "reference"-family one also with the collective-matmul settings.
-ROWS = ((("xla", DEFAULT), ("xla", CM))
+ROWS = (tuple(("xla", s) for s in (DEFAULT, CM, OFFLOAD, CM_OFFLOAD))
         + tuple((b.name, settings) for b in _backends.candidates()
                 for settings in ((DEFAULT, CM) if b.cost == "reference" else (DEFAULT,)))
         + (("auto", DEFAULT),))
@@ -74,13 +80,25 @@ def options(target: str, backend: str, settings: str, cublas: bool = False) -> d
     collective-matmul settings (`_aot_baseline.COLLECTIVE_MATMUL`)."""
     from . import _aot
 
+    from .._hw._xla_flags import SPARSECORE_OFFLOAD
+
     if backend == "xla":
         opts = {"xla_gpu_enable_triton_gemm": False} if cublas else {}
     else:
         opts = _aot.compiler_options(target, cublas)
-    if settings == CM:
+    if settings in (CM, CM_OFFLOAD):
         opts = {**opts, **_aot._options(baseline.COLLECTIVE_MATMUL[platform(target)])}
+    if settings in (OFFLOAD, CM_OFFLOAD) and has_sparsecores(target):
+        opts = {**opts, **_aot._options(SPARSECORE_OFFLOAD)}
     return opts
+
+
+def has_sparsecores(target: str) -> bool:
+    """Whether fusedpar offloads XLA's collectives to the target's SparseCores."""
+    from . import _aot
+    from .._hw._xla_flags import SPARSECORE_GENERATIONS
+
+    return _aot._check_target(target)[0].generation in SPARSECORE_GENERATIONS
 
 
 def mesh(target: str, program: str):
@@ -147,7 +165,16 @@ def compare(target: str, program: str, *, cublas: bool = False, rows=ROWS,
     if program not in PROGRAMS:
         raise ValueError(f"compare: program must be one of {PROGRAMS}, got {program!r}.")
     mesh_ = mesh(target, program)
-    out = [_row(target, mesh_, program, b, s, cublas, sizes, texts) for b, s in rows]
+    done = {}
+    for b, s in rows:
+        same = _WITHOUT_OFFLOAD.get(s)
+        if same is not None and not has_sparsecores(target):
+            if (b, same) not in done:
+                done[(b, same)] = _row(target, mesh_, program, b, same, cublas, sizes, None)
+            done[(b, s)] = dataclasses.replace(done[(b, same)], settings=s)
+        elif (b, s) not in done:
+            done[(b, s)] = _row(target, mesh_, program, b, s, cublas, sizes, texts)
+    out = [done[r] for r in rows]
     xla = [r.seconds for r in out if r.backend == "xla" and not r.error]
     best = min(xla) if xla else 0.0
     return [dataclasses.replace(r, speedup=best / r.seconds if r.seconds and best else 0.0)

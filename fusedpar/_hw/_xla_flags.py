@@ -40,16 +40,30 @@ _TPU_FLAGS = (
     ("xla_tpu_overlap_compute_collective_tc", "true"),
     ("xla_enable_async_all_gather", "true"),
 )
-# Added per TPU generation: the same asynchronous fusion for XLA's reduce-scatters (an
-# FSDP layer's weight-gradient reduce-scatter, otherwise synchronous), which needs a 32
-# MiB scoped VMEM limit. It pays on v5e, v5p and v6e; v4 runs out of VMEM with it
-# (docs/measurements.md).
+# Added on v5e: the same asynchronous fusion for XLA's reduce-scatters (an FSDP layer's
+# weight-gradient reduce-scatter, otherwise synchronous), which needs a 32 MiB scoped
+# VMEM limit. v4 runs out of VMEM with it (docs/measurements.md).
 _REDUCE_SCATTER_FUSION = (
     ("xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter", "true"),
     ("xla_enable_async_reduce_scatter_fusion", "true"),
     ("xla_tpu_scoped_vmem_limit_kib", "32768"),
 )
-_TPU_GENERATION_FLAGS = {g: _REDUCE_SCATTER_FUSION for g in ("v5e", "v5p", "v6e")}
+# On the TPUs with SparseCores that were measured (v5p, v6e), XLA's all-gathers,
+# reduce-scatters and all-reduces run on the SparseCores, beside whatever the TensorCore
+# runs, as MaxText's v5p and v6e recipes set it. Without it the TPU compiler turns an FSDP
+# weight gather or weight-gradient reduce-scatter that has no XLA matmul to fuse into
+# (the block's, between fused Pallas ring kernels) back into a synchronous collective
+# (v6e block, replayed: 4,567 -> 4,343 us; docs/measurements.md). It replaces the
+# reduce-scatter fusion there: with both, libtpu crashes (a segfault in its scheduler)
+# compiling the reference all_gather_matmul for v6e. v5e has no SparseCore.
+SPARSECORE_OFFLOAD = (
+    ("xla_tpu_enable_sparse_core_collective_offload_all_gather", "true"),
+    ("xla_tpu_enable_sparse_core_collective_offload_reduce_scatter", "true"),
+    ("xla_tpu_enable_sparse_core_collective_offload_all_reduce", "true"),
+)
+SPARSECORE_GENERATIONS = ("v5p", "v6e")
+_TPU_GENERATION_FLAGS = {"v5e": _REDUCE_SCATTER_FUSION,
+                         **{g: SPARSECORE_OFFLOAD for g in SPARSECORE_GENERATIONS}}
 VARIABLES = {"gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
 
 
@@ -71,8 +85,9 @@ def tpu_overlap_flags(generation: Optional[str] = None) -> str:
     **Arguments:**
 
     - `generation`: the TPU generation the program will run on (`"v4"`, `"v5e"`,
-      `"v5p"`, `"v6e"`, ...), or None for the flags every generation takes. On v5e, v5p
-      and v6e the weight gradients' reduce-scatters run beside the matmuls too.
+      `"v5p"`, `"v6e"`, ...), or None for the flags every generation takes. On v5e the
+      weight gradients' reduce-scatters run beside the matmuls too; on v5p and v6e
+      XLA's collectives run on the SparseCores.
     """
     return _join(tpu_flag_pairs(generation))
 
