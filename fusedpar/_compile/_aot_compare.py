@@ -15,10 +15,8 @@ from .._core import _backends, _primitives as prims
 DEFAULT, CM = "default", "collective matmul"
 # XLA's collectives offloaded to the SparseCores (`_xla_flags.SPARSECORE_OFFLOAD`), alone
 # and with the collective matmul: fusedpar's flags turn it on for v5p and v6e, so the
-# plain program gets it too. On a target without SparseCores these rows are the
-# default's and the collective matmul's programs, not compiled again.
+# plain program gets it too. A target without SparseCores has no such rows.
 OFFLOAD, CM_OFFLOAD = "SparseCore offload", "collective matmul + SparseCore offload"
-_WITHOUT_OFFLOAD = {OFFLOAD: DEFAULT, CM_OFFLOAD: CM}
 # (backend, settings) of every row, in the table's order: "xla" is XLA's own partitioning
 # of the plain program; the others are fusedpar's backends, compiled with the flags
 # `fusedpar.set_overlap_flags()` sets, and the reference also with XLA's
@@ -159,22 +157,16 @@ def _row(target, mesh_, program, backend, settings, cublas, sizes, texts) -> Row
 def compare(target: str, program: str, *, cublas: bool = False, rows=ROWS,
             texts: Optional[dict] = None, **sizes) -> list:
     """`Row`s of `program` (one of `PROGRAMS`) on `target`, one per `(backend,
-    settings)` of `rows`, each with its speed-up over the best `xla` row; `texts`
+    settings)` of `rows` (but the SparseCore offload's on a target without
+    SparseCores), each with its speed-up over the best `xla` row; `texts`
     (a dict), when given, receives each row's compiled HLO text by `(backend,
     settings)`. `sizes` override `_aot_programs.LAYER_SIZES[program]`."""
     if program not in PROGRAMS:
         raise ValueError(f"compare: program must be one of {PROGRAMS}, got {program!r}.")
     mesh_ = mesh(target, program)
-    done = {}
-    for b, s in rows:
-        same = _WITHOUT_OFFLOAD.get(s)
-        if same is not None and not has_sparsecores(target):
-            if (b, same) not in done:
-                done[(b, same)] = _row(target, mesh_, program, b, same, cublas, sizes, None)
-            done[(b, s)] = dataclasses.replace(done[(b, same)], settings=s)
-        elif (b, s) not in done:
-            done[(b, s)] = _row(target, mesh_, program, b, s, cublas, sizes, texts)
-    out = [done[r] for r in rows]
+    if not has_sparsecores(target):
+        rows = [r for r in rows if r[1] not in (OFFLOAD, CM_OFFLOAD)]
+    out = [_row(target, mesh_, program, b, s, cublas, sizes, texts) for b, s in rows]
     xla = [r.seconds for r in out if r.backend == "xla" and not r.error]
     best = min(xla) if xla else 0.0
     return [dataclasses.replace(r, speedup=best / r.seconds if r.seconds and best else 0.0)
