@@ -82,7 +82,7 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
                                    comm_dtype, unroll=unroll, where="explain")
     _validate.flag("explain", "w_invariant", w_invariant)
     _validate.flag("explain", "check_vma", check_vma)
-    reduce_dtype = _validate.float_dtype("explain", "reduce_dtype", reduce_dtype)
+    reduce_dtype = _validate.reduce_dtype("explain", reduce_dtype, x.dtype)
     call = dataclasses.replace(call, automatic_axes=_target.automatic_axes(),
                                w_invariant=bool(w_invariant), vma_typed=bool(check_vma),
                                reduce_dtype=None if reduce_dtype is None else reduce_dtype.name)
@@ -151,7 +151,7 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
         if not isinstance(flag, bool):
             raise TypeError(f"{op}: {name} must be True or False, got {flag!r}.")
     out_dtype = _validate.float_dtype(op, "preferred_element_type", preferred_element_type)
-    reduce_dtype = _validate.float_dtype(op, "reduce_dtype", reduce_dtype)
+    reduce_dtype = _validate.reduce_dtype(op, reduce_dtype, x.dtype)
     target = _target.current(x, *jax.tree.leaves(w))
     automatic = _target.automatic_axes()
     # Multiplying first needs w typed invariant (never guessed), and gradients that

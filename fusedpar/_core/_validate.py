@@ -94,6 +94,23 @@ def float_dtype(op, name, dtype):
     return d
 
 
+def reduce_dtype(op, dtype, x_dtype):
+    """`reduce_dtype` (`float_dtype`'s checks), refused where its range is narrower than
+    the operands' (`x_dtype`): float16 partial sums of bfloat16 or float32 operands would
+    overflow to inf where the operands' own products do not."""
+    d = float_dtype(op, "reduce_dtype", dtype)
+    if d is None or not jnp.issubdtype(x_dtype, jnp.floating):
+        return d
+    if jnp.finfo(d).max < jnp.finfo(x_dtype).max:
+        raise ValueError(
+            f"{op}: reduce_dtype {d} has a narrower range than the operands' {jnp.dtype(x_dtype)} "
+            f"(largest value {float(jnp.finfo(d).max):.4g} < "
+            f"{float(jnp.finfo(x_dtype).max):.4g}): partial sums could overflow to inf. "
+            f"Use jnp.float32, or a dtype of at least {jnp.dtype(x_dtype)}'s range "
+            "(jnp.bfloat16 halves the traffic).")
+    return d
+
+
 def ring_size(op, axis_size):
     if not isinstance(axis_size, int) or isinstance(axis_size, bool) or axis_size < 1:
         raise ValueError(f"{op}: axis_size must be a positive int (the size of the mesh "
