@@ -173,7 +173,8 @@ def test_tpu_overlap_flags_per_generation(monkeypatch):
         assert fusedpar.tpu_overlap_flags(generation).split() == common + [
             "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
             "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=true",
-            "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true"]
+            "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true",
+            "--xla_tpu_scoped_vmem_limit_kib=32768"]
     assert fusedpar.tpu_overlap_flags("v4").split() == common  # v4 runs out of VMEM
     with pytest.raises(ValueError, match="v5e, v5p, v6e or None, got 'v5E'"):
         fusedpar.tpu_overlap_flags("v5E")
