@@ -75,9 +75,9 @@ def platform(target: str) -> str:
 def options(target: str, backend: str, settings: str, cublas: bool = False) -> dict:
     """The `compiler_options` of a row: none for XLA's defaults (the GEMM backend aside)
     and fusedpar's overlap flags for fusedpar's backends; `CM` adds XLA's
-    collective-matmul settings (`_aot_baseline.COLLECTIVE_MATMUL`)."""
+    collective-matmul settings (`_aot_baseline.COLLECTIVE_MATMUL`), `OFFLOAD` the
+    SparseCore offload (on a target with SparseCores), `CM_OFFLOAD` both."""
     from . import _aot
-
     from .._hw._xla_flags import SPARSECORE_OFFLOAD
 
     if backend == "xla":
