@@ -125,6 +125,7 @@ def test_compare_offloads_xlas_collectives_to_the_sparsecores():
     assert offloaded in texts["xla", compare.OFFLOAD]
 
 
+@needs_aot  # the targets' meshes are the compilers' devices
 def test_offload_rows_only_where_there_are_sparsecores(monkeypatch):
     """v5e and the GPUs have no SparseCores: no offload rows there (nothing compiled for
     them); on v5p and v6e the xla rows get the offload's flags."""
