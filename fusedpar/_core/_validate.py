@@ -95,13 +95,13 @@ def float_dtype(op, name, dtype):
 
 
 def reduce_dtype(op, dtype, x_dtype):
-    """`reduce_dtype` (`float_dtype`'s checks), refused where its range is narrower than
-    the operands' (`x_dtype`): float16 partial sums of bfloat16 or float32 operands would
-    overflow to inf where the operands' own products do not."""
+    """`reduce_dtype` (`float_dtype`'s checks), refused where its exponent range is
+    narrower than the operands' (`x_dtype`): float16 partial sums of bfloat16 or float32
+    operands would overflow to inf where the operands' own products do not."""
     d = float_dtype(op, "reduce_dtype", dtype)
     if d is None or not jnp.issubdtype(x_dtype, jnp.floating):
         return d
-    if jnp.finfo(d).max < jnp.finfo(x_dtype).max:
+    if jnp.finfo(d).maxexp < jnp.finfo(x_dtype).maxexp:  # bfloat16 sums of float32: same range
         raise ValueError(
             f"{op}: reduce_dtype {d} has a narrower range than the operands' {jnp.dtype(x_dtype)} "
             f"(largest value {float(jnp.finfo(d).max):.4g} < "
