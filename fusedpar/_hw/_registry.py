@@ -217,8 +217,9 @@ def _tpu(name, peak_tflops, hbm_gbs, link_gbs, links, torus_period, torus_axes,
     560, 256-wide MXUs), hence 0.8 and 0.75. Calibrate with a measured step
     (bench/test_tpu_speed.py) when a TPU is available. `collective_beside_matmul`:
     only where `set_overlap_flags`' async collective fusion lets a weight gradient's
-    reduce-scatter run beside the backward's matmuls (v5e: docs/measurements.md); the
-    reference collectives of v5p and v6e training steps replayed synchronous."""
+    reduce-scatter run beside the backward's matmuls (v5e), and where they run on the
+    SparseCores (v6e; docs/measurements.md). v5p's op programs still replay the reference
+    collective synchronous, offload or not."""
     return Hardware(name, {"bfloat16": peak_tflops * _T, "float32": peak_tflops * _T},
                     efficiency=efficiency, hbm_bandwidth=hbm_gbs * _G,
                     link_bandwidth=link_gbs * _G, egress_bandwidth=links * link_gbs * _G,
@@ -259,7 +260,8 @@ register(Kind(
 # over 4 links (2-D torus) = 112 GB/s one way per link; 256-wide MXUs.
 register(Kind(
     "tpu_v6e", device_kinds=("TPU v6 lite", "TPU v6e"), aliases=("v6e",), generation="v6e",
-    hardware=_tpu("TPU v6e", 918, 1640, 112, 4, 16, 2, efficiency=0.75),
+    hardware=_tpu("TPU v6e", 918, 1640, 112, 4, 16, 2, efficiency=0.75,
+                  collective_beside_matmul=True),
     vmem_bytes=128 * MiB, default_scoped_vmem_bytes=32 * MiB, tiles=(1024, 1024, 2048),
     aot=Aot("v6e", example="v6e:2x4"), **_TPU_KIND))
 # TPU7x (Ironwood; Google Cloud's TPU7x page, https://cloud.google.com/tpu/docs/tpu7x):
