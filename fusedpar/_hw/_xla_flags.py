@@ -48,7 +48,7 @@ _REDUCE_SCATTER_FUSION = (
     ("xla_enable_async_reduce_scatter_fusion", "true"),
 )
 # v5p's default is 16 MiB: at 32 its ring MLP replays at 2,610 us instead of 2,815 (the
-# block 5,239 instead of 5,322); v6e's programs are the same with it or without.
+# block 5,239 instead of 5,322); v6e's default is 32 MiB already.
 _SCOPED_VMEM = (("xla_tpu_scoped_vmem_limit_kib", "32768"),)
 # On the TPUs with SparseCores that were measured (v5p, v6e), XLA's all-gathers,
 # reduce-scatters and all-reduces run on the SparseCores, beside whatever the TensorCore
