@@ -76,7 +76,8 @@ def options(target: str, backend: str, settings: str, cublas: bool = False) -> d
     """The `compiler_options` of a row: none for XLA's defaults (the GEMM backend aside)
     and fusedpar's overlap flags for fusedpar's backends; `CM` adds XLA's
     collective-matmul settings (`_aot_baseline.COLLECTIVE_MATMUL`), `OFFLOAD` the
-    SparseCore offload (on a target with SparseCores), `CM_OFFLOAD` both."""
+    SparseCore offload (`compare` asks for it only where there are SparseCores),
+    `CM_OFFLOAD` both."""
     from . import _aot
     from .._hw._xla_flags import SPARSECORE_OFFLOAD
 
@@ -86,7 +87,7 @@ def options(target: str, backend: str, settings: str, cublas: bool = False) -> d
         opts = _aot.compiler_options(target, cublas)
     if settings in (CM, CM_OFFLOAD):
         opts = {**opts, **_aot._options(baseline.COLLECTIVE_MATMUL[platform(target)])}
-    if settings in (OFFLOAD, CM_OFFLOAD) and has_sparsecores(target):
+    if settings in (OFFLOAD, CM_OFFLOAD):
         opts = {**opts, **_aot._options(SPARSECORE_OFFLOAD)}
     return opts
 
