@@ -282,13 +282,11 @@ def _kernel_w_shapes(f, *args):
 
 @pytest.mark.parametrize("n,bidirectional,vmem", [(4, False, True), (2, True, False)],
                          ids=["4-uni-vmem", "2-bi-tiled"])
-def test_w_transposed_kernels_read_the_weight_in_place(monkeypatch, n, bidirectional, vmem):
-    """`w_transposed=True` (a layer's `weight.T`): the row kernels are given the (n, k)
-    array itself and multiply by its transpose; values and gradients as the reference's.
-    rs_rows is enabled here too (dispatch gives it only to ag_rows: `_READS_W_IN_PLACE`),
-    so that both kernels' transposed step matmuls run, whole in VMEM and tiled."""
-    from fusedpar._core import _primitives as prims
-    monkeypatch.setattr(pallas_tpu, "_READS_W_IN_PLACE", (prims.AG_ROWS, prims.RS_ROWS))
+def test_w_transposed_kernels_read_the_weight_in_place(n, bidirectional, vmem):
+    """`w_transposed=True` (a layer's `weight.T`) with `w_resident=True` (a weight not
+    gathered this step): both row kernels are given the (n, k) array itself and multiply
+    by its transpose, whole in VMEM and tiled; values and gradients as the reference's.
+    (Without `w_resident` rs_rows is given a (k, n) copy: `_READS_W_IN_PLACE`.)"""
     mm, dtype = mesh((n,), ("x",)), jnp.bfloat16
     rows, k, cols = 16 * n, 128, 256  # per device; unequal k and cols: a shape tells
     x = normal(0, (n * rows, k), dtype)
@@ -299,7 +297,8 @@ def test_w_transposed_kernels_read_the_weight_in_place(monkeypatch, n, bidirecti
 
     def local(x, wt, ct_ag, ct_rs, backend):
         kw = {} if backend == "reference" else dict(
-            backend=backend, bidirectional=bidirectional, options=opts, w_transposed=True)
+            backend=backend, bidirectional=bidirectional, options=opts, w_transposed=True,
+            w_resident=True)
 
         def loss(x, wt):
             a = fusedpar.all_gather_matmul(x, wt.T, "x", **kw)

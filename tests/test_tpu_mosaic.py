@@ -300,23 +300,20 @@ def test_four_row_8bit_window_in_vmem_is_refused_by_both(monkeypatch):
 
 
 @pytest.mark.parametrize("vmem", [True, False], ids=["vmem", "hbm"])
-def test_row_kernels_reading_a_transposed_weight_compile(monkeypatch, vmem):
+def test_row_kernels_reading_a_transposed_weight_compile(vmem):
     """`w_transposed`: the weight `(n, k)` as it lies, each step a matmul by its transpose
-    (tiles `(bn, bk)` on the HBM path). Dispatch gives it to ag_rows (whose in-place
-    kernel every realistic rs_rows backward above compiles); rs_rows can take it too."""
+    (tiles `(bn, bk)` on the HBM path). Dispatch gives it to ag_rows, and to rs_rows
+    with `w_resident` (a weight not gathered this step)."""
     import jax
     from jax.sharding import PartitionSpec as P
 
     import fusedpar
-    from fusedpar._core import _primitives as prims
-    from fusedpar._core._backends import pallas_tpu
-
-    monkeypatch.setattr(pallas_tpu, "_READS_W_IN_PLACE", (prims.AG_ROWS, prims.RS_ROWS))
     mesh, k, cols = _mesh("v6e"), 256, 512
     opts = {"vmem": vmem, **({} if vmem else {"block_m": 8, "block_k": 128, "block_n": 128})}
 
     def f(x, wt):
-        kw = dict(backend="pallas_tpu", bidirectional=True, options=opts, w_transposed=True)
+        kw = dict(backend="pallas_tpu", bidirectional=True, options=opts, w_transposed=True,
+                  w_resident=True)
         return (fusedpar.all_gather_matmul(x, wt.T, "x", **kw),
                 fusedpar.matmul_reduce_scatter(x, wt.T, "x", **kw))
 

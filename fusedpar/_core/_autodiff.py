@@ -189,7 +189,8 @@ def _grads(prim, c, env, grads, dtypes, addend=None):
             if other is not None and other.prim is None and not g.keeps:
                 beside = tuple(jax.ShapeDtypeStruct(_shape(env, n), env["dy"].dtype)
                                for n in (other.lhs, other.rhs))
-            dual = dataclasses.replace(c, w_transposed=_transposed_in_memory(c, g.rhs))
+            dual = dataclasses.replace(c, w_transposed=_transposed_in_memory(c, g.rhs),
+                                       w_resident=c.w_resident and g.rhs.startswith("w"))
             r = _run_dual(prim, g.prim, dual, lhs, rhs, return_gathered=g.keeps, beside=beside,
                           addend=addend if g.of == "x" else None,
                           w_ahead=g.rhs.partition(".")[0] == "w")

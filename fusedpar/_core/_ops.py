@@ -139,7 +139,7 @@ def _pairs(options) -> tuple:
 
 def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, keep_gathered,
          preferred_element_type, reduce_dtype, precision, options, comm_dtype,
-         grad_comm_dtype, w_transposed=False, gathered=None):
+         grad_comm_dtype, w_transposed=False, w_resident=False, gathered=None):
     """Validate the call (once: `_validate.op_call`), choose its backend, run it.
 
     `gathered` (`all_gather_matmul_keeping`, `all_gather_matmul_given`): `KEEP` returns
@@ -147,7 +147,8 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
     n = _validate.axis_size(op, axis_name)
     dim, call, grad_comm_dtype = _validate.op_call(op, x, w, n, gather, dim, bidirectional,
                                                    comm_dtype, grad_comm_dtype, unroll)
-    for name, flag in (("keep_gathered", keep_gathered), ("w_transposed", w_transposed)):
+    for name, flag in (("keep_gathered", keep_gathered), ("w_transposed", w_transposed),
+                       ("w_resident", w_resident)):
         if not isinstance(flag, bool):
             raise TypeError(f"{op}: {name} must be True or False, got {flag!r}.")
     out_dtype = _validate.float_dtype(op, "preferred_element_type", preferred_element_type)
@@ -160,6 +161,7 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
                  and _vma.invariant(w, axis_name))
     call = dataclasses.replace(call, automatic_axes=automatic, w_invariant=invariant,
                                vma_typed=_vma.checked(axis_name), w_transposed=w_transposed,
+                               w_resident=w_resident,
                                reduce_dtype=None if reduce_dtype is None else reduce_dtype.name)
     choice = _choose(call, backend, unroll, precision, options, target)
     _interpret.check_threads(op, choice.backend, options, target)  # before a hang
@@ -172,7 +174,8 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
         precision=precision, keep_gathered=keep_gathered, options=_pairs(options),
         target=target, comm_dtype=call.comm_dtype, grad_comm_dtype=grad_comm_dtype,
         auto=backend == AUTO, automatic_axes=automatic, rearranged=choice.rearranged,
-        shape_requested=bidirectional is not None, w_transposed=w_transposed)
+        shape_requested=bidirectional is not None, w_transposed=w_transposed,
+        w_resident=w_resident)
     c = prims.canonicalize(op, gather, dim, x, w, n)
     if gathered is None:
         return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
@@ -244,7 +247,8 @@ def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, backend=AUTO,
                       bidirectional: Optional[bool] = None, unroll: Optional[bool] = None,
                       keep_gathered: bool = True, preferred_element_type=None,
                       reduce_dtype=None, precision=None, options: Optional[dict] = None,
-                      comm_dtype=None, grad_comm_dtype=None, w_transposed: bool = False):
+                      comm_dtype=None, grad_comm_dtype=None, w_transposed: bool = False,
+                      w_resident: bool = False):
     """All-gather one operand over `axis_name` and multiply, overlapping the two.
 
     Call inside `jax.shard_map` with `axis_name` bound. Equal to
@@ -289,6 +293,11 @@ def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, backend=AUTO,
       that array in place, their matmuls taking a transposed right operand, instead of
       XLA copying it into `(k, n)` order before the call. Other backends leave layouts to
       XLA, which folds the transpose into its own matmuls.
+    - `w_resident`: a layout hint with `w_transposed`: the array is one you hold (a
+      weight not gathered in this step), so the fused TPU reduce-scatter kernels (this
+      op's backward, `matmul_reduce_scatter`'s forward) read it in place too. Leave it
+      False for a weight gathered just before the call: XLA hides that gather in the
+      copy into `(k, n)` order (docs/tpu.md).
 
     **Returns:** the product, with `x`'s dim `dim` (lhs) or `w`'s (rhs) `N` times larger.
     """
@@ -296,14 +305,16 @@ def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, backend=AUTO,
                 bidirectional=bidirectional, unroll=unroll, keep_gathered=keep_gathered,
                 preferred_element_type=preferred_element_type, reduce_dtype=reduce_dtype,
                 precision=precision, options=options, comm_dtype=comm_dtype,
-                grad_comm_dtype=grad_comm_dtype, w_transposed=w_transposed)
+                grad_comm_dtype=grad_comm_dtype, w_transposed=w_transposed,
+                w_resident=w_resident)
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, dim=0, backend=AUTO,
                           bidirectional: Optional[bool] = None, unroll: Optional[bool] = None,
                           keep_gathered: bool = True, preferred_element_type=None,
                           reduce_dtype=None, precision=None, options: Optional[dict] = None,
-                          comm_dtype=None, grad_comm_dtype=None, w_transposed: bool = False):
+                          comm_dtype=None, grad_comm_dtype=None, w_transposed: bool = False,
+                          w_resident: bool = False):
     """Multiply and reduce-scatter the product over `axis_name`, overlapping the two.
 
     Call inside `jax.shard_map` with `axis_name` bound. Equal to
@@ -319,12 +330,14 @@ def matmul_reduce_scatter(x, w, axis_name, *, dim=0, backend=AUTO,
     (docs/quantized.md has the figures). The other arguments are those of
     `all_gather_matmul`; `keep_gathered` here makes the backward gather the cotangent
     once and reuse it for both gradients. `w_transposed` is as there, but the fused TPU
-    reduce-scatter itself is given w in `(k, n)` order either way (docs/tpu.md says
-    why); the backward's gather of the cotangent, which multiplies by w's transpose,
-    reads the array as it lies either way.
+    reduce-scatter itself is given w in `(k, n)` order unless `w_resident` says the
+    array is one you hold, not a weight gathered just before (docs/tpu.md says why);
+    the backward's gather of the cotangent, which multiplies by w's transpose, reads the
+    array as it lies either way.
     """
     return _run(MATMUL_REDUCE_SCATTER, x, w, axis_name, "lhs", dim, backend=backend,
                 bidirectional=bidirectional, unroll=unroll, keep_gathered=keep_gathered,
                 preferred_element_type=preferred_element_type, reduce_dtype=reduce_dtype,
                 precision=precision, options=options, comm_dtype=comm_dtype,
-                grad_comm_dtype=grad_comm_dtype, w_transposed=w_transposed)
+                grad_comm_dtype=grad_comm_dtype, w_transposed=w_transposed,
+                w_resident=w_resident)

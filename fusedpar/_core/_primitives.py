@@ -249,7 +249,9 @@ class Call(_Options):
     `check_vma=False` (`Backend.check_vma`) cannot run; `reduce_dtype` the name of the
     dtype reduce-scatter partial sums travel in (None: the accumulation dtype, float32
     for 16-bit inputs); `w_transposed` whether w is the transpose of the array in memory
-    (`Config.w_transposed`: what a kernel reading it in place must tile).
+    (`Config.w_transposed`: what a kernel reading it in place must tile); `w_resident`
+    whether that array is one the program holds, not a collective's fresh result
+    (`Config.w_resident`).
     """
 
     op: str
@@ -272,6 +274,7 @@ class Call(_Options):
     vma_typed: bool = False
     reduce_dtype: Optional[str] = None
     w_transposed: bool = False
+    w_resident: bool = False
 
     def __post_init__(self):
         if isinstance(self.target, str):
@@ -330,6 +333,10 @@ class Config(_Options):
       in the backward, a `.T` operand of an array computed row-major): a backend that
       reads w in place (the fused TPU kernels' row primitives) takes that array and
       multiplies by its transpose, where XLA would otherwise copy it into (k, n) order.
+    - `w_resident`: that array is one the program holds (a weight not gathered this
+      step), so the fused TPU reduce-scatter kernel reads it in place too; a freshly
+      gathered weight it is given copied, a copy XLA's collective fusion hides the
+      gather in (`pallas_tpu._in_place`).
     """
 
     backend: str
@@ -350,6 +357,7 @@ class Config(_Options):
     rearranged: str = ""
     shape_requested: bool = False
     w_transposed: bool = False
+    w_resident: bool = False
 
     @property
     def product_first(self) -> bool:
@@ -372,7 +380,7 @@ class Config(_Options):
                     w_invariant=_vma.invariant(w, self.axis_name), gathered=gathered,
                     adding=adding, w_ahead=w_ahead, vma_typed=_vma.checked(self.axis_name),
                     reduce_dtype=jnp.dtype(self.reduce_dtype).name,
-                    w_transposed=self.w_transposed)
+                    w_transposed=self.w_transposed, w_resident=self.w_resident)
 
 
 @dataclasses.dataclass(frozen=True)

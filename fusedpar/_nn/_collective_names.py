@@ -31,12 +31,30 @@ def _bias_grad_sum(layer) -> list:
     return [f"psum db over {', '.join(axes)}"] if axes and layer.bias is not None else []
 
 
+def _by_activations(layer, tp_fwd, tp_bwd) -> tuple[list, list]:
+    """FSDP(gather="activations"): the tokens of the FSDP peers come to the weight
+    (`fusedpar._nn._fsdp_activations`); the weight gradient stays on its shard."""
+    f = layer.rule.fsdp
+    if layer.rule.fsdp_dim == 1:  # the contracting features: partial sums
+        fwd = [f"all_to_all x over {f.axis}", tp_fwd, f"reduce_scatter y(batch) over {f.axis}"]
+        bwd = [f"all_gather dy(batch) over {f.axis}", tp_bwd, f"all_to_all dx over {f.axis}"]
+    else:
+        fwd = [f"all_gather x(batch) over {f.axis}", tp_fwd, f"all_to_all y over {f.axis}"]
+        bwd = [f"all_to_all dy over {f.axis}", tp_bwd, f"reduce_scatter dx(batch) over {f.axis}"]
+    return fwd, bwd
+
+
 def column(layer) -> tuple[list, list]:
     """A `ColumnLinear`'s collectives: `(forward, backward)`."""
     tp, f = layer.rule.tp, layer.rule.fsdp
     fw, fg = _in(layer, f, "comm_dtype"), _in(layer, f, "grad_comm_dtype")
     fwd, bwd = [], []
-    if tp.sequence_parallel:
+    if tp.sequence_parallel and f is not None and f.gather == "activations":
+        fwd, bwd = _by_activations(
+            layer, f"all_gather_matmul x(seq) over {tp.axis}{_in(layer, tp, 'comm_dtype')}",
+            f"matmul_reduce_scatter dx(seq) over {tp.axis}"
+            f"{_in(layer, tp, 'grad_comm_dtype')}")
+    elif tp.sequence_parallel:
         fwd += [f"all_gather W over {f.axis}{fw}"] if f else []
         fwd.append(f"all_gather_matmul x(seq) over {tp.axis}{_in(layer, tp, 'comm_dtype')}")
         bwd.append(f"matmul_reduce_scatter dx(seq) over {tp.axis}"
@@ -54,7 +72,11 @@ def row(layer) -> tuple[list, list]:
     """A `RowLinear`'s collectives: `(forward, backward)`."""
     tp, f = layer.rule.tp, layer.rule.fsdp
     fw, fg = _in(layer, f, "comm_dtype"), _in(layer, f, "grad_comm_dtype")
-    if tp.sequence_parallel:
+    if tp.sequence_parallel and f is not None and f.gather == "activations":
+        fwd, bwd = _by_activations(
+            layer, f"matmul_reduce_scatter y(seq) over {tp.axis}{_in(layer, tp, 'comm_dtype')}",
+            f"all_gather_matmul dy(seq) over {tp.axis}{_in(layer, tp, 'grad_comm_dtype')}")
+    elif tp.sequence_parallel:
         fwd = ([f"all_gather W over {f.axis}{fw}"] if f else []) + [
             f"matmul_reduce_scatter y(seq) over {tp.axis}{_in(layer, tp, 'comm_dtype')}"]
         bwd = [f"all_gather_matmul dy(seq) over {tp.axis}"

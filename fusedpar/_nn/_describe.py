@@ -17,7 +17,8 @@ def _style(rule) -> str:
                  if getattr(tp, name, False)]
         parts.append(f"{type(tp).__name__}({', '.join([repr(tp.axis)] + flags + _comm(tp))})")
     if rule.fsdp is not None:
-        parts.append(f"FSDP({', '.join([repr(rule.fsdp.axis)] + _comm(rule.fsdp))})")
+        gather = [] if rule.fsdp.gather == "auto" else [f"gather={rule.fsdp.gather!r}"]
+        parts.append(f"FSDP({', '.join([repr(rule.fsdp.axis)] + _comm(rule.fsdp) + gather)})")
     return " + ".join(parts)
 
 

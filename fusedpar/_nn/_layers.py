@@ -59,16 +59,18 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from . import _collective_names, _context, _shared_gather
+from . import _collective_names, _context, _fsdp_activations, _shared_gather
 from .._core import _definition, _dispatch, _folding, _interpret, _vma
 from .._sharding import _specs, _whole_model
 from .._hw import _target
+from .._hw._cost_hardware import get_hardware
 from ._fsdp_gather import fsdp_matmul, gather_fsdp
 from ._layer_checks import check_quantized_weight, check_sequence, features, layout_hint, length
 from ._layer_math import add_bias, array_of, matmul_t, same_dtype, stationary
 from .._core._ops import (all_gather_matmul, all_gather_matmul_given,
                           all_gather_matmul_keeping, matmul_reduce_scatter)
 from .._core._quantized_array import QuantizedArray, fake_quantize
+from .._sharding._rules import axes_of, axes_product
 from .._sharding._specs import Rule
 
 
@@ -214,6 +216,7 @@ class ParallelLinear(eqx.Module):
         check_sequence(where, rule, x)
         data = _specs.has_data_dim(rule, x.ndim)
         if rule.fsdp is not None and not data:
+            self._moves_activations(rule, x, x.shape, _specs.mesh_sizes(mesh))  # refuses
             rule = rule.without_fsdp()  # the weight is gathered on entry to shard_map
         if not rule.axes:
             return self._dense(x)
@@ -270,14 +273,35 @@ class ParallelLinear(eqx.Module):
         w, x = same_dtype(self.weight, x)
         return w, self.bias, x
 
+    def _moves_activations(self, rule, x, x_shape, sizes) -> bool:
+        """Whether FSDP moves the activations instead of the weight
+        (`_fsdp_activations`): `x_shape` the local input (`x` the array, whose target's
+        cost numbers decide), `sizes` the mesh's."""
+        shape = (length(self.out_features), length(self.in_features))
+        w = array_of(self.weight)
+        return _fsdp_activations.moves_activations(
+            type(self).__name__, rule, x_shape, shape[1], shape[0], sizes, w.dtype,
+            rule.local_weight_shape(shape, sizes),
+            get_hardware(target=_target.current(x, w)))
 
-def _fsdp_style(where, axis, dim, comm_dtype, grad_comm_dtype, reduce_dtype=None):
+
+def _local_shape(shape, spec, mesh) -> tuple:
+    """A global array's per-device shape under `spec` on `mesh`."""
+    sizes = _specs.mesh_sizes(mesh)
+    return tuple(n // axes_product(axes_of(e), sizes) for n, e in zip(shape, spec))
+
+
+def _fsdp_style(where, axis, dim, comm_dtype, grad_comm_dtype, reduce_dtype=None,
+                gather="auto"):
     if axis is None:
         if comm_dtype is not None or grad_comm_dtype is not None:
             raise ValueError(f"{where}: fsdp_comm_dtype / fsdp_grad_comm_dtype set the dtype "
                              "of the FSDP weight gather; pass fsdp_axis too (or drop them).")
+        if gather != "auto":
+            raise ValueError(f"{where}: fsdp_gather={gather!r} chooses what moves over the "
+                             "FSDP axis; pass fsdp_axis too (or drop it).")
         return None
-    return _specs.FSDP(axis, dim, comm_dtype, grad_comm_dtype, reduce_dtype)
+    return _specs.FSDP(axis, dim, comm_dtype, grad_comm_dtype, reduce_dtype, gather)
 
 
 
@@ -309,7 +333,7 @@ class ColumnLinear(ParallelLinear):
                  gather_output: bool = False, fsdp_axis: Optional[str] = None,
                  fsdp_dim: Optional[int] = None, backend: str = "auto", comm_dtype=None,
                  grad_comm_dtype=None, fsdp_comm_dtype=None, fsdp_grad_comm_dtype=None,
-                 reduce_dtype=None):
+                 reduce_dtype=None, fsdp_gather: str = "auto"):
         """**Arguments:**
 
         - `in_features`, `out_features`, `use_bias`, `dtype`, `key`: as `eqx.nn.Linear`
@@ -331,13 +355,16 @@ class ColumnLinear(ParallelLinear):
           sequence-parallel backward's, the FSDP weight gradient's) sum and send partial
           sums in; None: float32 for 16-bit inputs (docs/ops.md says what bfloat16 saves
           and costs).
+        - `fsdp_gather`: with `sequence_parallel` and `fsdp_axis`, what moves over
+          `fsdp_axis`: "weights", "activations" (the FSDP peers' tokens, for steps with
+          few of them) or "auto" (the fewer bytes; `fusedpar.FSDP(gather=)`).
         """
         _specs.check_fsdp_dim("ColumnLinear", fsdp_axis, fsdp_dim)
         rule = _specs.compose(
             _specs.Column(axis, sequence_parallel, gather_output, comm_dtype, grad_comm_dtype,
                           reduce_dtype),
             _fsdp_style("ColumnLinear", fsdp_axis, fsdp_dim, fsdp_comm_dtype,
-                        fsdp_grad_comm_dtype, reduce_dtype),
+                        fsdp_grad_comm_dtype, reduce_dtype, fsdp_gather),
             where="ColumnLinear")
         self._setup(in_features, out_features, use_bias, dtype, key, rule, backend)
 
@@ -355,12 +382,18 @@ class ColumnLinear(ParallelLinear):
         x_in = x
         w, b, x = self._operands(x, rule, length(self.in_features))
         g = None
-        if tp.sequence_parallel:
+        # w.T of the (out, in) weight: the TPU kernels read the weight in place.
+        kw = dict(dim=x.ndim - 2, backend=self._ops_backend, comm_dtype=tp.comm_dtype,
+                  grad_comm_dtype=tp.grad_comm_dtype, reduce_dtype=tp.reduce_dtype,
+                  w_transposed=True)
+        if not keep and gathered is None and self._moves_activations(
+                rule, x, x.shape, {a: lax.axis_size(a) for a in rule.axes}):
+            y = _fsdp_activations.local(x, stationary(w), rule, lambda x, w, out: (
+                all_gather_matmul(x, w.T, tp.axis, gather="lhs", w_resident=True,
+                                  preferred_element_type=out, **kw)))
+        elif tp.sequence_parallel:
+            kw["w_resident"] = rule.fsdp is None  # no gather this step (`w_resident`)
             w = stationary(gather_fsdp(w, rule))
-            # w.T of the (out, in) weight: the TPU kernels read the weight in place.
-            kw = dict(dim=x.ndim - 2, backend=self._ops_backend, comm_dtype=tp.comm_dtype,
-                      grad_comm_dtype=tp.grad_comm_dtype, reduce_dtype=tp.reduce_dtype,
-                      w_transposed=True)
             key = None
             if gathered is None and not keep and self._shares():
                 key = ("local", x.ndim, x.dtype, self._sharing(tp))
@@ -396,7 +429,9 @@ class ColumnLinear(ParallelLinear):
     def _mapped(self, mapped, x, rule, x_spec, y_spec, where):
         tp, seq = rule.tp, x.ndim - 2
         spec = tuple(x_spec) + (None,) * (x.ndim - len(x_spec))
-        if not (tp.sequence_parallel and self._shares() and spec[seq] == tp.axis):
+        if not (tp.sequence_parallel and self._shares() and spec[seq] == tp.axis) or (
+                self._moves_activations(rule, x, _local_shape(x.shape, spec, where[0]),
+                                        _specs.mesh_sizes(where[0]))):
             return super()._mapped(mapped, x, rule, x_spec, y_spec, where)
         # x gathered, one copy per device of `axis`: stacked on a new leading axis so
         # that each device's copy stays its own (nothing is summed over `axis`).
@@ -428,7 +463,8 @@ class RowLinear(ParallelLinear):
                  dtype=None, *, key, axis: str = "tp", sequence_parallel: bool = False,
                  fsdp_axis: Optional[str] = None, fsdp_dim: Optional[int] = None,
                  backend: str = "auto", comm_dtype=None, grad_comm_dtype=None,
-                 fsdp_comm_dtype=None, fsdp_grad_comm_dtype=None, reduce_dtype=None):
+                 fsdp_comm_dtype=None, fsdp_grad_comm_dtype=None, reduce_dtype=None,
+                 fsdp_gather: str = "auto"):
         """**Arguments:**
 
         - `in_features`, `out_features`, `use_bias`, `dtype`, `key`: as `eqx.nn.Linear`.
@@ -445,12 +481,13 @@ class RowLinear(ParallelLinear):
         - `reduce_dtype`: the floating dtype the partial sums are summed and sent in (the
           reduce-scatter's, or the psum's, and the FSDP weight gradient's); None: float32
           for 16-bit inputs (docs/ops.md says what bfloat16 saves and costs).
+        - `fsdp_gather`: as `ColumnLinear`'s.
         """
         _specs.check_fsdp_dim("RowLinear", fsdp_axis, fsdp_dim)
         rule = _specs.compose(
             _specs.Row(axis, sequence_parallel, comm_dtype, grad_comm_dtype, reduce_dtype),
             _fsdp_style("RowLinear", fsdp_axis, fsdp_dim, fsdp_comm_dtype,
-                        fsdp_grad_comm_dtype, reduce_dtype),
+                        fsdp_grad_comm_dtype, reduce_dtype, fsdp_gather),
             where="RowLinear")
         self._setup(in_features, out_features, use_bias, dtype, key, rule, backend)
 
@@ -461,12 +498,18 @@ class RowLinear(ParallelLinear):
     def _local(self, x, rule):
         tp = rule.tp
         w, b, x = self._operands(x, rule, self.in_features // lax.axis_size(tp.axis))
-        if tp.sequence_parallel:
+        kw = dict(dim=x.ndim - 2, backend=self._ops_backend, comm_dtype=tp.comm_dtype,
+                  grad_comm_dtype=tp.grad_comm_dtype, reduce_dtype=tp.reduce_dtype,
+                  w_transposed=True)
+        if self._moves_activations(rule, x, x.shape,
+                                   {a: lax.axis_size(a) for a in rule.axes}):
+            y = _fsdp_activations.local(x, stationary(w), rule, lambda x, w, out: (
+                matmul_reduce_scatter(x, w.T, tp.axis, preferred_element_type=out,
+                                      w_resident=True, **kw)))
+        elif tp.sequence_parallel:
             w = stationary(gather_fsdp(w, rule))
-            y = matmul_reduce_scatter(x, w.T, tp.axis, dim=x.ndim - 2,
-                                      backend=self._ops_backend, comm_dtype=tp.comm_dtype,
-                                      grad_comm_dtype=tp.grad_comm_dtype,
-                                      reduce_dtype=tp.reduce_dtype, w_transposed=True)
+            # No gather this step (`w_resident`): the TPU kernel reads w where it lies.
+            y = matmul_reduce_scatter(x, w.T, tp.axis, w_resident=rule.fsdp is None, **kw)
         else:
             # Partial sums stay in the accumulation dtype (or reduce_dtype) through the
             # psum, as the reduce-scatter's do.
@@ -513,6 +556,8 @@ class FSDPLinear(ParallelLinear):
 
     def _local(self, x, rule):
         w, b, x = self._operands(x, rule, length(self.in_features))
+        self._moves_activations(rule, x, x.shape, {a: lax.axis_size(a) for a in rule.axes})
+        # (it refuses gather="activations": FSDPLinear gathers the weight)
         return add_bias(fsdp_matmul(x, w, rule, self._ops_backend), b)
 
 

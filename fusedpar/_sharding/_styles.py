@@ -81,7 +81,12 @@ class FSDP(_Style):
     where `axis` splits the input features); `grad_comm_dtype`: that of the weight
     gradient's reduce-scatter (where the gather is an `all_gather_matmul`);
     `reduce_dtype`: the floating dtype that reduce-scatter sums in (None: float32 for
-    16-bit weights).
+    16-bit weights). `gather`: what a sequence-parallel layer moves over `axis`:
+    "weights" (each shard gathered before the tensor-parallel op), "activations" (the
+    weight stays on its shard; the FSDP peers' tokens come to it and their products go
+    back, for steps with few tokens such as decoding), or "auto": the activations
+    where their collectives send fewer bytes than the weight gather (and no
+    `comm_dtype` is set). Layers without `sequence_parallel` gather the weight.
     """
 
     axis: str = "fsdp"
@@ -89,6 +94,13 @@ class FSDP(_Style):
     comm_dtype: Any = None
     grad_comm_dtype: Any = None
     reduce_dtype: Any = None
+    gather: str = "auto"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.gather not in ("auto", "weights", "activations"):
+            raise ValueError(f"FSDP: gather must be 'auto', 'weights' or 'activations', "
+                             f"got {self.gather!r}.")
 
 
 Style = Union[Column, Row, FSDP]
@@ -103,6 +115,8 @@ def _style_repr(style) -> str:
             if v is None:
                 continue
             v = f"jnp.{v.name}"
+        elif f.name == "gather" and v == "auto":
+            continue
         else:
             v = repr(v)
         parts.append(f"{f.name}={v}")

@@ -178,21 +178,25 @@ def _params(prim, *, axis_name, axis_size, bidirectional, out_dtype, reduce_dtyp
                                                     w_transposed)
 
 
-# The row kernels keep w whole and stationary, so both can read it transposed; only
-# ag_rows is given it so. An rs_rows weight is as a rule the FSDP gather of the layer
-# after an ag_rows one (an MLP's down projection): on TPU, XLA's asynchronous collective
-# fusion hides that gather inside the copy that puts it in (k, n) order, and without the
-# copy the gather runs synchronously before the kernel. Replayed on an FSDP x TP block:
-# v5e:2x4 12,432 -> 12,475 us with both read in place, 12,422 with ag_rows alone; v6e:2x4
-# 4,645 -> 4,630, and 4,601.
+# The row kernels keep w whole and stationary, so both can read it transposed; ag_rows
+# is always given it so, rs_rows only a resident w (`Config.w_resident`). An rs_rows
+# weight is as a rule the FSDP gather of the layer after an ag_rows one (an MLP's down
+# projection): on TPU, XLA's asynchronous collective fusion hides that gather inside the
+# copy that puts it in (k, n) order, and without the copy the gather runs synchronously
+# before the kernel. Replayed on an FSDP x TP block: v5e:2x4 12,432 -> 12,475 us with both
+# read in place, 12,422 with ag_rows alone; v6e:2x4 4,645 -> 4,630, and 4,601. A weight
+# no collective produces (tensor parallel alone, or FSDP moving the activations) has no
+# gather to hide, and its copy is a whole weight's HBM traffic every step.
 _READS_W_IN_PLACE = (prims.AG_ROWS,)
+_READS_RESIDENT_W_IN_PLACE = (prims.AG_ROWS, prims.RS_ROWS)
 
 
-def _in_place(prim, w_transposed: bool) -> bool:
+def _in_place(prim, w_transposed: bool, w_resident: bool = False) -> bool:
     """Whether the kernel is given w as it lies in memory, the transpose of the call's w
     (`Config.w_transposed`: a layer's `weight.T`), and multiplies by its rows: without
     it XLA copies the weight into (k, n) order before every such call."""
-    return w_transposed and prim in _READS_W_IN_PLACE
+    return w_transposed and prim in (_READS_RESIDENT_W_IN_PLACE if w_resident
+                                     else _READS_W_IN_PLACE)
 
 
 def _misaligned(module, params, x, w, scales=None):
@@ -236,7 +240,7 @@ def _unfit(call):
                 f"manual over every mesh axis (leave axis_names out), or use backend='ring'")
     if call.dtype not in _DTYPES:
         return f"dtype {call.dtype} is not supported (supported: {', '.join(_DTYPES)})"
-    in_place = _in_place(call.prim, call.w_transposed)
+    in_place = _in_place(call.prim, call.w_transposed, call.w_resident)
     x = jax.ShapeDtypeStruct(call.x_shape, call.dtype)
     w = jax.ShapeDtypeStruct(call.w_shape[::-1] if in_place else call.w_shape, call.dtype)
     scales = None
@@ -308,7 +312,7 @@ def _run(prim, cfg, x, w, return_gathered=False):
         else:
             w, scales = _quantize.quantize(w, cfg.comm_dtype, p.scale_axis)
     get = dict(cfg.options, precision=cfg.precision).get
-    in_place = _in_place(prim, cfg.w_transposed)
+    in_place = _in_place(prim, cfg.w_transposed, cfg.w_resident)
     if in_place:  # the array in memory: XLA folds the two transposes away
         w = w.T
     module, params = _params(

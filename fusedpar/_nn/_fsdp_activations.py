@@ -1,0 +1,112 @@
+"""FSDP by moving the activations instead of the weight, for steps with few tokens.
+
+A sequence-parallel layer with an FSDP weight gathers each weight shard over the FSDP
+axis before its tensor-parallel op: `(fsdp - 1)` shards per device, every step. A decode
+step multiplies a handful of tokens by that weight, so the gather is nearly all its time.
+The weight can stay where it is instead ("weight-stationary", as in Pope et al.,
+"Efficiently Scaling Transformer Inference"): each device brings in the tokens of its FSDP
+peers, multiplies them by its own shard, and hands each peer back its rows:
+
+- the FSDP split on the contracting features: each device receives every peer's slice of
+  those features (`all_to_all`), forms partial products over its slice, and the partial
+  sums are reduce-scattered back over the batch (`psum_scatter`, in `reduce_dtype`);
+- the FSDP split on the output features: each device gathers every peer's tokens
+  (`all_gather`) and returns each peer its rows of its output columns (`all_to_all`).
+
+Autodiff gives the backward from the lax collectives; the weight gradient stays on its
+shard (no reduce-scatter). `FSDP(gather=)` chooses: "weights", "activations", or "auto"
+(`moves_activations`), which weighs the two by the target's cost numbers
+(`fusedpar.cost_model`): the activations' two collectives sit on the step's critical
+path, launch and hops included, while a weight gather waits for nothing and can start
+early, so only its bytes count. On a TPU (cheap collectives, 50-112 GB/s links) a decode
+step's layers all move their activations; on H100s (NVLink at 450 GB/s, ~7.5 us per
+collective) the small attention projections keep gathering their weight.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from jax import lax
+
+from .._core import _definition
+from .._sharding._layouts import has_data_dim
+from .._sharding._styles import Column
+
+GATHERS = ("auto", "weights", "activations")
+
+
+def _reduce_dtype(rule, dtype) -> np.dtype:
+    """What the FSDP partial sums are summed and sent in."""
+    f = rule.fsdp.reduce_dtype
+    return np.dtype(_definition.accumulation_dtype(dtype) if f is None else f)
+
+
+def activation_bytes(rule, x_shape, in_features, out_features, sizes, dtype) -> int:
+    """Bytes per device the activations route sends, forward: `x_shape` the local input."""
+    f, t = sizes[rule.fsdp.axis], sizes[rule.tp.axis]
+    item, acc = np.dtype(dtype).itemsize, _reduce_dtype(rule, dtype).itemsize
+    rows = math.prod(x_shape[:-1])
+    if isinstance(rule.tp, Column):  # the rows gathered over tp, all output columns
+        x_elems, y_rows, y_cols = rows * in_features, rows * t, out_features // t
+    else:  # the rows scattered over tp, all output features
+        x_elems, y_rows, y_cols = rows * in_features // t, rows // t, out_features
+    if _contracting(rule):
+        # all_to_all of x (each peer its slice), psum_scatter of the partial sums.
+        return (f - 1) * (x_elems // f * item + y_rows * y_cols * acc)
+    # all_gather of x, all_to_all of the product (each peer its rows).
+    return (f - 1) * (x_elems * item + y_rows * y_cols // f * item)
+
+
+def _contracting(rule) -> bool:
+    """Whether FSDP splits the weight's input (contracting) features: dim 1 of (out, in)."""
+    return rule.fsdp_dim == 1
+
+
+def moves_activations(where, rule, x_shape, in_features, out_features, sizes, dtype,
+                      weight_shape, hardware) -> bool:
+    """Whether the layer `where` takes the activations route: `FSDP(gather=)`, and for
+    "auto" whether its two collectives (`hardware`'s launch and hop latency, and their
+    bytes over one link) take less time than the weight gather's bytes (`weight_shape`
+    the local shard, received `fsdp - 1` times). `x_shape`: the local input. Only a
+    sequence-parallel layer whose input has a batch dimension (dim 0, sharded over the
+    FSDP axis), with no narrow FSDP comm dtype, can move them; "activations" anywhere
+    else is an error."""
+    f = rule.fsdp
+    if f is None or f.gather == "weights":
+        return False
+    why = ("it is not sequence parallel" if not rule.sequence_parallel else
+           f"its input of rank {len(x_shape)} has no batch dimension (dim 0 of "
+           "(batch, seq, features))" if not has_data_dim(rule, len(x_shape)) else
+           "FSDP's comm_dtype / grad_comm_dtype quantize the weight gather"
+           if f.comm_dtype is not None or f.grad_comm_dtype is not None else None)
+    if f.gather == "activations":
+        if why is not None:
+            raise ValueError(
+                f"{where}: FSDP(gather='activations') moves the tokens of the FSDP peers "
+                f"instead of the weight, but {why}; use gather='weights' (or 'auto').")
+        return True
+    if why is not None:
+        return False
+    n, link = sizes[f.axis], hardware.link_bandwidth
+    weight = (n - 1) * math.prod(weight_shape) * np.dtype(dtype).itemsize / link
+    collective = hardware.launch_overhead + (n - 1) * hardware.hop_latency
+    moved = activation_bytes(rule, x_shape, in_features, out_features, sizes, dtype) / link
+    return 2 * collective + moved < weight
+
+
+def local(x, w, rule, tp_op):
+    """The layer on the local `x` (batch dim 0 sharded over the FSDP axis) with its
+    local weight shard `w` (out, in): `tp_op(x, w, out_dtype)` is the tensor-parallel op
+    on the FSDP peers' tokens; returns the output in `x.dtype`."""
+    axis = rule.fsdp.axis
+    last = x.ndim - 1
+    if _contracting(rule):
+        xs = lax.all_to_all(x, axis, last, 0, tiled=True)
+        acc = _reduce_dtype(rule, x.dtype)
+        y = tp_op(xs, w, acc)
+        return lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True).astype(x.dtype)
+    xg = lax.all_gather(x, axis, axis=0, tiled=True)
+    y = tp_op(xg, w, x.dtype)
+    return lax.all_to_all(y, axis, 0, last, tiled=True)
