@@ -644,11 +644,12 @@ SPECS = [
     Row("specs", "FSDP gather not a route",
         lambda: fusedpar.FSDP("fsdp", gather="both"), ValueError,
         ("FSDP: gather must be 'auto', 'weights' or 'activations'", "got 'both'")),
-    Row("specs", "FSDP gather='activations' on a layer that is not sequence parallel",
-        global_call(_col(8, 8, fsdp_axis="fsdp", fsdp_gather="activations"), (4, 2, 8)),
+    Row("specs", "FSDP gather='activations' with an FSDP comm_dtype",
+        global_call(_col(8, 8, sequence_parallel=True, fsdp_axis="fsdp",
+                         fsdp_gather="activations", fsdp_comm_dtype=jnp.int8), (4, 8, 8)),
         ValueError, ("ColumnLinear: FSDP(gather='activations') moves the tokens of the FSDP "
-                     "peers instead of the weight", "it is not sequence parallel",
-                     "use gather='weights' (or 'auto')")),
+                     "peers instead of the weight", "FSDP's comm_dtype / grad_comm_dtype "
+                     "quantize the weight gather", "use gather='weights' (or 'auto')")),
     Row("specs", "FSDP gather='activations' with an input that has no batch dimension",
         global_call(_col(8, 8, sequence_parallel=True, fsdp_axis="fsdp",
                          fsdp_gather="activations"), (8, 8)),

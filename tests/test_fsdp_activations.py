@@ -19,9 +19,9 @@ F32 = jnp.float32
 IN, HID = 16, 32
 
 
-def _pair(backend, gather, column_dim=None, row_dim=None):
+def _pair(backend, gather, column_dim=None, row_dim=None, sp=True):
     k1, k2 = jax.random.split(jax.random.key(0))
-    kw = dict(sequence_parallel=True, fsdp_axis="fsdp", backend=backend, fsdp_gather=gather)
+    kw = dict(sequence_parallel=sp, fsdp_axis="fsdp", backend=backend, fsdp_gather=gather)
     layers = (fusedpar.ColumnLinear(IN, HID, key=k1, fsdp_dim=column_dim, **kw),
               fusedpar.RowLinear(HID, IN, key=k2, fsdp_dim=row_dim, **kw))
     dense = (eqx.nn.Linear(IN, HID, key=k1), eqx.nn.Linear(HID, IN, key=k2))
@@ -92,6 +92,35 @@ def test_activations_route_matches_dense(backend, dims):
     assert over_fsdp(by_weights) == {("all_gather", (2,)), ("reduce_scatter", (2,))}
     moved = over_fsdp(ops)
     assert ("all_to_all", (3,)) in moved and all(r == (3,) for _, r in moved), moved
+
+
+def _check_against_dense(layers, dense, x, m):
+    (got, grads), ops = _step(layers, x, m)
+    want, wgrads = eqx.filter_value_and_grad(
+        lambda mx: _loss(mx[0], mx[1], _dense))((dense, x))
+    assert_close(got, want, F32, "loss")
+    for g, w, name in zip(grads[0], wgrads[0], ("up", "down")):
+        assert_close(g.weight, w.weight, F32, f"d{name}.weight")
+        assert_close(g.bias, w.bias, F32, f"d{name}.bias")
+    assert_close(grads[1], wgrads[1], F32, "dx")
+    return ops
+
+
+@pytest.mark.parametrize("backend", ["reference", "ring"])
+def test_activations_route_without_sequence_parallelism(backend):
+    """A Column -> Row pair without sequence parallelism (the Row's psum over tp), and
+    two FSDPLinear layers on an 8-device FSDP mesh: against the dense layers, no
+    collective over the FSDP axis on a 2-D weight or a ring over it."""
+    x = normal(2, (8, 4, IN), F32)
+    for layers, m in (
+            (_pair(backend, "activations", sp=False)[0], mesh((2, 4), ("fsdp", "tp"))),
+            (tuple(fusedpar.FSDPLinear(a, b, key=k, backend=backend, gather="activations")
+                   for (a, b), k in zip(((IN, HID), (HID, IN)),
+                                        jax.random.split(jax.random.key(0)))),
+             mesh((8,), ("fsdp",)))):
+        ops = _check_against_dense(layers, _pair(backend, "weights")[1], x, m)
+        moved = {(n, r) for n, axes, r in ops if "fsdp" in axes and n != "psum"}
+        assert ("all_to_all", (3,)) in moved and all(r == (3,) for _, r in moved), moved
 
 
 def test_auto_moves_the_activations_only_where_the_cost_numbers_say():

@@ -33,7 +33,8 @@ def _bias_grad_sum(layer) -> list:
 
 def _by_activations(layer, tp_fwd, tp_bwd) -> tuple[list, list]:
     """FSDP(gather="activations"): the tokens of the FSDP peers come to the weight
-    (`fusedpar._nn._fsdp_activations`); the weight gradient stays on its shard."""
+    (`fusedpar._nn._fsdp_activations`); the weight gradient stays on its shard.
+    `tp_fwd`, `tp_bwd`: the tensor-parallel collective of each pass (None: none)."""
     f = layer.rule.fsdp
     if layer.rule.fsdp_dim == 1:  # the contracting features: partial sums
         fwd = [f"all_to_all x over {f.axis}", tp_fwd, f"reduce_scatter y(batch) over {f.axis}"]
@@ -41,7 +42,7 @@ def _by_activations(layer, tp_fwd, tp_bwd) -> tuple[list, list]:
     else:
         fwd = [f"all_gather x(batch) over {f.axis}", tp_fwd, f"all_to_all y over {f.axis}"]
         bwd = [f"all_to_all dy over {f.axis}", tp_bwd, f"reduce_scatter dx(batch) over {f.axis}"]
-    return fwd, bwd
+    return [c for c in fwd if c], [c for c in bwd if c]  # (None: no tp collective)
 
 
 def column(layer) -> tuple[list, list]:
@@ -49,11 +50,12 @@ def column(layer) -> tuple[list, list]:
     tp, f = layer.rule.tp, layer.rule.fsdp
     fw, fg = _in(layer, f, "comm_dtype"), _in(layer, f, "grad_comm_dtype")
     fwd, bwd = [], []
-    if tp.sequence_parallel and f is not None and f.gather == "activations":
-        fwd, bwd = _by_activations(
-            layer, f"all_gather_matmul x(seq) over {tp.axis}{_in(layer, tp, 'comm_dtype')}",
-            f"matmul_reduce_scatter dx(seq) over {tp.axis}"
-            f"{_in(layer, tp, 'grad_comm_dtype')}")
+    if f is not None and f.gather == "activations":
+        fwd, bwd = _by_activations(layer, *(
+            (f"all_gather_matmul x(seq) over {tp.axis}{_in(layer, tp, 'comm_dtype')}",
+             f"matmul_reduce_scatter dx(seq) over {tp.axis}"
+             f"{_in(layer, tp, 'grad_comm_dtype')}") if tp.sequence_parallel
+            else (None, f"psum dx over {tp.axis}")))
     elif tp.sequence_parallel:
         fwd += [f"all_gather W over {f.axis}{fw}"] if f else []
         fwd.append(f"all_gather_matmul x(seq) over {tp.axis}{_in(layer, tp, 'comm_dtype')}")
@@ -72,10 +74,11 @@ def row(layer) -> tuple[list, list]:
     """A `RowLinear`'s collectives: `(forward, backward)`."""
     tp, f = layer.rule.tp, layer.rule.fsdp
     fw, fg = _in(layer, f, "comm_dtype"), _in(layer, f, "grad_comm_dtype")
-    if tp.sequence_parallel and f is not None and f.gather == "activations":
-        fwd, bwd = _by_activations(
-            layer, f"matmul_reduce_scatter y(seq) over {tp.axis}{_in(layer, tp, 'comm_dtype')}",
-            f"all_gather_matmul dy(seq) over {tp.axis}{_in(layer, tp, 'grad_comm_dtype')}")
+    if f is not None and f.gather == "activations":
+        fwd, bwd = _by_activations(layer, *(
+            (f"matmul_reduce_scatter y(seq) over {tp.axis}{_in(layer, tp, 'comm_dtype')}",
+             f"all_gather_matmul dy(seq) over {tp.axis}{_in(layer, tp, 'grad_comm_dtype')}")
+            if tp.sequence_parallel else (f"psum y over {tp.axis}", None)))
     elif tp.sequence_parallel:
         fwd = ([f"all_gather W over {f.axis}{fw}"] if f else []) + [
             f"matmul_reduce_scatter y(seq) over {tp.axis}{_in(layer, tp, 'comm_dtype')}"]
@@ -92,6 +95,9 @@ def row(layer) -> tuple[list, list]:
 def fsdp(layer) -> tuple[list, list]:
     """An `FSDPLinear`'s collectives: `(forward, backward)`."""
     f = layer.rule.fsdp
+    if f.gather == "activations":
+        fwd, bwd = _by_activations(layer, None, None)
+        return fwd, bwd + _bias_grad_sum(layer)
     return ([f"all_gather_matmul W over {f.axis}{_in(layer, f, 'comm_dtype')}"],
             [f"matmul_reduce_scatter dW over {f.axis}{_in(layer, f, 'grad_comm_dtype')}"]
             + _bias_grad_sum(layer))

@@ -1,11 +1,12 @@
 """FSDP by moving the activations instead of the weight, for steps with few tokens.
 
-A sequence-parallel layer with an FSDP weight gathers each weight shard over the FSDP
-axis before its tensor-parallel op: `(fsdp - 1)` shards per device, every step. A decode
+A layer with an FSDP weight gathers each weight shard over the FSDP axis before its
+product (and tensor-parallel op): `(fsdp - 1)` shards per device, every step. A decode
 step multiplies a handful of tokens by that weight, so the gather is nearly all its time.
 The weight can stay where it is instead ("weight-stationary", as in Pope et al.,
 "Efficiently Scaling Transformer Inference"): each device brings in the tokens of its FSDP
-peers, multiplies them by its own shard, and hands each peer back its rows:
+peers, multiplies them by its own shard (inside the tensor-parallel op, if the layer has one),
+and hands each peer back its rows:
 
 - the FSDP split on the contracting features: each device receives every peer's slice of
   those features (`all_to_all`), forms partial products over its slice, and the partial
@@ -45,13 +46,18 @@ def _reduce_dtype(rule, dtype) -> np.dtype:
 
 def activation_bytes(rule, x_shape, in_features, out_features, sizes, dtype) -> int:
     """Bytes per device the activations route sends, forward: `x_shape` the local input."""
-    f, t = sizes[rule.fsdp.axis], sizes[rule.tp.axis]
+    f = sizes[rule.fsdp.axis]
+    t = 1 if rule.tp is None else sizes[rule.tp.axis]
     item, acc = np.dtype(dtype).itemsize, _reduce_dtype(rule, dtype).itemsize
     rows = math.prod(x_shape[:-1])
-    if isinstance(rule.tp, Column):  # the rows gathered over tp, all output columns
-        x_elems, y_rows, y_cols = rows * in_features, rows * t, out_features // t
-    else:  # the rows scattered over tp, all output features
-        x_elems, y_rows, y_cols = rows * in_features // t, rows // t, out_features
+    # The product's rows: gathered over tp (a sequence-parallel Column), scattered over
+    # it (a sequence-parallel Row), or x's own; its columns: the output features, those
+    # of a Column's tp shard.
+    y_rows = (rows if not rule.sequence_parallel else rows * t
+              if isinstance(rule.tp, Column) else rows // t)
+    y_cols = out_features // t if isinstance(rule.tp, Column) else out_features
+    x_elems = rows * (in_features // t if rule.tp is not None and rule.tp_dim == 1
+                      else in_features)
     if _contracting(rule):
         # all_to_all of x (each peer its slice), psum_scatter of the partial sums.
         return (f - 1) * (x_elems // f * item + y_rows * y_cols * acc)
@@ -65,22 +71,25 @@ def _contracting(rule) -> bool:
 
 
 def moves_activations(where, rule, x_shape, in_features, out_features, sizes, dtype,
-                      weight_shape, hardware) -> bool:
+                      weight_shape, hardware, quantized=False) -> bool:
     """Whether the layer `where` takes the activations route: `FSDP(gather=)`, and for
     "auto" whether its two collectives (`hardware`'s launch and hop latency, and their
     bytes over one link) take less time than the weight gather's bytes (`weight_shape`
     the local shard, received `fsdp - 1` times). `x_shape`: the local input. Only a
-    sequence-parallel layer whose input has a batch dimension (dim 0, sharded over the
-    FSDP axis), with no narrow FSDP comm dtype, can move them; "activations" anywhere
-    else is an error."""
+    layer whose input has a batch dimension (dim 0, sharded over the FSDP axis), with no
+    narrow FSDP comm dtype and a weight not stored quantized (`quantized`), can move
+    them; "activations" anywhere else is an error."""
     f = rule.fsdp
     if f is None or f.gather == "weights":
         return False
-    why = ("it is not sequence parallel" if not rule.sequence_parallel else
-           f"its input of rank {len(x_shape)} has no batch dimension (dim 0 of "
-           "(batch, seq, features))" if not has_data_dim(rule, len(x_shape)) else
+    batch = ("(batch, seq, features)" if rule.sequence_parallel
+             else "(batch, ..., features)")
+    why = (f"its input of rank {len(x_shape)} has no batch dimension (dim 0 of {batch})"
+           if not has_data_dim(rule, len(x_shape)) else
            "FSDP's comm_dtype / grad_comm_dtype quantize the weight gather"
-           if f.comm_dtype is not None or f.grad_comm_dtype is not None else None)
+           if f.comm_dtype is not None or f.grad_comm_dtype is not None else
+           "its weight is stored quantized (a QuantizedArray travels as it is stored)"
+           if quantized else None)
     if f.gather == "activations":
         if why is not None:
             raise ValueError(
@@ -98,8 +107,9 @@ def moves_activations(where, rule, x_shape, in_features, out_features, sizes, dt
 
 def local(x, w, rule, tp_op):
     """The layer on the local `x` (batch dim 0 sharded over the FSDP axis) with its
-    local weight shard `w` (out, in): `tp_op(x, w, out_dtype)` is the tensor-parallel op
-    on the FSDP peers' tokens; returns the output in `x.dtype`."""
+    local weight shard `w` (out, in): `tp_op(x, w, out_dtype)` is the layer's product
+    (with its tensor-parallel collective, if any) on the FSDP peers' tokens; returns the
+    output in `x.dtype`."""
     axis = rule.fsdp.axis
     last = x.ndim - 1
     if _contracting(rule):

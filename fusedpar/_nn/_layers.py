@@ -282,7 +282,8 @@ class ParallelLinear(eqx.Module):
         return _fsdp_activations.moves_activations(
             type(self).__name__, rule, x_shape, shape[1], shape[0], sizes, w.dtype,
             rule.local_weight_shape(shape, sizes),
-            get_hardware(target=_target.current(x, w)))
+            get_hardware(target=_target.current(x, w)),
+            quantized=isinstance(self.weight, QuantizedArray))
 
 
 def _local_shape(shape, spec, mesh) -> tuple:
@@ -355,9 +356,9 @@ class ColumnLinear(ParallelLinear):
           sequence-parallel backward's, the FSDP weight gradient's) sum and send partial
           sums in; None: float32 for 16-bit inputs (docs/ops.md says what bfloat16 saves
           and costs).
-        - `fsdp_gather`: with `sequence_parallel` and `fsdp_axis`, what moves over
-          `fsdp_axis`: "weights", "activations" (the FSDP peers' tokens, for steps with
-          few of them) or "auto" (the fewer bytes; `fusedpar.FSDP(gather=)`).
+        - `fsdp_gather`: with `fsdp_axis`, what moves over it: "weights", "activations"
+          (the FSDP peers' tokens, for steps with few of them) or "auto"
+          (`fusedpar.FSDP(gather=)`).
         """
         _specs.check_fsdp_dim("ColumnLinear", fsdp_axis, fsdp_dim)
         rule = _specs.compose(
@@ -388,9 +389,10 @@ class ColumnLinear(ParallelLinear):
                   w_transposed=True)
         if not keep and gathered is None and self._moves_activations(
                 rule, x, x.shape, {a: lax.axis_size(a) for a in rule.axes}):
-            y = _fsdp_activations.local(x, stationary(w), rule, lambda x, w, out: (
+            y = _fsdp_activations.local(x, w, rule, lambda x, w, out: (
                 all_gather_matmul(x, w.T, tp.axis, gather="lhs", w_resident=True,
-                                  preferred_element_type=out, **kw)))
+                                  preferred_element_type=out, **kw)
+                if tp.sequence_parallel else matmul_t(x, w, out)))
         elif tp.sequence_parallel:
             kw["w_resident"] = rule.fsdp is None  # no gather this step (`w_resident`)
             w = stationary(gather_fsdp(w, rule))
@@ -501,20 +503,21 @@ class RowLinear(ParallelLinear):
         kw = dict(dim=x.ndim - 2, backend=self._ops_backend, comm_dtype=tp.comm_dtype,
                   grad_comm_dtype=tp.grad_comm_dtype, reduce_dtype=tp.reduce_dtype,
                   w_transposed=True)
+        # Partial sums stay in the accumulation dtype (or reduce_dtype) through the psum
+        # without sequence parallelism, as the reduce-scatter's do.
+        acc = (_definition.accumulation_dtype(x.dtype) if tp.reduce_dtype is None
+               else tp.reduce_dtype)
         if self._moves_activations(rule, x, x.shape,
                                    {a: lax.axis_size(a) for a in rule.axes}):
-            y = _fsdp_activations.local(x, stationary(w), rule, lambda x, w, out: (
+            y = _fsdp_activations.local(x, w, rule, lambda x, w, out: (
                 matmul_reduce_scatter(x, w.T, tp.axis, preferred_element_type=out,
-                                      w_resident=True, **kw)))
+                                      w_resident=True, **kw) if tp.sequence_parallel
+                else lax.psum(matmul_t(x, w, acc), tp.axis).astype(out)))
         elif tp.sequence_parallel:
             w = stationary(gather_fsdp(w, rule))
             # No gather this step (`w_resident`): the TPU kernel reads w where it lies.
             y = matmul_reduce_scatter(x, w.T, tp.axis, w_resident=rule.fsdp is None, **kw)
         else:
-            # Partial sums stay in the accumulation dtype (or reduce_dtype) through the
-            # psum, as the reduce-scatter's do.
-            acc = (_definition.accumulation_dtype(x.dtype) if tp.reduce_dtype is None
-                   else tp.reduce_dtype)
             y = lax.psum(fsdp_matmul(x, w, rule, self._ops_backend, acc), tp.axis).astype(x.dtype)
         return add_bias(y, b)
 
@@ -533,7 +536,8 @@ class FSDPLinear(ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, use_bias: bool = True,
                  dtype=None, *, key, axis: str = "fsdp", backend: str = "auto",
-                 comm_dtype=None, grad_comm_dtype=None, reduce_dtype=None):
+                 comm_dtype=None, grad_comm_dtype=None, reduce_dtype=None,
+                 gather: str = "auto"):
         """**Arguments:**
 
         - `in_features`, `out_features`, `use_bias`, `dtype`, `key`: as `eqx.nn.Linear`.
@@ -544,9 +548,11 @@ class FSDPLinear(ParallelLinear):
           (`fusedpar.FSDP`).
         - `reduce_dtype`: the floating dtype the weight gradient's reduce-scatter sums
           in; None: float32 for 16-bit weights.
+        - `gather`: what moves over `axis`: "weights", "activations" (the FSDP peers'
+          tokens, for steps with few of them) or "auto" (`fusedpar.FSDP(gather=)`).
         """
         rule = _specs.compose(_specs.FSDP(axis, None, comm_dtype, grad_comm_dtype,
-                                          reduce_dtype),
+                                          reduce_dtype, gather),
                               where="FSDPLinear")
         self._setup(in_features, out_features, use_bias, dtype, key, rule, backend)
 
@@ -556,8 +562,8 @@ class FSDPLinear(ParallelLinear):
 
     def _local(self, x, rule):
         w, b, x = self._operands(x, rule, length(self.in_features))
-        self._moves_activations(rule, x, x.shape, {a: lax.axis_size(a) for a in rule.axes})
-        # (it refuses gather="activations": FSDPLinear gathers the weight)
+        if self._moves_activations(rule, x, x.shape, {a: lax.axis_size(a) for a in rule.axes}):
+            return add_bias(_fsdp_activations.local(x, w, rule, matmul_t), b)
         return add_bias(fsdp_matmul(x, w, rule, self._ops_backend), b)
 
 

@@ -81,12 +81,13 @@ class FSDP(_Style):
     where `axis` splits the input features); `grad_comm_dtype`: that of the weight
     gradient's reduce-scatter (where the gather is an `all_gather_matmul`);
     `reduce_dtype`: the floating dtype that reduce-scatter sums in (None: float32 for
-    16-bit weights). `gather`: what a sequence-parallel layer moves over `axis`:
-    "weights" (each shard gathered before the tensor-parallel op), "activations" (the
-    weight stays on its shard; the FSDP peers' tokens come to it and their products go
-    back, for steps with few tokens such as decoding), or "auto": the activations
-    where their collectives send fewer bytes than the weight gather (and no
-    `comm_dtype` is set). Layers without `sequence_parallel` gather the weight.
+    16-bit weights). `gather`: what the layer moves over `axis`: "weights" (each shard
+    gathered before the product), "activations" (the weight stays on its shard; the
+    FSDP peers' tokens come to it and their products go back, for steps with few tokens
+    such as decoding), or "auto": the activations where the target's cost numbers say
+    their two collectives take less time than the weight gather's bytes (and no
+    `comm_dtype` is set, the weight is not stored quantized, and the input has a batch
+    dimension).
     """
 
     axis: str = "fsdp"
