@@ -591,6 +591,12 @@ EMBEDDING = [
                                      {"*": "column"}), ValueError,
         ("embed: an embedding takes Row", "not Column(axis='tp'",
          "give the embedding its own plan pattern")),
+    Row("embedding", "FSDP(gather='activations') on an embedding in a plan",
+        lambda: fusedpar.parallelize({"embed": eqx.nn.Embedding(16, 8, key=KEY)},
+                                     {"*": fusedpar.FSDP(gather="activations")}), ValueError,
+        ("embed: an embedding gathers its table over 'fsdp'",
+         "FSDP(gather='activations') moves a linear layer's tokens instead",
+         "gather='auto' or 'weights'")),
 ]
 
 LOSS = [

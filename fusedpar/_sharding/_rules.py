@@ -162,6 +162,12 @@ class TableRule(Rule):
                     f"{where}: an embedding runs no collective matmul, so {s} cannot set "
                     "its comm_dtype / grad_comm_dtype; give the embedding its own plan "
                     "pattern without them.")
+        if rule.fsdp is not None and rule.fsdp.gather == "activations":
+            raise ValueError(
+                f"{where}: an embedding gathers its table over {rule.fsdp.axis!r}; "
+                "FSDP(gather='activations') moves a linear layer's tokens instead, which a "
+                "lookup has no use for; give the embedding its own plan pattern (gather="
+                "'auto' or 'weights').")
         return cls(rule.tp, rule.fsdp)
 
     def param_specs(self, where: str, use_bias: bool = False) -> dict:
