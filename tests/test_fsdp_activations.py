@@ -11,7 +11,7 @@ import pytest
 import fusedpar
 from fusedpar._nn import _fsdp_activations
 from fusedpar._sharding import _specs
-from helpers import assert_close, mesh, normal
+from helpers import assert_close, equations, mesh, normal
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,17 +41,12 @@ def _collectives(jaxpr):
     """(primitive, mesh axes, operand ranks) of every collective in `jaxpr`, nested
     ones too."""
     out = []
-    for eqn in jaxpr.eqns:
+    for eqn in equations(jaxpr):
         if eqn.primitive.name in ("all_gather", "all_to_all", "reduce_scatter", "psum",
                                   "ppermute"):
             axes = eqn.params.get("axis_name", eqn.params.get("axes", ()))
             axes = axes if isinstance(axes, tuple) else (axes,)
             out.append((eqn.primitive.name, axes, tuple(v.aval.ndim for v in eqn.invars)))
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (tuple, list)) else (p,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    out += _collectives(sub)
     return out
 
 
@@ -61,7 +56,7 @@ def _step(layers, x, m):
         f = eqx.filter_value_and_grad(lambda mx: _loss(mx[0], mx[1], lambda lin, v: lin(v)))
         params, static = eqx.partition((model, x), eqx.is_array)
         g = jax.jit(lambda p: f(eqx.combine(p, static)))
-        return g(params), _collectives(jax.make_jaxpr(g)(params).jaxpr)
+        return g(params), _collectives(jax.make_jaxpr(g)(params))
 
 
 @pytest.mark.parametrize("backend", ["reference", "ring"])
@@ -73,25 +68,18 @@ def test_activations_route_matches_dense(backend, dims):
     activations over fsdp (all_to_all) and no weight-sized reduce-scatter."""
     layers, dense = _pair(backend, "activations", *dims)
     x = normal(1, (4, 8, IN), F32)  # (batch, seq, features) on fsdp=2 x tp=4
-    (got, grads), ops = _step(layers, x, mesh((2, 4), ("fsdp", "tp")))
-    want, wgrads = eqx.filter_value_and_grad(
-        lambda mx: _loss(mx[0], mx[1], _dense))((dense, x))
-    assert_close(got, want, F32, "loss")
-    for g, w, name in zip(grads[0], wgrads[0], ("up", "down")):
-        assert_close(g.weight, w.weight, F32, f"d{name}.weight")
-        assert_close(g.bias, w.bias, F32, f"d{name}.bias")
-    assert_close(grads[1], wgrads[1], F32, "dx")
-    # Over fsdp the route moves (batch, seq, features) activations, never a 2-D weight
-    # shard or its gradient; the weights route moves those and no activation.
-    def over_fsdp(ops):
-        return {(name, ranks) for name, axes, ranks in ops if "fsdp" in axes
-                and name != "psum"}  # (the bias gradients' sums)
-
-    _, by_weights = _step(_pair(backend, "weights", *dims)[0], x,
-                          mesh((2, 4), ("fsdp", "tp")))
-    assert over_fsdp(by_weights) == {("all_gather", (2,)), ("reduce_scatter", (2,))}
-    moved = over_fsdp(ops)
+    m = mesh((2, 4), ("fsdp", "tp"))
+    moved = _over_fsdp(_check_against_dense(layers, dense, x, m))
     assert ("all_to_all", (3,)) in moved and all(r == (3,) for _, r in moved), moved
+    _, by_weights = _step(_pair(backend, "weights", *dims)[0], x, m)
+    assert _over_fsdp(by_weights) == {("all_gather", (2,)), ("reduce_scatter", (2,))}
+
+
+def _over_fsdp(ops):
+    """(primitive, operand ranks) of the collectives over fsdp but the bias gradients'
+    psums: the activations route moves (batch, seq, features) arrays, never a 2-D weight
+    shard or its gradient; the weights route those and no activation."""
+    return {(name, ranks) for name, axes, ranks in ops if "fsdp" in axes and name != "psum"}
 
 
 def _check_against_dense(layers, dense, x, m):
@@ -118,8 +106,7 @@ def test_activations_route_without_sequence_parallelism(backend):
                    for (a, b), k in zip(((IN, HID), (HID, IN)),
                                         jax.random.split(jax.random.key(0)))),
              mesh((8,), ("fsdp",)))):
-        ops = _check_against_dense(layers, _pair(backend, "weights")[1], x, m)
-        moved = {(n, r) for n, axes, r in ops if "fsdp" in axes and n != "psum"}
+        moved = _over_fsdp(_check_against_dense(layers, _pair(backend, "weights")[1], x, m))
         assert ("all_to_all", (3,)) in moved and all(r == (3,) for _, r in moved), moved
 
 

@@ -323,3 +323,21 @@ def test_w_transposed_kernels_read_the_weight_in_place(n, bidirectional, vmem):
     # forward kernels multiply by its transpose, the backward's duals (rs_rows of ag_rows'
     # cotangent, ag_rows of rs_rows') by `w.T` = the weight itself.
     assert _kernel_w_shapes(run("pallas_tpu"), *args) == [(cols, k)] * 4
+
+
+def test_a_row_layer_gives_its_kernel_a_weight_not_gathered_in_place():
+    """A sequence-parallel RowLinear with no FSDP axis (its weight is not gathered in
+    the step: `w_resident`) gives both kernels of its training step, rs_rows forward
+    and ag_rows backward, the (out, in) weight shard as it lies, not a (in, out) copy."""
+    m = mesh((4,), ("tp",))
+    out, k = 2 * C, 4 * K  # unequal, so that a copy's shape tells
+    layer = fusedpar.RowLinear(k, out, key=jax.random.key(0), sequence_parallel=True,
+                               backend="pallas_tpu")
+    x = normal(0, (1, 4 * R, k), jnp.float32)
+    with jax.set_mesh(m):
+        layer, x = fusedpar.shard(layer, m), jax.device_put(
+            x, jax.NamedSharding(m, P(None, None, "tp")))
+        jaxpr = jax.make_jaxpr(jax.grad(lambda lyr, x: jnp.sum(lyr(x) ** 2)))(layer, x)
+    shapes = [tuple(e.invars[1].aval.shape) for e in equations(jaxpr)
+              if e.primitive.name == "pallas_call"]
+    assert shapes == [(out, K)] * 2, shapes
