@@ -16,12 +16,15 @@ and hands each peer back its rows:
 
 Autodiff gives the backward from the lax collectives; the weight gradient stays on its
 shard (no reduce-scatter). `FSDP(gather=)` chooses: "weights", "activations", or "auto"
-(`moves_activations`), which weighs the two by the target's cost numbers
-(`fusedpar.cost_model`): the activations' two collectives sit on the step's critical
-path, launch and hops included, while a weight gather waits for nothing and can start
-early, so only its bytes count. On a TPU (cheap collectives, 50-112 GB/s links) a decode
-step's layers all move their activations; on H100s (NVLink at 450 GB/s, ~7.5 us per
-collective) the small attention projections keep gathering their weight.
+(`moves_activations`), which times the two with the target's cost numbers
+(`fusedpar.cost_model`): two collectives of the activations' bytes against one of the
+weight's, each paying its launch and hop latency. A decode step's layers move their
+activations on TPUs (a few microseconds per collective, 50-112 GB/s links) and on H100s
+(~7.5 us per collective, 450 GB/s) alike; a training step or a prefill gathers weights.
+That counts the weight gather's latency although XLA may start it early: on H100s a
+decode step with every weight gathered replayed faster with Triton GEMMs (151 us against
+169) and slower with cuBLAS (202 against 164), and with the attention projections
+gathering their weights (the gather's latency left out) 171 and 179.
 """
 
 from __future__ import annotations
@@ -73,9 +76,9 @@ def _contracting(rule) -> bool:
 def moves_activations(where, rule, x_shape, in_features, out_features, sizes, dtype,
                       weight_shape, hardware, quantized=False) -> bool:
     """Whether the layer `where` takes the activations route: `FSDP(gather=)`, and for
-    "auto" whether its two collectives (`hardware`'s launch and hop latency, and their
-    bytes over one link) take less time than the weight gather's bytes (`weight_shape`
-    the local shard, received `fsdp - 1` times). `x_shape`: the local input. Only a
+    "auto" whether its two collectives take less time than the one weight gather
+    (`weight_shape` the local shard, received `fsdp - 1` times), each timed with
+    `hardware`'s launch and hop latency and its bytes over one link. `x_shape`: the local input. Only a
     layer whose input has a batch dimension (dim 0, sharded over the FSDP axis), with no
     narrow FSDP comm dtype and a weight not stored quantized (`quantized`), can move
     them; "activations" anywhere else is an error."""
@@ -99,10 +102,10 @@ def moves_activations(where, rule, x_shape, in_features, out_features, sizes, dt
     if why is not None:
         return False
     n, link = sizes[f.axis], hardware.link_bandwidth
-    weight = (n - 1) * math.prod(weight_shape) * np.dtype(dtype).itemsize / link
     collective = hardware.launch_overhead + (n - 1) * hardware.hop_latency
+    weight = (n - 1) * math.prod(weight_shape) * np.dtype(dtype).itemsize / link
     moved = activation_bytes(rule, x_shape, in_features, out_features, sizes, dtype) / link
-    return 2 * collective + moved < weight
+    return 2 * collective + moved < collective + weight
 
 
 def local(x, w, rule, tp_op):
