@@ -26,7 +26,8 @@ def test_the_documented_program_compiles_through_the_cli(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     run = subprocess.run(
         [sys.executable, "-m", "fusedpar.aot", "--target", "h100x8", "--program",
-         "examples/aot_program.py:train_step", "--backend", "ring", "--json", str(out)],
+         "examples/aot_program.py:train_step", "--backend", "ring", "--json", str(out),
+         "--breakdown"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
     (row,) = json.loads(out.read_text())
@@ -35,6 +36,10 @@ def test_the_documented_program_compiles_through_the_cli(tmp_path):
     for key in (("ag_rows", "forward"), ("rs_rows", "forward"), ("ag_rows", "backward")):
         assert ops[key]["backend"] == "ring" and ops[key]["transfers"] > 0, row["ops"]
         assert ops[key]["hidden"] == ops[key]["transfers"], row["ops"]
+    # --breakdown: the compute stream by kind, its matmuls first (a training step).
+    table = run.stdout[run.stdout.index("| compute stream: kind | count | us |"):]
+    assert table.splitlines()[2].startswith("| matmul | "), table
+    assert "| waited for: transfer | kind | bytes | us waited |" in table
 
 
 def test_help_states_the_default_mesh_each_program_gets():

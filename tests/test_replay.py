@@ -424,6 +424,21 @@ def test_a_collective_offloaded_to_the_sparsecores_runs_beside_the_compute_strea
     assert sync.seconds == pytest.approx(2 * g + sync.communication, rel=1e-6)
 
 
+def test_where_the_time_goes():
+    """`Prediction.kernels` is the compute stream by kind of instruction (its sum the
+    compute), `TransferCost.waited` what the stream waited for each transfer: all of a
+    synchronous gather's time in flight, none of one hidden behind a matmul."""
+    g = 2 * 2048 ** 3 / V5E.matmul_flops("bfloat16") + V5E.launch_overhead
+    for hidden in (False, True):
+        p = _simulate.predict(_offloaded_gather(hidden), V5E)
+        matmul = next(k for k in p.kernels if k.kind == "matmul")
+        assert (matmul.count, matmul.seconds) == (2, pytest.approx(2 * g, rel=1e-9))
+        assert sum(k.seconds for k in p.kernels) == pytest.approx(p.compute, rel=1e-9)
+        (gather,) = p.transfers
+        assert gather.waited == (0.0 if hidden else pytest.approx(gather.seconds, rel=1e-9))
+        assert gather.waited == pytest.approx(p.exposed, rel=1e-9, abs=1e-12)
+
+
 LINE = [(0, 0, 0), (1, 0, 0), (2, 0, 0)]  # three chips in a row, no wrap-around
 
 

@@ -59,8 +59,32 @@ def _parser():
                         "partitions it without fusedpar (with the platform's defaults and "
                         "with XLA's collective matmul) and with each fusedpar backend, and "
                         "print the predicted times side by side, on jax.make_mesh's mesh")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also print where the replayed time goes: the compute stream by "
+                        "kind of instruction, and the transfers it waited for")
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
     return p
+
+
+def breakdown(predicted, top: int = 12) -> str:
+    """Markdown: the compute stream's time by kind of instruction, and the transfers the
+    stream waited for, longest first (`top` rows each) — where a replayed program's time
+    goes."""
+    lines = ["| compute stream: kind | count | us |", "|---|---:|---:|"]
+    lines += [f"| {k.kind} | {k.count} | {k.seconds * 1e6:,.1f} |"
+              for k in predicted.kernels[:top]]
+    rest = predicted.kernels[top:]
+    if rest:
+        lines.append(f"| {len(rest)} other kinds | {sum(k.count for k in rest)} | "
+                     f"{sum(k.seconds for k in rest) * 1e6:,.1f} |")
+    waited = sorted((t for t in predicted.transfers if t.waited > 0),
+                    key=lambda t: -t.waited)
+    lines += ["", "| waited for: transfer | kind | bytes | us waited |", "|---|---|---:|---:|"]
+    lines += [f"| {t.name} | {t.kind} | {t.bytes:,} | {t.waited * 1e6:,.1f} |"
+              for t in waited[:top]]
+    if not waited:
+        lines.append("| (none) | | | |")
+    return "\n".join(lines)
 
 
 def _parse(argv):
@@ -229,6 +253,9 @@ def main(argv=None):
               f"{predicted.exposed * 1e6:,.0f} us).")
         for what in predicted.unread:
             print(f"Not read by the replay: {what}")
+        if args.breakdown:
+            print()
+            print(breakdown(predicted))
         print()
         rows.append(dict(target=args.target, program=label, backend=args.backend,
                          compile_s=round(seconds, 2), hidden=report.hidden,

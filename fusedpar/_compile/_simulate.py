@@ -66,6 +66,8 @@ _DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "
                 "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2"}
 _SYNC = re.compile(r'"is_sync":\s*true')
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+# An instruction's name without the number XLA appends ("wrapped_add.12").
+_NUMBERED = re.compile(r"[.\d]+$")
 _DMAS = ("copy-start", "slice-start")
 
 
@@ -77,7 +79,8 @@ class TransferCost:
     trips); `seconds`: its time in flight, start to done, over all runs; `links`: which
     links it takes and why (for a collective-permute on a TPU slice: the devices of its
     most loaded route, the torus axes, wrap-around or not); `shared`: the most messages
-    one of its links carried at once when it started (its own and those in flight).
+    one of its links carried at once when it started (its own and those in flight);
+    `waited`: the seconds the compute stream waited for it, over all runs.
     """
 
     name: str
@@ -87,6 +90,20 @@ class TransferCost:
     seconds: float
     links: str
     shared: int
+    waited: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeCost:
+    """One kind of instruction on the compute stream: `kind` is "matmul", "ring kernel"
+    (a fused TPU kernel, its DMA waits included), or the instruction's name without its
+    number (XLA names fusions by what they do: "wrapped_add", "dynamic-update-slice",
+    "loop_convert_multiply_fusion"); `count` how many ran (loop trips counted) and
+    `seconds` their time together."""
+
+    kind: str
+    count: int
+    seconds: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +121,8 @@ class Prediction:
     device's links sending at once. `lower_bound`: `max(compute, min_comm_s)`.
 
     `unread`: what the replay did not understand, each with what it assumed instead;
-    `transfers`: each collective's `TransferCost`.
+    `transfers`: each collective's `TransferCost`; `kernels`: the compute stream's time
+    by kind of instruction (`ComputeCost`), longest first.
     """
 
     seconds: float
@@ -117,6 +135,7 @@ class Prediction:
     min_comm_s: float = 0.0
     unread: tuple = ()
     transfers: tuple = ()
+    kernels: tuple = ()
 
     @property
     def lower_bound(self) -> float:
@@ -130,6 +149,7 @@ class _Replay:
         self.torus = _links.Torus(coords, wraps) if coords else None
         self.network = _links.Network(self._capacity)
         self.compute = self.communication = self.exposed = self.copies = 0.0
+        self.kinds: dict = {}  # kind of compute instruction -> [count, seconds]
         self.unread: dict = {}  # what -> assumed (insertion-ordered, each once)
         self.costs: dict = {}  # collective name -> [kind, bytes, runs, seconds, links, shared]
         self.started: dict = {}  # flow key -> (start time, instruction name or None: a DMA)
@@ -261,7 +281,7 @@ class _Replay:
         self.serial += 1
         shared = self.network.start(key, size, rate, latency, usage, now)
         self.started[key] = (now, i.name)
-        cost = self.costs.setdefault(i.name, [kind, int(nbytes), 0, 0.0, why, 0])
+        cost = self.costs.setdefault(i.name, [kind, int(nbytes), 0, 0.0, why, 0, 0.0])
         cost[5] = max(cost[5], shared)
         return key
 
@@ -286,6 +306,7 @@ class _Replay:
             self.communication += end - began
             if end > now:
                 self.exposed += end - now
+                cost[6] += end - now
         elif end > now:
             self.copies += end - now
         return max(now, end)
@@ -342,6 +363,9 @@ class _Replay:
                     self.note(f"custom-call {i.name}: {_hlo_ring_kernel.UNREAD} ({why})",
                               "its matmul's time, its transfers hidden")
                 t = self._kernel_time(i, by_name)
+                if t:
+                    self._count("matmul" if _hlo.is_matmul(i, self.multiplying)
+                                else _NUMBERED.sub("", i.name), t)
                 self.compute += t
                 now += t
         root = self.module.roots.get(computation)
@@ -362,9 +386,16 @@ class _Replay:
         self.compute, self.communication = self.compute + compute, self.communication + comm
         self.exposed += total - compute
         cost = self.costs.setdefault(i.name, ["ring kernel", kernel.dma_bytes, 0, 0.0,
-                                              kernel.links, 1])
-        cost[2], cost[3] = cost[2] + kernel.dmas, cost[3] + comm
+                                              kernel.links, 1, 0.0])
+        cost[2], cost[3], cost[6] = cost[2] + kernel.dmas, cost[3] + comm, cost[6] + total - compute
+        self._count("ring kernel", total)
         return now + total
+
+    def _count(self, kind: str, seconds: float) -> None:
+        """Add one instruction of `kind` taking `seconds` to the compute stream's tally."""
+        tally = self.kinds.setdefault(kind, [0, 0.0])
+        tally[0] += 1
+        tally[1] += seconds
 
     def _element(self, i, by_name, carried, after_loop):
         """The flow in flight in the tuple element `i` reads, if any: an element of the
@@ -468,8 +499,11 @@ def predict(text: str, hardware, coords: Optional[list] = None,
     flops, min_compute, min_comm = replay.census(module.entry)
     transfers = tuple(TransferCost(name, *cost) for name, cost in replay.costs.items())
     unread = tuple(f"{what}: assumed {assumed}" for what, assumed in replay.unread.items())
+    kernels = tuple(sorted((ComputeCost(kind, n, t) for kind, (n, t) in replay.kinds.items()),
+                           key=lambda k: -k.seconds))
     return Prediction(seconds, replay.compute, replay.communication, replay.exposed,
-                      replay.copies, flops, min_compute, min_comm, unread, transfers)
+                      replay.copies, flops, min_compute, min_comm, unread, transfers,
+                      kernels)
 
 
-__all__ = ["Prediction", "TransferCost", "predict"]
+__all__ = ["ComputeCost", "Prediction", "TransferCost", "predict"]
