@@ -5,8 +5,8 @@ product (and tensor-parallel op): `(fsdp - 1)` shards per device, every step. A 
 step multiplies a handful of tokens by that weight, so the gather is nearly all its time.
 The weight can stay where it is instead ("weight-stationary", as in Pope et al.,
 "Efficiently Scaling Transformer Inference"): each device brings in the tokens of its FSDP
-peers, multiplies them by its own shard (inside the tensor-parallel op, if the layer has one),
-and hands each peer back its rows:
+peers, multiplies them by its own shard (inside the tensor-parallel op, if the layer has
+one), and hands each peer back its rows:
 
 - the FSDP split on the contracting features: each device receives every peer's slice of
   those features (`all_to_all`), forms partial products over its slice, and the partial
@@ -37,9 +37,6 @@ from jax import lax
 from .._core import _definition
 from .._sharding._layouts import has_data_dim
 from .._sharding._styles import Column
-
-GATHERS = ("auto", "weights", "activations")
-
 
 def _reduce_dtype(rule, dtype) -> np.dtype:
     """What the FSDP partial sums are summed and sent in."""
@@ -78,10 +75,10 @@ def moves_activations(where, rule, x_shape, in_features, out_features, sizes, dt
     """Whether the layer `where` takes the activations route: `FSDP(gather=)`, and for
     "auto" whether its two collectives take less time than the one weight gather
     (`weight_shape` the local shard, received `fsdp - 1` times), each timed with
-    `hardware`'s launch and hop latency and its bytes over one link. `x_shape`: the local input. Only a
-    layer whose input has a batch dimension (dim 0, sharded over the FSDP axis), with no
-    narrow FSDP comm dtype and a weight not stored quantized (`quantized`), can move
-    them; "activations" anywhere else is an error."""
+    `hardware`'s launch and hop latency and its bytes over one link. `x_shape`: the
+    local input. Only a layer whose input has a batch dimension (dim 0, sharded over the
+    FSDP axis), with no narrow FSDP comm dtype and a weight not stored quantized
+    (`quantized`), can move them; "activations" anywhere else is an error."""
     f = rule.fsdp
     if f is None or f.gather == "weights":
         return False
