@@ -70,7 +70,7 @@ from ._layer_math import add_bias, array_of, matmul_t, same_dtype, stationary
 from .._core._ops import (all_gather_matmul, all_gather_matmul_given,
                           all_gather_matmul_keeping, matmul_reduce_scatter)
 from .._core._quantized_array import QuantizedArray, fake_quantize
-from .._sharding._rules import axes_of, axes_product
+from .._sharding._rules import local_shape
 from .._sharding._specs import Rule
 
 
@@ -273,6 +273,14 @@ class ParallelLinear(eqx.Module):
         w, x = same_dtype(self.weight, x)
         return w, self.bias, x
 
+    def _op_kwargs(self, tp, x) -> dict:
+        """The sequence-parallel op's arguments from the tensor-parallel style `tp`, for
+        `x` (its sequence dimension -2): w is the transpose of the (out, in) weight as
+        it lies, which the TPU kernels read in place."""
+        return dict(dim=x.ndim - 2, backend=self._ops_backend, comm_dtype=tp.comm_dtype,
+                    grad_comm_dtype=tp.grad_comm_dtype, reduce_dtype=tp.reduce_dtype,
+                    w_transposed=True)
+
     def _moves_activations(self, rule, x, x_shape, sizes) -> bool:
         """Whether FSDP moves the activations instead of the weight
         (`_fsdp_activations`): `x_shape` the local input (`x` the array, whose target's
@@ -284,12 +292,6 @@ class ParallelLinear(eqx.Module):
             rule.local_weight_shape(shape, sizes),
             get_hardware(target=_target.current(x, w)),
             quantized=isinstance(self.weight, QuantizedArray))
-
-
-def _local_shape(shape, spec, mesh) -> tuple:
-    """A global array's per-device shape under `spec` on `mesh`."""
-    sizes = _specs.mesh_sizes(mesh)
-    return tuple(n // axes_product(axes_of(e), sizes) for n, e in zip(shape, spec))
 
 
 def _fsdp_style(where, axis, dim, comm_dtype, grad_comm_dtype, reduce_dtype=None,
@@ -383,10 +385,7 @@ class ColumnLinear(ParallelLinear):
         x_in = x
         w, b, x = self._operands(x, rule, length(self.in_features))
         g = None
-        # w.T of the (out, in) weight: the TPU kernels read the weight in place.
-        kw = dict(dim=x.ndim - 2, backend=self._ops_backend, comm_dtype=tp.comm_dtype,
-                  grad_comm_dtype=tp.grad_comm_dtype, reduce_dtype=tp.reduce_dtype,
-                  w_transposed=True)
+        kw = self._op_kwargs(tp, x)
         if not keep and gathered is None and self._moves_activations(
                 rule, x, x.shape, {a: lax.axis_size(a) for a in rule.axes}):
             y = _fsdp_activations.local(x, w, rule, lambda x, w, out: (
@@ -432,8 +431,9 @@ class ColumnLinear(ParallelLinear):
         tp, seq = rule.tp, x.ndim - 2
         spec = tuple(x_spec) + (None,) * (x.ndim - len(x_spec))
         if not (tp.sequence_parallel and self._shares() and spec[seq] == tp.axis) or (
-                self._moves_activations(rule, x, _local_shape(x.shape, spec, where[0]),
-                                        _specs.mesh_sizes(where[0]))):
+                self._moves_activations(
+                    rule, x, local_shape(x.shape, spec, _specs.mesh_sizes(where[0])),
+                    _specs.mesh_sizes(where[0]))):
             return super()._mapped(mapped, x, rule, x_spec, y_spec, where)
         # x gathered, one copy per device of `axis`: stacked on a new leading axis so
         # that each device's copy stays its own (nothing is summed over `axis`).
@@ -500,9 +500,7 @@ class RowLinear(ParallelLinear):
     def _local(self, x, rule):
         tp = rule.tp
         w, b, x = self._operands(x, rule, self.in_features // lax.axis_size(tp.axis))
-        kw = dict(dim=x.ndim - 2, backend=self._ops_backend, comm_dtype=tp.comm_dtype,
-                  grad_comm_dtype=tp.grad_comm_dtype, reduce_dtype=tp.reduce_dtype,
-                  w_transposed=True)
+        kw = self._op_kwargs(tp, x)
         # Partial sums stay in the accumulation dtype (or reduce_dtype) through the psum
         # without sequence parallelism, as the reduce-scatter's do.
         acc = (_definition.accumulation_dtype(x.dtype) if tp.reduce_dtype is None

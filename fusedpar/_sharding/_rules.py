@@ -96,9 +96,7 @@ class Rule:
 
     def local_weight_shape(self, shape, sizes: dict) -> tuple:
         """Per-device weight shape on a mesh with `sizes` (axis -> size)."""
-        spec = tuple(self.param_specs("weight", False)["weight"])
-        spec += (None,) * (len(shape) - len(spec))
-        return tuple(n // axes_product(axes_of(e), sizes) for n, e in zip(shape, spec))
+        return local_shape(shape, self.param_specs("weight", False)["weight"], sizes)
 
     def activation_specs(self, ndim: int, data: bool = False) -> tuple[P, P]:
         """(input spec, output spec) of a `(..., features)` activation of rank `ndim`.
@@ -279,6 +277,13 @@ def axes_of(entry) -> tuple:
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def local_shape(shape, spec, sizes: dict) -> tuple:
+    """The per-device shape of an array of `shape` laid out by `spec` on a mesh of
+    `sizes` (axis -> size); dimensions the spec leaves out are whole."""
+    spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+    return tuple(n // axes_product(axes_of(e), sizes) for n, e in zip(shape, spec))
 
 
 def axes_product(axes, sizes: dict) -> int:
