@@ -123,8 +123,8 @@ def test_auto_moves_the_activations_only_where_the_cost_numbers_say():
     def moves(tokens, dim, hardware):
         w = rule.local_weight_shape((dim, dim), sizes)  # (dim / 4, dim / 2)
         return _fsdp_activations.moves_activations(
-            "ColumnLinear", rule, (1, tokens, dim), dim, dim, sizes, jnp.bfloat16, w,
-            PRESETS[hardware])
+            "ColumnLinear", rule, (1, tokens, dim), jnp.bfloat16, dim, dim, sizes,
+            w[0] * w[1] * 2, PRESETS[hardware])
 
     for hardware in ("tpu_v5e", "h100_sxm"):
         assert moves(4, 4096, hardware) and not moves(1024, 4096, hardware), hardware
@@ -134,8 +134,8 @@ def test_auto_moves_the_activations_only_where_the_cost_numbers_say():
                                               jnp.bfloat16) == 4 * 2048 * 2 + 16 * 1024 * 4
     weights = fusedpar.compose(rule.tp, fusedpar.FSDP("fsdp", gather="weights"))
     assert not _fsdp_activations.moves_activations(
-        "ColumnLinear", weights, (1, 4, 4096), 4096, 4096, sizes, jnp.bfloat16,
-        (1024, 2048), PRESETS["tpu_v5e"])
+        "ColumnLinear", weights, (1, 4, 4096), jnp.bfloat16, 4096, 4096, sizes,
+        1024 * 2048 * 2, PRESETS["tpu_v5e"])
 
 
 def test_describe_names_the_activation_collectives():
@@ -145,3 +145,24 @@ def test_describe_names_the_activation_collectives():
                    "reduce_scatter y(batch) over fsdp"]
     assert "reduce_scatter dW over fsdp" not in bwd
     assert "gather='activations'" in fusedpar.describe(layers)
+
+
+def test_a_quantized_weight_stays_home_and_trains_its_master():
+    """A weight stored quantized (`fusedpar.quantize(..., master=True)` inside the loss)
+    is dequantized where it lies: loss, dx and the master's gradient (straight through)
+    as the same quantized layers with no mesh."""
+    layers, _ = _pair("reference", "activations")
+    x = normal(4, (4, 8, IN), F32)
+    m = mesh((2, 4), ("fsdp", "tp"))
+
+    def run(layers, x):
+        return eqx.filter_value_and_grad(lambda mx: _loss(
+            fusedpar.quantize(mx[0], master=True), mx[1], lambda lin, v: lin(v)))((layers, x))
+
+    want, wgrads = run(layers, x)
+    with jax.set_mesh(m):
+        got, grads = jax.jit(run)(fusedpar.shard(layers, m), x)
+    assert_close(got, want, F32, "loss")
+    assert_close(grads[1], wgrads[1], F32, "dx")
+    for g, w, name in zip(grads[0], wgrads[0], ("up", "down")):
+        assert_close(g.weight, w.weight, F32, f"d{name}.weight (its master's)")

@@ -37,6 +37,7 @@ from jax import lax
 from .._core import _definition
 from .._sharding._layouts import has_data_dim
 from .._sharding._styles import Column
+from ._layer_math import stationary
 
 def _reduce_dtype(rule, dtype) -> np.dtype:
     """What the FSDP partial sums are summed and sent in."""
@@ -70,15 +71,15 @@ def _contracting(rule) -> bool:
     return rule.fsdp_dim == 1
 
 
-def moves_activations(where, rule, x_shape, in_features, out_features, sizes, dtype,
-                      weight_shape, hardware, quantized=False) -> bool:
+def moves_activations(where, rule, x_shape, dtype, in_features, out_features, sizes,
+                      weight_bytes, hardware) -> bool:
     """Whether the layer `where` takes the activations route: `FSDP(gather=)`, and for
-    "auto" whether its two collectives take less time than the one weight gather
-    (`weight_shape` the local shard, received `fsdp - 1` times), each timed with
-    `hardware`'s launch and hop latency and its bytes over one link. `x_shape`: the
-    local input. Only a layer whose input has a batch dimension (dim 0, sharded over the
-    FSDP axis), with no narrow FSDP comm dtype and a weight not stored quantized
-    (`quantized`), can move them; "activations" anywhere else is an error."""
+    "auto" whether its two collectives take less time than the one weight gather (the
+    local shard's `weight_bytes`, as stored, received `fsdp - 1` times), each timed with
+    `hardware`'s launch and hop latency and its bytes over one link. `x_shape`, `dtype`:
+    the local input's. Only a layer whose input has a batch dimension (dim 0, sharded
+    over the FSDP axis) and no narrow FSDP comm dtype can move them; "activations"
+    anywhere else is an error."""
     f = rule.fsdp
     if f is None or f.gather == "weights":
         return False
@@ -87,9 +88,7 @@ def moves_activations(where, rule, x_shape, in_features, out_features, sizes, dt
     why = (f"its input of rank {len(x_shape)} has no batch dimension (dim 0 of {batch})"
            if not has_data_dim(rule, len(x_shape)) else
            "FSDP's comm_dtype / grad_comm_dtype quantize the weight gather"
-           if f.comm_dtype is not None or f.grad_comm_dtype is not None else
-           "its weight is stored quantized (a QuantizedArray travels as it is stored)"
-           if quantized else None)
+           if f.comm_dtype is not None or f.grad_comm_dtype is not None else None)
     if f.gather == "activations":
         if why is not None:
             raise ValueError(
@@ -100,16 +99,18 @@ def moves_activations(where, rule, x_shape, in_features, out_features, sizes, dt
         return False
     n, link = sizes[f.axis], hardware.link_bandwidth
     collective = hardware.launch_overhead + (n - 1) * hardware.hop_latency
-    weight = (n - 1) * math.prod(weight_shape) * np.dtype(dtype).itemsize / link
+    weight = (n - 1) * weight_bytes / link
     moved = activation_bytes(rule, x_shape, in_features, out_features, sizes, dtype) / link
     return 2 * collective + moved < collective + weight
 
 
 def local(x, w, rule, tp_op):
     """The layer on the local `x` (batch dim 0 sharded over the FSDP axis) with its
-    local weight shard `w` (out, in): `tp_op(x, w, out_dtype)` is the layer's product
-    (with its tensor-parallel collective, if any) on the FSDP peers' tokens; returns the
-    output in `x.dtype`."""
+    local weight shard `w` (out, in; a stored `QuantizedArray` is dequantized here, where
+    it stays, its gradient straight through to its master): `tp_op(x, w, out_dtype)` is
+    the layer's product (with its tensor-parallel collective, if any) on the FSDP peers'
+    tokens; returns the output in `x.dtype`."""
+    w = stationary(w)
     axis = rule.fsdp.axis
     last = x.ndim - 1
     if _contracting(rule):

@@ -49,6 +49,7 @@ arithmetic (`_layer_math`), the FSDP weight gather and matmul (`_fsdp_gather`), 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import equinox as eqx
@@ -286,12 +287,11 @@ class ParallelLinear(eqx.Module):
         (`_fsdp_activations`): `x_shape` the local input (`x` the array, whose target's
         cost numbers decide), `sizes` the mesh's."""
         shape = (length(self.out_features), length(self.in_features))
-        w = array_of(self.weight)
+        w = array_of(self.weight)  # a QuantizedArray's values: what a gather would send
+        weight_bytes = math.prod(rule.local_weight_shape(shape, sizes)) * w.dtype.itemsize
         return _fsdp_activations.moves_activations(
-            type(self).__name__, rule, x_shape, shape[1], shape[0], sizes, w.dtype,
-            rule.local_weight_shape(shape, sizes),
-            get_hardware(target=_target.current(x, w)),
-            quantized=isinstance(self.weight, QuantizedArray))
+            type(self).__name__, rule, x_shape, x.dtype, shape[1], shape[0], sizes,
+            weight_bytes, get_hardware(target=_target.current(x, w)))
 
 
 def _fsdp_style(where, axis, dim, comm_dtype, grad_comm_dtype, reduce_dtype=None,

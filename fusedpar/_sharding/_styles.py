@@ -85,9 +85,9 @@ class FSDP(_Style):
     gathered before the product), "activations" (the weight stays on its shard; the
     FSDP peers' tokens come to it and their products go back, for steps with few tokens
     such as decoding), or "auto": the activations where the target's cost numbers say
-    their two collectives take less time than the weight gather's bytes (and no
-    `comm_dtype` is set, the weight is not stored quantized, and the input has a batch
-    dimension).
+    their two collectives take less time than the weight gather, no `comm_dtype` is set
+    and the input has a batch dimension (a weight stored quantized stays home and is
+    dequantized there).
     """
 
     axis: str = "fsdp"
