@@ -189,11 +189,12 @@ class _Replay:
             memory = (operand_bytes + written) / self.hw.hbm_bandwidth
         if _hlo.is_matmul(i, self.multiplying):
             flops, dtype = _flops.matmul_flops(self.module, i, by_name)
-            return max(flops / self.peak(dtype), memory) + self.hw.launch_overhead
+            return self._count("matmul",
+                               max(flops / self.peak(dtype), memory) + self.hw.launch_overhead)
         if i.opcode == "custom-call":
             self.note(f"custom-call {i.name} ({i.target})",
                       "a kernel costing its bytes over HBM bandwidth")
-        return memory
+        return self._count(_NUMBERED.sub("", i.name), memory) if memory else 0.0
 
     def _pairs(self, i) -> list:
         pairs = _hlo.source_target_pairs(i)
@@ -363,9 +364,6 @@ class _Replay:
                     self.note(f"custom-call {i.name}: {_hlo_ring_kernel.UNREAD} ({why})",
                               "its matmul's time, its transfers hidden")
                 t = self._kernel_time(i, by_name)
-                if t:
-                    self._count("matmul" if _hlo.is_matmul(i, self.multiplying)
-                                else _NUMBERED.sub("", i.name), t)
                 self.compute += t
                 now += t
         root = self.module.roots.get(computation)
@@ -392,11 +390,13 @@ class _Replay:
         self._count("ring kernel", total)
         return now + total
 
-    def _count(self, kind: str, seconds: float) -> None:
-        """Add one instruction of `kind` taking `seconds` to the compute stream's tally."""
+    def _count(self, kind: str, seconds: float) -> float:
+        """Add one instruction of `kind` taking `seconds` to the compute stream's tally;
+        returns `seconds`."""
         tally = self.kinds.setdefault(kind, [0, 0.0])
         tally[0] += 1
         tally[1] += seconds
+        return seconds
 
     def _element(self, i, by_name, carried, after_loop):
         """The flow in flight in the tuple element `i` reads, if any: an element of the
