@@ -40,6 +40,7 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from . import (_backends, _definition, _dispatch, _operands_first, _primitives as prims,
                _product_first, _quantize, _vma)
 from .. import cost_model
+from ._backends import reference
 from ._vma import cotangent_like
 
 
@@ -106,7 +107,7 @@ def _fwd(prim, cfg, x, w):
 
 
 def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None, addend=None,
-              w_ahead=False):
+              w_ahead=False, sibling=None):
     """`run` for the backward pass, checked first like the forward call was.
 
     The forward's dispatch checked only the forward primitive's shapes; a dual step can
@@ -114,8 +115,11 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None, add
     backend may not tile: that is an error here, before any kernel is traced.
     `beside`: the operands (shapes) of the backward's other gradient matmul, which needs
     nothing this one computes (under "auto" the reference's collective can hide behind
-    it). `w_ahead`: this run's w is the forward's w (`Call.w_ahead`).
+    it). `w_ahead`: this run's w is the forward's w (`Call.w_ahead`). `sibling`: that
+    matmul, `(fn, operands)`; the result is then `(run's, fn(*operands))`, the sibling
+    placed beside the collective where `auto` counted on it (`reference.run_beside`).
     """
+
     op = prims.of(fwd_prim).op
     call = cfg.call(op, prim, x, w, gathered=return_gathered, adding=addend is not None,
                     w_ahead=w_ahead)
@@ -133,14 +137,42 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None, add
         cfg = dataclasses.replace(cfg, backend=choice.backend,
                                   bidirectional=choice.bidirectional, unroll=choice.unroll,
                                   rearranged=choice.rearranged)
-        return run(prim, cfg, x, w, return_gathered, addend)
+        if sibling is not None and _counts_on_sibling(call, cfg, return_gathered):
+            with jax.named_scope(scope(prim, cfg)):
+                return reference.run_beside(prim, cfg, x, w, sibling, addend)
+        return _with_sibling(run(prim, cfg, x, w, return_gathered, addend), sibling)
     why = _backends.get(cfg.backend).unavailable(call)
     if why is not None:
         raise NotImplementedError(
             f"{op}: the backward pass of {fwd_prim} runs {prim} on local x{call.x_shape} "
             f"w{call.w_shape} ({call.dtype}), which backend {cfg.backend!r} cannot run: "
             f"{why} (the forward pass alone runs on it; backend='ring' runs both).")
-    return run(prim, cfg, x, w, return_gathered, addend)
+    return _with_sibling(run(prim, cfg, x, w, return_gathered, addend), sibling)
+
+
+def _counts_on_sibling(call, cfg, return_gathered) -> bool:
+    """Whether `auto` gave `call` the plain reference counting on its collective hiding
+    behind the sibling matmul (`_dispatch._estimated`): a reduce-scatter in its own dtype,
+    on hardware where XLA runs such a collective beside other work, and on a GPU.
+
+    Only there do the barriers of `reference.run_beside` help: a GPU runs the collective
+    as an asynchronous start and done around whatever the scheduler puts between (the
+    8 x H100 block: 3,387 -> 3,260 us replayed). v5e's compiler splits a reduce-scatter
+    into steps it fuses into neighbouring XLA fusions, which the barriers wall off:
+    there the block replayed 12,422 -> 12,499 us with them, ag_cols 1,405 -> 1,436."""
+    return (call.platform == "gpu" and bool(call.beside) and cfg.backend == _dispatch.REFERENCE
+            and not cfg.rearranged
+            and cfg.comm_dtype is None and not prims.of(call.prim).gathers
+            and not return_gathered
+            and cost_model.get_hardware(None, call.target).collective_beside_matmul)
+
+
+def _with_sibling(result, sibling):
+    """`result`, and the sibling matmul's after it when there is one."""
+    if sibling is None:
+        return result
+    fn, operands = sibling
+    return result, fn(*operands)
 
 
 def _local(cfg, a, b, dtype):
@@ -179,23 +211,42 @@ def _grads(prim, c, env, grads, dtypes, addend=None):
     x's reduce-scatter also sums (`apply_keeping`'s siblings' partial sums).
     """
     out = {}
-    for g in grads:
-        lhs, rhs = _operand(env, g.lhs), _operand(env, g.rhs)
+
+    def local(g, operands=env):
+        r = _local(c, _operand(operands, g.lhs), _operand(operands, g.rhs), dtypes[g.of])
+        return r.T if g.transposed else r
+
+    def as_sibling(g):
+        """`g` as a dual run's sibling: its operands as they lie (a barrier they pass
+        must not materialize a transpose), and the matmul on them."""
+        names = tuple({n.partition(".")[0]: None for n in (g.lhs, g.rhs)})
+        return (lambda *arrays: local(g, dict(zip(names, arrays))),
+                tuple(env[n] for n in names))
+
+    # The dual runs first: a local gradient reads what a keeping dual gathers (`g`), or
+    # runs inside a dual's run, beside its collective (`sibling`).
+    for g in sorted(grads, key=lambda g: g.prim is None):
+        if g.of in out:  # computed beside its dual
+            continue
         if g.prim is None:
-            r = _local(c, lhs, rhs, dtypes[g.of])
-        else:
-            other = next((o for o in grads if o is not g), None)
-            beside = None
-            if other is not None and other.prim is None and not g.keeps:
-                beside = tuple(jax.ShapeDtypeStruct(_shape(env, n), env["dy"].dtype)
-                               for n in (other.lhs, other.rhs))
-            dual = dataclasses.replace(c, w_transposed=_transposed_in_memory(c, g.rhs),
-                                       w_resident=c.w_resident and g.rhs.startswith("w"))
-            r = _run_dual(prim, g.prim, dual, lhs, rhs, return_gathered=g.keeps, beside=beside,
-                          addend=addend if g.of == "x" else None,
-                          w_ahead=g.rhs.partition(".")[0] == "w")
-            if g.keeps:
-                r, env["g"] = r
+            out[g.of] = local(g)
+            continue
+        lhs, rhs = _operand(env, g.lhs), _operand(env, g.rhs)
+        other = next((o for o in grads if o is not g), None)
+        beside = sibling = None
+        if other is not None and other.prim is None and not g.keeps:
+            beside = tuple(jax.ShapeDtypeStruct(_shape(env, n), env["dy"].dtype)
+                           for n in (other.lhs, other.rhs))
+            sibling = as_sibling(other)
+        dual = dataclasses.replace(c, w_transposed=_transposed_in_memory(c, g.rhs),
+                                   w_resident=c.w_resident and g.rhs.startswith("w"))
+        r = _run_dual(prim, g.prim, dual, lhs, rhs, return_gathered=g.keeps, beside=beside,
+                      addend=addend if g.of == "x" else None,
+                      w_ahead=g.rhs.partition(".")[0] == "w", sibling=sibling)
+        if sibling is not None:
+            r, out[other.of] = r
+        if g.keeps:
+            r, env["g"] = r
         out[g.of] = r.T if g.transposed else r
     return out
 

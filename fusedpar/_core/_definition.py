@@ -70,9 +70,16 @@ def matmul_reduce_scatter(x, w, axis_name, *, dim=0, out_dtype=None, reduce_dtyp
     """`psum_scatter(jnp.matmul(x, w), scatter_dimension=dim, tiled=True)`; `addend` (the
     product's shape), when given, is summed with the product before the scatter."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
+    y = partial_products(x, w, reduce_dtype=reduce_dtype, precision=precision, addend=addend)
+    return lax.psum_scatter(y, axis_name, scatter_dimension=dim % y.ndim,
+                            tiled=True).astype(out_dtype)
+
+
+def partial_products(x, w, *, reduce_dtype=None, precision=None, addend=None):
+    """What `matmul_reduce_scatter` scatters: this device's `x @ w` (plus `addend`) in
+    `reduce_dtype` (None: float32 for 16-bit inputs)."""
     reduce_dtype = accumulation_dtype(x.dtype) if reduce_dtype is None else reduce_dtype
     y = matmul(x, w, precision=precision).astype(reduce_dtype)
     if addend is not None:
         y = y + addend.astype(reduce_dtype)
-    return lax.psum_scatter(y, axis_name, scatter_dimension=dim % y.ndim,
-                            tiled=True).astype(out_dtype)
+    return y

@@ -49,6 +49,33 @@ def run(prim, cfg, x, w, return_gathered=False, addend=None):
                                tiled=True)
 
 
+def run_beside(prim, cfg, x, w, sibling, addend=None):
+    """`run` of a reduce-scatter `prim`, with its collective beside `sibling`: `(fn,
+    operands)`, another matmul of the backward that needs nothing this one computes.
+    Returns `(out, fn(*operands))`.
+
+    `"auto"` picks the reference for such a call where the reduce-scatter can hide behind
+    the sibling (`Call.beside`), but nothing in the program says so, and XLA's scheduler
+    may wait for the reduce-scatter with nothing to do and run the sibling after it: in
+    an 8 x H100 FSDP x TP block it did with the MLP's input gradient (64 MiB of float32
+    partial sums), 125 us exposed. Two optimization barriers (identities) order the three:
+    the sibling's operands wait for the partial products, and what reads the scattered
+    result waits for the sibling, so the sibling runs while the collective is in flight.
+    """
+    p = prims.of(prim)
+    if p.gathers or cfg.comm_dtype is not None:
+        raise ValueError(f"run_beside runs a reduce-scatter in its own dtype, not {prim} "
+                         f"with comm_dtype={cfg.comm_dtype}")
+    fn, operands = sibling
+    y = _definition.partial_products(x, w, reduce_dtype=cfg.reduce_dtype,
+                                     precision=cfg.precision, addend=addend)
+    y, operands = lax.optimization_barrier((y, operands))
+    other = fn(*operands)
+    out = lax.psum_scatter(y, cfg.axis_name, scatter_dimension=p.gather_axis, tiled=True)
+    out, other = lax.optimization_barrier((out, other))
+    return out.astype(x.dtype if cfg.out_dtype is None else cfg.out_dtype), other
+
+
 def _quantized_gather(p, cfg, x, w, return_gathered):
     """Quantize the travelling operand, gather values and scales, dequantize, multiply."""
     axis = p.gather_axis
