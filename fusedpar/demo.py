@@ -58,8 +58,9 @@ def _interpreted(backends) -> list:
 def _parser():
     p = argparse.ArgumentParser(prog="python -m fusedpar.demo", description=__doc__.split(
         "\n\n")[0])
-    p.add_argument("--devices", type=int, default=8,
-                   help="simulated CPU devices when the host has no accelerator (default 8)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="simulated CPU devices when the host has no accelerator (default: "
+                   "the mesh's, 8 for 2x4); at least the mesh's")
     p.add_argument("--mesh", default=None, help="FSDPxTP mesh shape (default 2x4; 1x4 with "
                    "TPU kernels interpreted on CPU)")
     p.add_argument("--batch", type=int, default=8)
@@ -95,8 +96,11 @@ def _parse(argv):
         p.error(f"--mesh axes must be positive, got {args.mesh!r}")
     args.fsdp, args.tp = fsdp, tp
     for name in ("devices", "batch", "seq", "dim", "hidden", "blocks", "steps"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be a positive integer, got {getattr(args, name)}.")
+    if args.devices is not None and args.devices < fsdp * tp:
+        p.error(f"--devices {args.devices} is fewer than the mesh {fsdp}x{tp} needs "
+                f"({fsdp * tp}): pass --devices {fsdp * tp} or more, or a smaller --mesh.")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         p.error(f"--lr must be a positive finite number, got {args.lr}.")
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -337,7 +341,7 @@ def main(argv=None) -> list[dict]:
     """Run the demo; print the table; return its rows (dicts) for programmatic use."""
     args = _parse(sys.argv[1:] if argv is None else argv)
     n = args.fsdp * args.tp
-    jax = _start_jax(max(args.devices, n))
+    jax = _start_jax(n if args.devices is None else args.devices)
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P

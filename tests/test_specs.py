@@ -96,11 +96,11 @@ def test_error_two_tp_styles():
 
 def test_error_axis_not_in_mesh():
     m = mesh((2, 4), ("fsdp", "model"))
-    with pytest.raises(ValueError, match=r"blocks\.0\.up: mesh axis 'tp' is not in the mesh, "
-                       r"whose axes are \('fsdp', 'model'\)"):
+    with pytest.raises(ValueError, match=r"blocks\.0\.up: mesh axis 'tp' \(Column, axis=\).*"
+                       r"not in the mesh, whose axes are \('fsdp', 'model'\)"):
         fusedpar.validate(Model(), m)
-    with pytest.raises(ValueError, match=r"ColumnLinear: mesh axis 'tp' is not in the current "
-                       r"mesh, whose axes are \('fsdp', 'model'\)"):
+    with pytest.raises(ValueError, match=r"ColumnLinear: mesh axis 'tp' \(Column, axis=\) is not "
+                       r"in the current mesh, whose axes are \('fsdp', 'model'\)"):
         with jax.set_mesh(m):
             fusedpar.ColumnLinear(8, 16, key=K)(jnp.ones(8))
 

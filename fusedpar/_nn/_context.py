@@ -88,9 +88,10 @@ def check_same_mesh(where: str, weight, mesh) -> None:
         "`with jax.set_mesh(mesh):`), or set the mesh it was placed on.")
 
 
-def detect(where: str, axes: tuple, weight=None):
+def detect(where: str, axes: tuple, weight=None, rule=None):
     """`(kind, abstract_mesh)` for a layer named `where` that uses mesh `axes`.
 
+    `rule`: the layer's (`_rules.Rule`), whose styles an error names.
     `weight`: the layer's sharded parameter, to refuse running it densely when it was
     placed on a mesh but none is set (`check_no_stray_mesh`), or under a mesh other than
     the one it was placed on (`check_same_mesh`).
@@ -111,8 +112,11 @@ def detect(where: str, axes: tuple, weight=None):
         return LOCAL, mesh
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing:
-        raise ValueError(f"{where}: mesh axis {missing[0]!r} is not in the current mesh, "
-                         f"whose axes are {tuple(mesh.axis_names)}.")
+        names = (rule.missing_axes(mesh.axis_names) if rule is not None
+                 else [repr(a) for a in missing])
+        raise ValueError(f"{where}: mesh axis {', '.join(names)} is not in the current mesh, "
+                         f"whose axes are {tuple(mesh.axis_names)}. Name one of them, or "
+                         "set a mesh with that axis.")
     check_same_mesh(where, weight, mesh)
     return GLOBAL, mesh
 

@@ -41,6 +41,7 @@ from . import _context
 from .._core import _folding, _vma
 from .._sharding import _specs, _whole_model
 from .._sharding._specs import TableRule
+from ._layer_checks import param_dtype
 
 
 def _normalize(ids, vocab):
@@ -102,6 +103,8 @@ class Embedding(eqx.Module):
                                  f"dimension), got {fsdp_dim!r}.")
             styles.append(_specs.FSDP(fsdp_axis, None if fsdp_dim is None else 1 - fsdp_dim))
         rule = TableRule.of(_specs.compose(*styles, where="Embedding"), "Embedding")
+        if weight is None:
+            param_dtype("Embedding", dtype)
         table = eqx.nn.Embedding(num_embeddings, embedding_size, weight, dtype, key=key)
         self.weight = table.weight
         self.num_embeddings, self.embedding_size = table.num_embeddings, table.embedding_size
@@ -157,7 +160,8 @@ class Embedding(eqx.Module):
         return _folding.fold(self._apply, (x,), self, where="Embedding", hint=hint)
 
     def _apply(self, ids):
-        kind, mesh = _context.detect("Embedding", self.rule.axes, self.weight)
+        kind, mesh = _context.detect("Embedding", self.rule.axes, self.weight,
+                                     self.rule)
         if self.rule.sequence_parallel and ids.ndim < 1 and kind != _context.DENSE:
             raise ValueError("Embedding: sequence_parallel=True needs ids (..., seq) whose "
                              "last dimension is the sequence, got a scalar id.")

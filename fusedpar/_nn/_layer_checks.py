@@ -3,6 +3,8 @@ errors give."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from .._sharding import _specs
 from .._core._quantized_array import QuantizedArray
 
@@ -11,6 +13,14 @@ def features(where, name, v):
     """A positive int, or "scalar" as `eqx.nn.Linear` takes it (a dimension of 1)."""
     if v != "scalar" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         raise ValueError(f"{where}: {name} must be a positive int or 'scalar', got {v!r}.")
+
+
+def param_dtype(where, dtype) -> None:
+    """None or a floating dtype: what the layer initialises its parameters in."""
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{where}: dtype must be a floating dtype (float32, bfloat16, ...) "
+                         f"for the parameters it initialises, got {jnp.dtype(dtype).name}; "
+                         "for integer weights, quantize a model (fusedpar.quantize).")
 
 
 def length(features) -> int:

@@ -66,7 +66,8 @@ from .._sharding import _specs, _whole_model
 from .._hw import _target
 from .._hw._cost_hardware import get_hardware
 from ._fsdp_gather import fsdp_matmul, gather_fsdp
-from ._layer_checks import check_quantized_weight, check_sequence, features, layout_hint, length
+from ._layer_checks import (check_quantized_weight, check_sequence, features,
+                            layout_hint, length, param_dtype)
 from ._layer_math import add_bias, array_of, matmul_t, same_dtype, stationary
 from .._core._ops import (all_gather_matmul, all_gather_matmul_given,
                           all_gather_matmul_keeping, matmul_reduce_scatter)
@@ -101,6 +102,7 @@ class ParallelLinear(eqx.Module):
         where = type(self).__name__
         features(where, "in_features", in_features)
         features(where, "out_features", out_features)
+        param_dtype(where, dtype)
         if not isinstance(use_bias, bool):
             raise TypeError(f"{where}: use_bias must be True or False, got {use_bias!r}.")
         _dispatch.check_backend_name(where, backend)
@@ -168,7 +170,8 @@ class ParallelLinear(eqx.Module):
         """The layer on `x` with every vmapped axis folded in."""
         where = type(self).__name__
         check_quantized_weight(where, self.weight)
-        kind, mesh = _context.detect(where, self.rule.axes, array_of(self.weight))
+        kind, mesh = _context.detect(where, self.rule.axes, array_of(self.weight),
+                                     self.rule)
         tp, f = self.rule.tp, self.rule.fsdp
         if (kind != _context.DENSE and tp is not None and f is not None
                 and dict(mesh.shape).get(f.axis, 1) > 1):  # before a hang

@@ -161,6 +161,19 @@ def check_ties(model) -> None:
                     "(a vocabulary-parallel table, Row(), ties to a Column() LM head).")
 
 
+def check_axes(model, sizes: dict) -> None:
+    """Every mesh axis `model`'s layers use is in the mesh (`sizes`: axis -> size); else
+    one `ValueError` that names every layer with an axis the mesh lacks, and the style
+    (so the argument) that asked for it."""
+    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_layer)[0]
+    bad = [f"{layer_name(path, x)}: mesh axis {', '.join(missing)}" for path, x in leaves
+           if is_layer(x) and (missing := x.rule.missing_axes(sizes))]
+    if bad:
+        raise ValueError(f"{'; '.join(bad)}: not in the mesh, whose axes are "
+                         f"{tuple(sizes)}. Name one of them (e.g. FSDP({tuple(sizes)[0]!r}) "
+                         "in a plan), or build the mesh with that axis.")
+
+
 def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
     """Check `model`'s specs against `mesh`; return `(model, dropped)`.
 
@@ -174,15 +187,12 @@ def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
     sizes = mesh_sizes(mesh)
     dropped: list = []
     check_ties(model)
+    check_axes(model, sizes)
 
     def one(path, x):
         if not is_layer(x):
             return x
         where = layer_name(path, x)
-        for a in x.rule.axes:
-            if a not in sizes:
-                raise ValueError(f"{where}: mesh axis {a!r} is not in the mesh, whose axes "
-                                 f"are {tuple(sizes)}.")
         if relaxed and (is_param(x.weight) or is_quantized(x.weight)):  # tied: its source's
             rule, drops = x.rule.relax(where, x.weight.shape[-2:], sizes)
             if drops:

@@ -57,6 +57,13 @@ class Rule:
         """The mesh axes this rule uses, tensor-parallel first."""
         return tuple(s.axis for s in (self.tp, self.fsdp) if s is not None)
 
+    def missing_axes(self, names) -> list:
+        """Each axis of this rule not among the mesh axis `names`, with the style that
+        uses it and the layer argument that set it, e.g. `"'fsdp' (FSDP, fsdp_axis=)"`."""
+        return [f"{s.axis!r} ({type(s).__name__}, "
+                f"{'fsdp_axis=' if isinstance(s, FSDP) else 'axis='})"
+                for s in (self.tp, self.fsdp) if s is not None and s.axis not in names]
+
     @property
     def sequence_parallel(self) -> bool:
         return bool(self.tp is not None and self.tp.sequence_parallel)
