@@ -138,8 +138,8 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None, add
                                   bidirectional=choice.bidirectional, unroll=choice.unroll,
                                   rearranged=choice.rearranged)
         if sibling is not None and _counts_on_sibling(call, cfg, return_gathered):
-            with jax.named_scope(scope(prim, cfg)):
-                return reference.run_beside(prim, cfg, x, w, sibling, addend)
+            return reference.run_beside(prim, cfg, x, w, sibling, addend,
+                                        lambda: jax.named_scope(scope(prim, cfg)))
         return _with_sibling(run(prim, cfg, x, w, return_gathered, addend), sibling)
     why = _backends.get(cfg.backend).unavailable(call)
     if why is not None:

@@ -20,6 +20,8 @@ under JAX's autodiff, which shares no code with the VJP rules.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -49,10 +51,11 @@ def run(prim, cfg, x, w, return_gathered=False, addend=None):
                                tiled=True)
 
 
-def run_beside(prim, cfg, x, w, sibling, addend=None):
+def run_beside(prim, cfg, x, w, sibling, addend=None, scope=contextlib.nullcontext):
     """`run` of a reduce-scatter `prim`, with its collective beside `sibling`: `(fn,
     operands)`, another matmul of the backward that needs nothing this one computes.
-    Returns `(out, fn(*operands))`.
+    Returns `(out, fn(*operands))`. `scope()`: the context the op's own work is traced
+    in (a name scope), not the sibling's.
 
     `"auto"` picks the reference for such a call where the reduce-scatter can hide behind
     the sibling (`Call.beside`), but nothing in the program says so, and XLA's scheduler
@@ -67,13 +70,16 @@ def run_beside(prim, cfg, x, w, sibling, addend=None):
         raise ValueError(f"run_beside runs a reduce-scatter in its own dtype, not {prim} "
                          f"with comm_dtype={cfg.comm_dtype}")
     fn, operands = sibling
-    y = _definition.partial_products(x, w, reduce_dtype=cfg.reduce_dtype,
-                                     precision=cfg.precision, addend=addend)
-    y, operands = lax.optimization_barrier((y, operands))
+    with scope():
+        y = _definition.partial_products(x, w, reduce_dtype=cfg.reduce_dtype,
+                                         precision=cfg.precision, addend=addend)
+        y, operands = lax.optimization_barrier((y, operands))
     other = fn(*operands)
-    out = lax.psum_scatter(y, cfg.axis_name, scatter_dimension=p.gather_axis, tiled=True)
-    out, other = lax.optimization_barrier((out, other))
-    return out.astype(x.dtype if cfg.out_dtype is None else cfg.out_dtype), other
+    with scope():
+        out = lax.psum_scatter(y, cfg.axis_name, scatter_dimension=p.gather_axis,
+                               tiled=True)
+        out, other = lax.optimization_barrier((out, other))
+        return out.astype(x.dtype if cfg.out_dtype is None else cfg.out_dtype), other
 
 
 def _quantized_gather(p, cfg, x, w, return_gathered):
