@@ -18,7 +18,7 @@ has that module's backward: the cotangent reduce-scattered, both gradients local
 rs_rows it runs operands first (`_operands_first`) has rs_rows' own backward.
 
 Which dual runs, on which operands, is data: each primitive's `backward` and
-`backward_keep` (`_primitives.Grad`); `_grads` computes them in order.
+`backward_keep` (`_primitives.Grad`); `_grads` computes them, the dual runs first.
 
 Quantized communication (`comm_dtype`) is straight-through: the backward differentiates
 the lax expression on the operand the forward multiplied (the dequantized one, which is
@@ -204,10 +204,12 @@ def _transposed_in_memory(cfg, name) -> bool:
 
 
 def _grads(prim, c, env, grads, dtypes, addend=None):
-    """Compute `grads` (`_primitives.Grad`, in order) from the operands in `env`.
+    """Compute `grads` (`_primitives.Grad`, dual runs first) from the operands in `env`.
 
     A dual run whose sibling gradient is a local matmul on operands it does not produce
-    is told their shapes (`beside`): that matmul can hide its collective. `addend`: what
+    is told their shapes (`beside`): that matmul can hide its collective, and runs inside
+    the dual's run (`sibling`), which places it beside the collective where `auto`
+    counted on that (`_counts_on_sibling`). `addend`: what
     x's reduce-scatter also sums (`apply_keeping`'s siblings' partial sums).
     """
     out = {}

@@ -85,8 +85,9 @@ class Primitive:
     - `scale_axis`: the axis one float32 scale covers when the travelling operand (or a
       reduce-scatter's accumulator segment) is quantized: the travelling operand's
       contraction axis, so a scale belongs to a row or column of the product.
-    - `backward`, `backward_keep`: the gradients (`Grad`, in the order they are computed)
-      without and with `keep_gathered`.
+    - `backward`, `backward_keep`: the gradients (`Grad`) without and with
+      `keep_gathered`; the dual runs are computed first, in this order (a local matmul
+      reads the operand a keeping dual gathers, `g`).
     """
 
     name: str
