@@ -119,7 +119,6 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None, add
     matmul, `(fn, operands)`; the result is then `(run's, fn(*operands))`, the sibling
     placed beside the collective where `auto` counted on it (`reference.run_beside`).
     """
-
     op = prims.of(fwd_prim).op
     call = cfg.call(op, prim, x, w, gathered=return_gathered, adding=addend is not None,
                     w_ahead=w_ahead)
