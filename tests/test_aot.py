@@ -109,8 +109,8 @@ def test_layer_programs_compile(target, layers, backend):
         assert KERNELS[platform] in compiled.as_text()
     if backend == "auto" and platform == "gpu":
         # `auto` gives the MLP's input gradient the reference, counting on its
-        # reduce-scatter running beside the weight gradient's matmul; XLA ran that matmul
-        # first and left the collective alone until `reference.run_beside` ordered them.
+        # reduce-scatter running beside the weight gradient's matmul; XLA waited for the
+        # collective with nothing beside it until `reference.run_beside` ordered them.
         beside = [t for t in report.transfers if t.op == ("rs_rows", "reference", "backward")]
         assert beside and all(t.hidden for t in beside), report.markdown()
 
