@@ -79,7 +79,9 @@ def partial_products(x, w, *, reduce_dtype=None, precision=None, addend=None):
     """What `matmul_reduce_scatter` scatters: this device's `x @ w` (plus `addend`) in
     `reduce_dtype` (None: float32 for 16-bit inputs)."""
     reduce_dtype = accumulation_dtype(x.dtype) if reduce_dtype is None else reduce_dtype
-    y = matmul(x, w, precision=precision).astype(reduce_dtype)
+    # Sums in the inputs' own 16-bit dtype are what the dot writes (`matmul`): with
+    # cuBLAS GEMMs a float32 product and a convert cost a bfloat16 rs_rows 4% on 8 H100s.
+    y = matmul(x, w, precision=precision, out_dtype=reduce_dtype)
     if addend is not None:
         y = y + addend.astype(reduce_dtype)
     return y

@@ -42,11 +42,9 @@ def scatter_step(prim, cfg, x, w):
     rows = prims.of(prim).ring_dim == "m"
 
     def accumulate(acc, seg, length):
-        if rows:
-            part = _dot(cfg, segment(x, seg, length, 0), w)
-        else:
-            part = _dot(cfg, x, segment(w, seg, length, 1))
-        part = part.astype(cfg.reduce_dtype)
+        a, b = (segment(x, seg, length, 0), w) if rows else (x, segment(w, seg, length, 1))
+        # In `reduce_dtype` as the dot writes it (`_definition.matmul`).
+        part = _definition.matmul(a, b, precision=cfg.precision, out_dtype=cfg.reduce_dtype)
         return part if acc is None else acc + part
 
     return accumulate
