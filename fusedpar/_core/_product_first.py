@@ -72,17 +72,16 @@ def _by_all_to_all(cfg, dy) -> bool:
     """Whether dy's addends travel by all-to-all rather than summed in a reduce-scatter.
 
     The same sum, at the bytes of dy's dtype (half a float32 reduce-scatter's, for
-    bfloat16). Through NVSwitch an all-to-all runs at the GPU's full egress. A TPU slice
-    forwards each block over as many ICI links as its devices are apart: it pays where
-    that load (`_schedule.all_to_all_load`, from the devices' coordinates) is below the
-    wider reduce-scatter's, as on a v5p 2x2x2 cube (0.57 of a ring's; replayed, v5p ag_rows
-    2,243 -> 1,396 us), not on a 2x4 grid (1.14: v5e 3,664 -> 3,746) nor where the
-    devices are unknown."""
-    wide = jnp.dtype(cfg.reduce_dtype).itemsize
-    if dy.dtype.itemsize >= wide:
-        return False
+    bfloat16). Through NVSwitch an all-to-all runs at the GPU's full egress: it pays
+    where it sends fewer bytes. A TPU slice forwards each block over as many ICI links as
+    its devices are apart: it pays where that load (`_schedule.all_to_all_load`, from the
+    devices' coordinates) is below a one-hop ring's, whatever the dtypes, as on a v5p
+    2x2x2 cube (0.57; replayed, v5p ag_rows with float32 sums 2,243 -> 1,396 us, with
+    bfloat16 sums 1,551 -> 1,316), not on a 2x4 grid (1.14: v5e 3,664 -> 3,746 with
+    float32 sums, 2,985 -> 3,746 with bfloat16; v6e 1,188 -> 1,566 with bfloat16) nor
+    where the devices are unknown."""
     if cfg.on.platform != "tpu":
-        return True
+        return dy.dtype.itemsize < jnp.dtype(cfg.reduce_dtype).itemsize
     names = cfg.axis_name if isinstance(cfg.axis_name, tuple) else (cfg.axis_name,)
     mesh = _target.concrete_mesh()
     found = (None if mesh is None or not all(a in mesh.shape for a in names)
@@ -90,5 +89,4 @@ def _by_all_to_all(cfg, dy) -> bool:
     if found is None:
         return False
     coords, wraps, extent = found
-    load = max(_schedule.all_to_all_load(c, wraps, extent) for c in coords)
-    return load < wide / (2 * dy.dtype.itemsize)
+    return max(_schedule.all_to_all_load(c, wraps, extent) for c in coords) < 1
