@@ -37,6 +37,10 @@ def deserialise_filter_spec(f, like):
             and isinstance(sharding, NamedSharding)):
         return eqx.default_deserialise_filter_spec(f, like)
     value = np.load(f)
+    if value.dtype.kind == "V" and value.dtype.itemsize == np.dtype(like.dtype).itemsize:
+        # `jnp.save` writes a dtype NumPy does not know (bfloat16, the float8s) as raw
+        # bytes, which `np.load` reads back as void: they are the skeleton's dtype.
+        value = value.view(like.dtype)
     if value.shape != tuple(like.shape):
         raise ValueError(f"deserialise_filter_spec: the checkpoint holds an array of shape "
                          f"{value.shape} where the skeleton has {tuple(like.shape)} "
