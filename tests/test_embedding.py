@@ -194,3 +194,40 @@ def test_tied_weights_need_one_layout():
         fusedpar.param_specs(par)
     with pytest.raises(ValueError, match=match):
         fusedpar.shard(par, mesh((4,), ("tp",)))
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["replicated", "sp"])
+def test_bfloat16_on_a_data_x_tp_mesh(sp):
+    """A bfloat16 table on a 2 x 4 data x tp mesh (the data axis left to XLA): on CPU XLA
+    aborted the process on the bfloat16 sum of the rows; the rows, each nonzero on one
+    device, are the table's bit for bit, and so is the gradient."""
+    m = mesh((2, 4), ("data", "tp"))
+    table = normal(3, (VOCAB, DIM), jnp.bfloat16)
+    emb = fusedpar.Embedding(weight=table, sequence_parallel=sp)
+    probe = normal(1, (4, 8, DIM), F32)
+
+    def loss(e, ids):
+        return jnp.sum(e(ids).astype(F32) * probe)
+
+    with jax.set_mesh(m):
+        out, grad = eqx.filter_jit(lambda e, ids: (e(ids), eqx.filter_grad(loss)(e, ids)))(
+            emb, IDS)
+    np.testing.assert_array_equal(np.asarray(out, F32), np.asarray(table[IDS], F32))
+    want = jnp.zeros((VOCAB, DIM), F32).at[IDS].add(probe)
+    assert_close(grad.weight, want.astype(jnp.bfloat16), jnp.bfloat16, "table gradient")
+
+
+def test_a_vocabulary_axis_of_size_one():
+    """On an (8, 1) data x tp mesh of Auto axes, ids batched over "data": XLA's
+    partitioner refused the sum over the size-1 "tp" beside the automatic "data"."""
+    m = mesh((8, 1), ("data", "tp"))
+    emb = fusedpar.Embedding(VOCAB, DIM, key=KEY)
+    ids = jnp.concatenate([IDS, IDS])
+    probe = normal(1, (8, 8, DIM), F32)
+    want = dense_grads(emb.weight, ids, probe)
+    with jax.set_mesh(m):
+        placed = jax.device_put(ids, jax.sharding.NamedSharding(m, P("data")))
+        got = eqx.filter_jit(eqx.filter_value_and_grad(
+            lambda e, i: jnp.sum(e(i) * probe)))(emb, placed)
+    assert_close(got[0], want[0], F32, "value")
+    assert_close(got[1].weight, want[1], F32, "table gradient")

@@ -39,6 +39,7 @@ from jaxtyping import Array
 
 from . import _context
 from .._core import _folding, _vma
+from .._hw import _target
 from .._sharding import _specs, _whole_model
 from .._sharding._specs import TableRule
 from ._layer_checks import param_dtype
@@ -52,6 +53,17 @@ def _normalize(ids, vocab):
     ids = ids.astype(jnp.int32)
     ids = jnp.where(ids < 0, ids + jnp.int32(vocab), ids)
     return jnp.clip(ids, 0, vocab - 1)
+
+
+def _summed(rows, collective):
+    """`collective(rows)`, the sum over the vocabulary shards of each device's rows, of
+    which one is the row and the rest zeros: exact in any dtype. On CPU a 16-bit one is
+    summed in float32: XLA's CPU compiler aborts the process on a bfloat16 all-reduce in
+    a `shard_map` that leaves other mesh axes to XLA ("Invalid binary instruction opcode
+    copy"; jax 0.10 and 0.11), a data x tensor-parallel mesh's embedding."""
+    if rows.dtype.itemsize >= 4 or _target.current(rows).platform != "cpu":
+        return collective(rows)
+    return collective(rows.astype(jnp.float32)).astype(rows.dtype)
 
 
 def _lookup(table, ids, start):
@@ -240,10 +252,11 @@ class Embedding(eqx.Module):
         rows = _lookup(table, _normalize(ids, self.num_embeddings),
                        lax.axis_index(tp.axis) * n)
         if not tp.sequence_parallel:
-            return lax.psum(rows, tp.axis)
+            return _summed(rows, lambda r: lax.psum(r, tp.axis))
         seq, size = ids.shape[-1], sizes[tp.axis]
         if seq % size:
             raise ValueError(f"Embedding: inside shard_map over {over} the ids' sequence "
                              f"(last dim, {seq}) must divide by {size} to be scattered, got "
                              f"ids of shape {ids.shape}.")
-        return lax.psum_scatter(rows, tp.axis, scatter_dimension=ids.ndim - 1, tiled=True)
+        return _summed(rows, lambda r: lax.psum_scatter(
+            r, tp.axis, scatter_dimension=ids.ndim - 1, tiled=True))
