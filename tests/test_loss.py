@@ -126,3 +126,24 @@ def test_gpt_loss_under_parallelize():
         par = fusedpar.shard(fusedpar.parallelize(model, plan), m)
         got = eqx.filter_jit(eqx.filter_value_and_grad(loss))(par, tokens)
     assert_close(got, want, F32, "embedding + head + loss")
+
+
+def test_a_tensor_parallel_axis_of_size_one():
+    """On an (8, 1) fsdp x tp mesh of Auto axes, with the logits' batch over "fsdp": XLA's
+    partitioner refused the sums over the size-1 "tp" beside the automatic "fsdp";
+    values and gradients equal log_softmax's."""
+    m = mesh((8, 1), ("fsdp", "tp"))
+    logits = normal(1, (8, 8, VOCAB), F32)
+    labels = jnp.concatenate([LABELS, LABELS])
+    probe = jnp.concatenate([PROBE, PROBE])
+
+    def loss(ce):
+        return lambda l: jnp.sum(ce(l, labels) * probe)
+
+    want = jax.value_and_grad(loss(dense_ce))(logits)
+    with jax.set_mesh(m):
+        placed = jax.device_put(logits, jax.sharding.NamedSharding(m, P("fsdp")))
+        got = jax.jit(jax.value_and_grad(loss(
+            lambda l, y: fusedpar.cross_entropy(l, y, axis="tp"))))(placed)
+    assert_close(got[0], want[0], F32, "loss")
+    assert_close(got[1], want[1], F32, "gradient")

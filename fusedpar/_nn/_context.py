@@ -188,17 +188,20 @@ def layouts(mesh, axes, x, x_spec, y_spec, every_axis: bool = True) -> tuple:
     a data-parallel batch), else replicated.
 
     Without it (lax collectives only) it is manual over `axes` and XLA lays out the other
-    Auto axes; Explicit ones the input carries are kept as above.
+    Auto axes; Explicit ones the input carries are kept as above. Where every one of
+    `axes` has size 1 it is manual over every axis all the same: XLA's partitioner
+    refuses a collective over axes of size 1 beside automatic ones ("Cross-partition
+    allreduce must be in (partial) manual partitioning mode", jax 0.10 and 0.11).
     """
     every = set(mesh.axis_names)
     if is_explicit(mesh, axes):
         x2, y2 = _specs.with_other_axes(current_spec(x), x_spec, y_spec, axes)
         return x2, y2, every if every_axis or (x2, y2) != (x_spec, y_spec) else set(axes)
-    if not every_axis:
+    sizes = _specs.mesh_sizes(mesh)
+    if not every_axis and any(sizes[a] > 1 for a in axes):
         return x_spec, y_spec, set(axes)
     others = tuple(a for a in mesh.axis_names if a not in axes)
-    x_spec, y_spec = _specs.with_unknown_axes(x.shape, x_spec, y_spec, others,
-                                              _specs.mesh_sizes(mesh))
+    x_spec, y_spec = _specs.with_unknown_axes(x.shape, x_spec, y_spec, others, sizes)
     return x_spec, y_spec, every
 
 
