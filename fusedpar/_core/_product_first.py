@@ -72,16 +72,17 @@ def _by_all_to_all(cfg, dy) -> bool:
     """Whether dy's addends travel by all-to-all rather than summed in a reduce-scatter.
 
     The same sum, at the bytes of dy's dtype (half a float32 reduce-scatter's, for
-    bfloat16). Through NVSwitch an all-to-all runs at the GPU's full egress: it pays
-    where it sends fewer bytes. A TPU slice forwards each block over as many ICI links as
-    its devices are apart: it pays where that load (`_schedule.all_to_all_load`, from the
-    devices' coordinates) is below a one-hop ring's, whatever the dtypes, as on a v5p
-    2x2x2 cube (0.57; replayed, v5p ag_rows with float32 sums 2,243 -> 1,396 us, with
-    bfloat16 sums 1,551 -> 1,316), not on a 2x4 grid (1.14: v5e 3,664 -> 3,746 with
-    float32 sums, 2,985 -> 3,746 with bfloat16; v6e 1,188 -> 1,566 with bfloat16) nor
-    where the devices are unknown."""
-    if cfg.on.platform != "tpu":
-        return dy.dtype.itemsize < jnp.dtype(cfg.reduce_dtype).itemsize
+    bfloat16), never more. Through NVSwitch an all-to-all runs at the GPU's full egress:
+    it pays where it sends fewer bytes. A TPU slice forwards each block over as many ICI
+    links as its devices are apart: it pays where that load (`_schedule.all_to_all_load`,
+    from the devices' coordinates) is below a one-hop ring's, with fewer bytes or as
+    many, as on a v5p 2x2x2 cube (0.57; replayed, v5p ag_rows with float32 sums 2,243 ->
+    1,396 us, with bfloat16 sums 1,551 -> 1,316), not on a 2x4 grid (1.14: v5e 3,664 ->
+    3,746 with float32 sums, 2,985 -> 3,746 with bfloat16; v6e 1,188 -> 1,566 with
+    bfloat16) nor where the devices are unknown."""
+    dy_bytes, sum_bytes = dy.dtype.itemsize, jnp.dtype(cfg.reduce_dtype).itemsize
+    if cfg.on.platform != "tpu" or dy_bytes > sum_bytes:
+        return dy_bytes < sum_bytes
     names = cfg.axis_name if isinstance(cfg.axis_name, tuple) else (cfg.axis_name,)
     mesh = _target.concrete_mesh()
     found = (None if mesh is None or not all(a in mesh.shape for a in names)
