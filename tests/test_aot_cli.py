@@ -76,3 +76,48 @@ def test_a_mesh_that_does_not_use_every_device_exits_2(capsys):
         _aot_cli._mesh(args)
     assert e.value.code == 2
     assert "has 8 devices; shape (2, 2)" in capsys.readouterr().err
+
+
+@pytest.mark.aot
+@needs_aot
+def test_a_tpu_slice_the_compiler_cannot_lay_out_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        _aot_cli._parse(["--target", "v5e:3x3"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--target: 'v5e:3x3' is not a slice the TPU compiler lays out" in err, err
+    assert "e.g. " in err and "v5e:2x4" in err, err
+
+
+USER_PROGRAMS = '''
+def two_args(mesh):
+    pass
+
+def junk(mesh, backend):
+    return 42
+
+def concrete(mesh, backend):
+    import jax
+    return jax.device_put(1.0, mesh.devices.flat[0])
+'''
+
+
+@pytest.mark.aot
+@needs_aot
+@pytest.mark.parametrize("name, message", [
+    ("two_args", "cannot be called as fn(mesh, backend)"),
+    ("junk", "returned int '42'"),
+    ("concrete", "made arrays on the target's compile-only devices"),
+    ("missing", "has no function 'missing'"),
+])
+def test_a_program_of_your_own_that_breaks_the_contract_exits_2(tmp_path, name, message,
+                                                                 capsys):
+    """Each says what the function must be: (mesh, backend) -> (jitted, args)."""
+    path = tmp_path / "mine.py"
+    path.write_text(USER_PROGRAMS)
+    args = _aot_cli._parse(["--target", "h100x8", "--program", f"{path}:{name}"])
+    with pytest.raises(SystemExit) as e:
+        list(_aot_cli._programs(args))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "(mesh, backend) -> (jitted, args)" in err, err

@@ -149,7 +149,7 @@ def test_offload_rows_only_where_there_are_sparsecores(monkeypatch):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--program", "demo"], "--compare: --program must be ops, or one of"),
+    (["--program", "demo"], "--compare: --program must be one of ops, mlp, block, prefill, decode,"),
     (["--program", "mlp", "--mesh", "8"], "leave out --mesh and --axes"),
 ])
 def test_compare_refuses_what_it_cannot_compare(argv, message, capsys):

@@ -6,6 +6,7 @@ import argparse
 import functools
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -96,6 +97,7 @@ def _parse(argv):
         aot._check_target(args.target)
     except ValueError as e:
         p.error(f"--target: {e}")
+    _check_slice(p, args.target)
     if args.backend not in BACKENDS:
         p.error(f"--backend: unknown {args.backend!r}; valid: {', '.join(BACKENDS)}")
     if args.program not in PROGRAMS and ":" not in args.program:
@@ -105,13 +107,32 @@ def _parse(argv):
     if args.compare:
         from ._aot_compare import PROGRAMS as COMPARED
 
-        if args.program not in COMPARED + ("ops",):
-            p.error(f"--compare: --program must be ops, or one of {', '.join(COMPARED)}, "
+        compared = ("ops",) + tuple(c for c in COMPARED if c in PROGRAMS)
+        if args.program not in compared:
+            p.error(f"--compare: --program must be one of {', '.join(compared)}, "
                     f"got {args.program!r}")
         if args.mesh or args.axes:
             p.error("--compare builds jax.make_mesh's mesh of the program's axes: leave "
                     "out --mesh and --axes")
     return args
+
+
+def _check_slice(p, target) -> None:
+    """A TPU slice the topology cannot be laid out as (e.g. v5e:3x3: its sides must be
+    multiples of a host's chips) exits as a bad argument does, with the compiler's
+    reason, instead of its traceback."""
+    from . import _aot as aot
+
+    if aot._check_target(target)[0].platform != "tpu":
+        return
+    try:
+        aot.devices(target)
+    except RuntimeError as e:  # jax.errors.JaxRuntimeError
+        if "Topology" not in str(e):
+            raise
+        reason = str(e).splitlines()[0].split("INVALID_ARGUMENT: ")[-1]
+        p.error(f"--target: {target!r} is not a slice the TPU compiler lays out "
+                f"({reason}); e.g. {', '.join(t for t in aot.TARGETS if ':' in t)}.")
 
 
 def _axes(args) -> tuple:
@@ -145,19 +166,49 @@ def _check_mesh(p, args) -> None:
                 f"{'x'.join(['2'] * len(axes))}): the default mesh is for one or two axes")
 
 
+_CONTRACT = ("a function (mesh, backend) -> (jitted, args): the args "
+             "jax.ShapeDtypeStructs, the model built with eqx.filter_eval_shape (the "
+             "target's devices compile but hold no arrays; docs/aot.md)")
+
+
 def _user_program(spec):
     where, name = spec.rsplit(":", 1)
     if where.endswith(".py"):
         loader = importlib.util.spec_from_file_location("aot_user_program", where)
         if loader is None or not os.path.exists(where):
-            raise SystemExit(f"--program: no file {where!r}")
+            _parser().error(f"--program: no file {where!r}")
         module = importlib.util.module_from_spec(loader)
         loader.loader.exec_module(module)
     else:
         module = importlib.import_module(where)
-    if not hasattr(module, name):
-        raise SystemExit(f"--program: {where} has no function {name!r}")
-    return getattr(module, name)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        _parser().error(f"--program: {where} has no function {name!r}; it must be "
+                        f"{_CONTRACT}.")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError as e:
+        _parser().error(f"--program: {spec} cannot be called as fn(mesh, backend) ({e}); "
+                        f"it must be {_CONTRACT}.")
+    except ValueError:  # no signature to read (a builtin): call it and see
+        pass
+    return fn
+
+
+def _built(spec, fn, mesh, backend):
+    """`fn(mesh, backend)`, a program of your own, checked against the contract."""
+    try:
+        built = fn(mesh, backend)
+    except Exception as e:
+        if "compile-only" not in str(e):
+            raise
+        _parser().error(f"--program: {spec} made arrays on the target's compile-only "
+                        f"devices, which hold none; it must be {_CONTRACT}.")
+    if not (isinstance(built, tuple) and len(built) == 2 and hasattr(built[0], "lower")
+            and isinstance(built[1], (tuple, list))):
+        _parser().error(f"--program: {spec} returned {type(built).__name__} "
+                        f"{str(built)[:80]!r}; it must be {_CONTRACT}.")
+    return built
 
 
 def _mesh(args):
@@ -199,7 +250,10 @@ def _programs(args):
              "prefill": functools.partial(progs.block_program, program="prefill"),
              "decode": functools.partial(progs.block_program, program="decode"),
              }.get(args.program)
-    fn, a = (build or _user_program(args.program))(mesh, backend)
+    if build is None:
+        fn, a = _built(args.program, _user_program(args.program), mesh, backend)
+    else:
+        fn, a = build(mesh, backend)
     yield args.program, mesh, fn, a
 
 
