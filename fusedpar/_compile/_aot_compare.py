@@ -195,6 +195,9 @@ def markdown(rows, title: str = "") -> str:
                      f"{r.hidden} / {r.transfers} | {r.speedup:.2f}x | "
                      f"{'hold' if r.bounds else 'BROKEN'} | {mib(r.temp_mib)} | "
                      f"{r.compile_s:.1f} |")
+    lines += ["", "transfers hidden: XLA's collectives with a matmul in flight; a fused "
+                  "TPU kernel's DMAs run inside it and are not counted there (the replay "
+                  "times them from the kernel's plan, in predicted and waiting)."]
     if any(r.floor for r in rows):
         lines += ["", ">= : a kernel sends blocks itself and the replay could not read its "
                       "plan: a floor, not a prediction."]
