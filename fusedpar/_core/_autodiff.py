@@ -158,12 +158,23 @@ def _counts_on_sibling(call, cfg, return_gathered) -> bool:
     as an asynchronous start and done around whatever the scheduler puts between (the
     8 x H100 block: 3,387 -> 3,260 us replayed). v5e's compiler splits a reduce-scatter
     into steps it fuses into neighbouring XLA fusions, which the barriers wall off:
-    there the block replayed 12,422 -> 12,499 us with them, ag_cols 1,405 -> 1,436."""
-    return (call.platform == "gpu" and bool(call.beside) and cfg.backend == _dispatch.REFERENCE
-            and not cfg.rearranged
+    there the block replayed 12,422 -> 12,499 us with them, ag_cols 1,405 -> 1,436.
+    And only where the sibling's work (its estimate less the launch) covers at least a
+    tenth of the collective's estimated transfer. The block's siblings cover 1.4x and
+    0.35x of theirs (0.13x in tests/test_aot.py's smaller block, where the barriers are
+    neutral: 396 against 397 us). A width-256 step's matmul covers 0.007x and hides
+    nothing: there the barriers only constrain XLA's schedule (a 2-block MLP of width
+    256 on 8 H100s replayed at 243 us with them, 208 without)."""
+    if not (call.platform == "gpu" and bool(call.beside)
+            and cfg.backend == _dispatch.REFERENCE and not cfg.rearranged
             and cfg.comm_dtype is None and not prims.of(call.prim).gathers
-            and not return_gathered
-            and cost_model.get_hardware(None, call.target).collective_beside_matmul)
+            and not return_gathered):
+        return False
+    hw = cost_model.get_hardware(None, call.target)
+    if not hw.collective_beside_matmul:
+        return False
+    transfer = cost_model.estimate_call(call, hw, backends=(_dispatch.REFERENCE,))
+    return call.beside - hw.launch_overhead >= transfer[_dispatch.REFERENCE].transfer_step / 10
 
 
 def _with_sibling(result, sibling):
