@@ -14,8 +14,8 @@ from ._backend import Backend
 from ._ring_loop import Steps, put, run_steps, segment
 
 
-def _dot(cfg, a, b):
-    return _definition.matmul(a, b, precision=cfg.precision)
+def _dot(cfg, a, b, out_dtype=None):
+    return _definition.matmul(a, b, precision=cfg.precision, out_dtype=out_dtype)
 
 
 def gather_step(prim, cfg, x, w):
@@ -44,7 +44,7 @@ def scatter_step(prim, cfg, x, w):
     def accumulate(acc, seg, length):
         a, b = (segment(x, seg, length, 0), w) if rows else (x, segment(w, seg, length, 1))
         # In `reduce_dtype` as the dot writes it (`_definition.matmul`).
-        part = _definition.matmul(a, b, precision=cfg.precision, out_dtype=cfg.reduce_dtype)
+        part = _dot(cfg, a, b, cfg.reduce_dtype)
         return part if acc is None else acc + part
 
     return accumulate
