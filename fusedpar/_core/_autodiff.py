@@ -128,9 +128,10 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None, add
             call = dataclasses.replace(call, bidirectional=None)
         if beside is not None and call.platform not in ("", "cpu"):
             (m, k), (_, n) = beside[0].shape, beside[1].shape
-            seconds = cost_model.matmul_seconds(
-                m, k, n, call.dtype, cost_model.get_hardware(None, call.target))
-            call = dataclasses.replace(call, beside=seconds)
+            hw = cost_model.get_hardware(None, call.target)
+            # The matmul's work, not its launch: only the work can hide a transfer.
+            seconds = cost_model.matmul_seconds(m, k, n, call.dtype, hw) - hw.launch_overhead
+            call = dataclasses.replace(call, beside=max(seconds, 0.0))
         # `choose` picks only a backend that can run the call.
         choice = _dispatch.choose(call, _dispatch.AUTO, cfg.unroll)
         cfg = dataclasses.replace(cfg, backend=choice.backend,
@@ -159,8 +160,8 @@ def _counts_on_sibling(call, cfg, return_gathered) -> bool:
     8 x H100 block: 3,387 -> 3,260 us replayed). v5e's compiler splits a reduce-scatter
     into steps it fuses into neighbouring XLA fusions, which the barriers wall off:
     there the block replayed 12,422 -> 12,499 us with them, ag_cols 1,405 -> 1,436.
-    And only where the sibling's work (its estimate less the launch) covers at least a
-    tenth of the collective's estimated transfer. The block's siblings cover 1.4x and
+    And only where the sibling's work (`Call.beside`: its estimate less the launch)
+    covers at least a tenth of the collective's estimated transfer. The block's siblings cover 1.4x and
     0.35x of theirs (0.13x in tests/test_aot.py's smaller block, where the barriers are
     neutral: 396 against 397 us). A width-256 step's matmul covers 0.007x and hides
     nothing: there the barriers only constrain XLA's schedule (a 2-block MLP of width
@@ -174,7 +175,7 @@ def _counts_on_sibling(call, cfg, return_gathered) -> bool:
     if not hw.collective_beside_matmul:
         return False
     transfer = cost_model.estimate_call(call, hw, backends=(_dispatch.REFERENCE,))
-    return call.beside - hw.launch_overhead >= transfer[_dispatch.REFERENCE].transfer_step / 10
+    return call.beside >= transfer[_dispatch.REFERENCE].transfer_step / 10
 
 
 def _with_sibling(result, sibling):

@@ -233,7 +233,8 @@ class Call(_Options):
     own (not every backend can send a quantized payload); `beside` the
     seconds of other work the program can run while the reference's collective is in
     flight (a backward pass's other gradient matmul, which needs nothing this call
-    computes: XLA hides the reference's collective behind it); `automatic_axes` the
+    computes: XLA hides the reference's collective behind it; its launch excluded, which
+    hides nothing); `automatic_axes` the
     `(name, size)` pairs of the mesh axes the enclosing `shard_map` leaves to XLA
     (`_target.automatic_axes`: a kernel that addresses devices by their coordinates on
     every mesh axis cannot run there); `w_invariant` whether JAX's varying-axes type
