@@ -92,11 +92,14 @@ PLANS = {
     "FSDPxTP": {"embed": Row(sequence_parallel=True), **SP, "*": FSDP()},
     # The same, sending less: each FSDP weight gather in int8 (one scale per row of each
     # shard), each sequence-parallel Column's input gather in fp8 (one scale per token).
+    # Each layer's two styles in one tuple: a dict keeps one value per key, so a second
+    # "head" entry would replace the head's Column (an FSDP-only head, whose logits
+    # cross_entropy must then reshard).
     "FSDPxTP-q8": {"embed": (Row(sequence_parallel=True), FSDP()),
-                   **{p: Column(sequence_parallel=True, comm_dtype=jnp.float8_e4m3fn)
-                      if s == "column" else Row(sequence_parallel=True)
-                      for p, s in LAYERS.items()},
-                   "blocks.*": FSDP(comm_dtype=jnp.int8), "head": FSDP(comm_dtype=jnp.int8)},
+                   **{p: (Column(sequence_parallel=True, comm_dtype=jnp.float8_e4m3fn)
+                          if s == "column" else Row(sequence_parallel=True),
+                          FSDP(comm_dtype=jnp.int8))
+                      for p, s in LAYERS.items()}},
 }
 
 

@@ -53,9 +53,14 @@ def test_matches_log_softmax_in_every_context(dtype):
             check(jax.jit(jax.value_and_grad(ce))(logits, LABELS), f"global {kind}")
             if kind == AxisType.Auto:
                 check(jax.jit(jax.value_and_grad(per_token))(logits, LABELS), "vmap(vmap)")
-    local = jax.shard_map(lambda x, y: fusedpar.cross_entropy(x, y), mesh=mesh((2, 4), (
-        "fsdp", "tp")), in_specs=(P("fsdp", None, "tp"), P("fsdp")), out_specs=P("fsdp"))
-    check(jax.jit(jax.value_and_grad(weighted(local)))(logits, LABELS), "shard_map")
+    # Without check_vma (as the fused kernels ask) JAX hands each device the replicated
+    # loss's cotangent divided by the axis size: the gradient must still be the whole one.
+    for check_vma in (True, False):
+        local = jax.shard_map(lambda x, y: fusedpar.cross_entropy(x, y), mesh=mesh((2, 4), (
+            "fsdp", "tp")), in_specs=(P("fsdp", None, "tp"), P("fsdp")), out_specs=P("fsdp"),
+            check_vma=check_vma)
+        check(jax.jit(jax.value_and_grad(weighted(local)))(logits, LABELS),
+              f"shard_map check_vma={check_vma}")
 
 
 def test_padded_vocabulary():

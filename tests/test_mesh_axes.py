@@ -85,6 +85,14 @@ def test_other_auto_axes_go_on_the_batch_where_it_divides():
     fsdp = P("fsdp", "tp", None), P("fsdp", None, "tp")
     assert _specs.with_unknown_axes((8, 64, 16), *fsdp, ("data",), {**sizes, "fsdp": 2}) == (
         P(("data", "fsdp"), "tp", None), P(("data", "fsdp"), None, "tp"))
+    # Given the mesh's order, dim 0's axes follow it: an FSDP-only layer on an
+    # ("fsdp", "tp") mesh tiles the batch in the mesh's device order, not transposed.
+    only = P("fsdp", None, None), P("fsdp", None, None)
+    assert _specs.with_unknown_axes((8, 64, 16), *only, ("tp",), {**sizes, "fsdp": 2},
+                                    order=("fsdp", "tp")) == (P(("fsdp", "tp"), None, None),) * 2
+    assert _specs.with_unknown_axes((8, 64, 16), *fsdp, ("data",), {**sizes, "fsdp": 2},
+                                    order=("data", "fsdp", "tp")) == (
+        P(("data", "fsdp"), "tp", None), P(("data", "fsdp"), None, "tp"))
     # A (seq, features) input of a sequence-parallel Column: dim 0 changes layout.
     assert _specs.with_unknown_axes((64, 16), P("tp", None), P(None, "tp"), ("data",),
                                     sizes) == (P("tp", None), P(None, "tp"))

@@ -158,8 +158,15 @@ def gather_invariant(x, axis_name, axis):
 
     An output identical on every device can then leave `shard_map` replicated
     (out_specs without the axis, with check_vma=True); its transpose slices the
-    cotangent instead of reduce-scattering it.
+    cotangent instead of reduce-scattering it. In a `shard_map(check_vma=False)` (the
+    fused kernels' own, or a user's) it is the plain `all_gather`: there JAX hands a
+    replicated output's cotangent to each device divided by the axis size, which the
+    plain gather's transpose (a reduce-scatter) sums back; a slice would keep 1/n of it.
     """
+    from .._core import _vma
+
+    if not _vma.checked(axis_name):
+        return lax.all_gather(x, axis_name, axis=axis, tiled=True)
     try:
         from jax._src.lax.parallel import all_gather_invariant
     except ImportError:  # public fallback: sum one-hot placements (twice the traffic)
@@ -185,7 +192,7 @@ def layouts(mesh, axes, x, x_spec, y_spec, every_axis: bool = True) -> tuple:
     layer keeps from input to output: with Explicit axes where the input carries them
     (`_specs.with_other_axes`, e.g. "data" on the batch); with Auto axes, whose layout
     the input's type does not say, on dim 0 where it divides (`_specs.with_unknown_axes`:
-    a data-parallel batch), else replicated.
+    a data-parallel batch; dim 0's axes in mesh order), else replicated.
 
     Without it (lax collectives only) it is manual over `axes` and XLA lays out the other
     Auto axes; Explicit ones the input carries are kept as above. Where every one of
@@ -201,7 +208,8 @@ def layouts(mesh, axes, x, x_spec, y_spec, every_axis: bool = True) -> tuple:
     if not every_axis and any(sizes[a] > 1 for a in axes):
         return x_spec, y_spec, set(axes)
     others = tuple(a for a in mesh.axis_names if a not in axes)
-    x_spec, y_spec = _specs.with_unknown_axes(x.shape, x_spec, y_spec, others, sizes)
+    x_spec, y_spec = _specs.with_unknown_axes(x.shape, x_spec, y_spec, others, sizes,
+                                              order=tuple(mesh.axis_names))
     return x_spec, y_spec, every
 
 

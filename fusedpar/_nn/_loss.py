@@ -175,6 +175,12 @@ def _backward(axis, ignore_index, vocab_size, res, g):
     logits, labels, lse = res
     x, start = _columns(logits, axis, vocab_size)
     col, hit = _target(x, labels, start)
+    if axis is not None and not _vma.checked(axis):
+        # In a shard_map(check_vma=False) JAX hands each device the replicated loss's
+        # cotangent divided by the axis size and transposes the forward's psum into a
+        # psum, which sums it back: so does this backward (the logits' gradient is
+        # otherwise 1/n of the right one).
+        g = lax.psum(g, axis)
     g = jnp.where(labels == ignore_index, 0.0, g)
     onehot = (lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) == col[..., None]) & \
         hit[..., None]

@@ -31,13 +31,22 @@ def with_other_axes(current: P, x_spec: P, y_spec: P, used: tuple) -> tuple[P, P
     return P(*xs), P(*ys)
 
 
-def with_unknown_axes(shape, x_spec: P, y_spec: P, others: tuple, sizes: dict) -> tuple[P, P]:
+def with_unknown_axes(shape, x_spec: P, y_spec: P, others: tuple, sizes: dict,
+                      order: tuple = ()) -> tuple[P, P]:
     """`(x_spec, y_spec)` plus the mesh axes `others` (names, in mesh order) for an input
     whose layout over them is unknown (Auto axes keep it out of the array's type).
 
     They go where a data-parallel batch is laid out: on dim 0, when the layer keeps that
     dimension from input to output (`with_other_axes`) and its length divides by every
     axis on it; as many of them as divide, in mesh order, the rest replicated.
+
+    `order`: the mesh's axis names. Dim 0's axes (these and an FSDP axis already there)
+    are then put in the mesh's order, so that dim 0 tiles the devices in the mesh's own
+    order, as every other layout on that mesh does: GSPMD reshards between such layouts
+    with all-to-alls and gathers. Other axes put before an FSDP axis that comes first in
+    the mesh (an FSDP-only layer on an ("fsdp", "tp") mesh: P(("tp", "fsdp"))) tile the
+    devices transposed, and GSPMD can only reach the next layer's layout from there by
+    replicating the array ("Involuntary full rematerialization").
     """
     axes = [a for a in others if sizes[a] > 1]
     while axes:
@@ -45,9 +54,18 @@ def with_unknown_axes(shape, x_spec: P, y_spec: P, others: tuple, sizes: dict) -
         if xs == x_spec:  # dim 0 is not kept: nowhere to carry them
             break
         if shape[0] % axes_product(axes_of(xs[0]), sizes) == 0:
-            return xs, ys
+            return _in_order(xs, order), _in_order(ys, order)
         axes.pop()
     return x_spec, y_spec
+
+
+def _in_order(spec: P, order: tuple) -> P:
+    """`spec` with the axes of its dim 0 in the order of `order` (those it names)."""
+    dim0 = axes_of(spec[0])
+    if len(dim0) < 2 or not all(a in order for a in dim0):
+        return spec
+    dim0 = tuple(sorted(dim0, key=order.index))
+    return P(dim0, *tuple(spec)[1:])
 
 
 def axis_dims(spec: P, axes) -> dict:
