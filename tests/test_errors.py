@@ -421,6 +421,12 @@ LAYERS = [
     Row("layers", "comm_dtype on a layer without sequence parallelism",
         lazy(lambda: _col(8, 8, comm_dtype=jnp.int8)), ValueError,
         ("Column: comm_dtype / grad_comm_dtype need sequence_parallel=True",)),
+    Row("layers", "keep_gathered=False on a layer without sequence parallelism",
+        lazy(lambda: fusedpar.RowLinear(8, 8, key=KEY, keep_gathered=False)), ValueError,
+        ("Row: keep_gathered=False needs sequence_parallel=True",)),
+    Row("layers", "keep_gathered not a bool",
+        lambda: fusedpar.Column(sequence_parallel=True, keep_gathered="no"), TypeError,
+        ("Column: keep_gathered must be True or False", "got 'no'")),
     Row("layers", "fsdp_comm_dtype without fsdp_axis",
         lazy(lambda: fusedpar.RowLinear(8, 8, key=KEY, fsdp_comm_dtype=jnp.int8)),
         ValueError, ("RowLinear: fsdp_comm_dtype / fsdp_grad_comm_dtype", "pass fsdp_axis")),
@@ -821,6 +827,15 @@ def _aot_missing_extra():
     _aot._need("fusedpar_no_such_compiler", "libtpu (the TPU compiler)", "v5e:2x4")
 
 
+def _aot_missing_gpu_extra():
+    from fusedpar._compile import _aot
+
+    # A plugin in a package that is not there at all (no JAX plugin installed): the same
+    # ImportError, not importlib's ModuleNotFoundError about the parent package.
+    _aot._need(("fusedpar_no_such_package.xla_cuda12", "fusedpar_no_such_package.xla_cuda13"),
+               "JAX's CUDA compiler plugin", "h100x8")
+
+
 def _aot_tpu_mesh_chip():
     from fusedpar import aot
 
@@ -893,6 +908,9 @@ DEMO_BENCH = [
                      "give one size per name")),
     Row("aot", "the aot extra not installed", _aot_missing_extra, ImportError,
         ("compiling for 'v5e:2x4' needs libtpu", 'pip install "fusedpar[aot]"')),
+    Row("aot", "the aot extra not installed, no JAX plugin at all", _aot_missing_gpu_extra,
+        ImportError, ("compiling for 'h100x8' needs JAX's CUDA compiler plugin",
+                      'pip install "fusedpar[aot]"')),
     Row("aot", "overlap of something that is not a compiled program",
         lambda: __import__("fusedpar.aot").aot.overlap(42), TypeError,
         ("overlap: program must be a compiled program",)),

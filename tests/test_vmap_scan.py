@@ -48,3 +48,26 @@ def test_scan_inside_vmap_matches_dense():
     with jax.set_mesh(m):
         got = eqx.filter_jit(eqx.filter_value_and_grad(loss))(fusedpar.shard(blocks, m), x)
     assert_close(got, want, jnp.float32)
+
+
+def test_vmap_over_an_explicitly_sharded_batch_around_jit_scan_and_checkpoint():
+    """Under Explicit axes, a per-example jax.vmap over a batch sharded on "data" takes
+    that axis from whatever runs under a jit, scan or checkpoint inside it: the layer
+    (tensor parallel over "tp" alone) runs there, with the dense numbers."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    k = jax.random.key(0)
+    layer = fusedpar.ColumnLinear(16, 32, key=k)
+    x = normal(1, (4, 8, 16), jnp.float32)
+    want = jax.vmap(jax.vmap(eqx.nn.Linear(16, 32, key=k)))(x)
+    m = mesh((2, 4), ("data", "tp"), AxisType.Explicit)
+    inner = {"jit": lambda l: jax.jit(lambda e: l(e)),
+             "checkpoint": lambda l: jax.checkpoint(lambda e: l(e)),
+             "scan": lambda l: lambda e: lax.scan(lambda h, _: (h, l(h)), e, None,
+                                                  length=1)[1][0]}
+    with jax.set_mesh(m):
+        xs = jax.device_put(x, NamedSharding(m, P("data")))
+        sharded = fusedpar.shard(layer, m)
+        for name, wrap in inner.items():
+            got = eqx.filter_jit(lambda l, x: jax.vmap(wrap(l))(x))(sharded, xs)
+            assert_close(got, want, jnp.float32, name)

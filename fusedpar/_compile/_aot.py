@@ -58,10 +58,19 @@ def _check_target(target: str):
                      f"slice of {', '.join(tpus)} like 'v5e:4x4', or {', '.join(gpus)}).")
 
 
+def _find(name: str):
+    """`importlib.util.find_spec(name)`, None also where a parent package is missing
+    (find_spec raises there: `jax_plugins.xla_cuda12` without any JAX plugin)."""
+    try:
+        return importlib.util.find_spec(name)
+    except ModuleNotFoundError:
+        return None
+
+
 def _need(module, what: str, target: str):
     """`module`: a module name, or a tuple of names any one of which will do."""
     names = (module,) if isinstance(module, str) else module
-    if all(importlib.util.find_spec(name) is None for name in names):
+    if all(_find(name) is None for name in names):
         raise ImportError(f"compiling for {target!r} needs {what}, which the 'aot' extra "
                           f"installs: {_EXTRA}")
 

@@ -34,6 +34,11 @@ def shard(model, mesh, *, relaxed: bool = False):
     that does not divide raises a `ValueError` naming the parameter path, dimension,
     size and axes. With `relaxed=True` such layers lose the style that does not fit
     (that dimension is replicated) and a warning lists what was dropped.
+
+    As `jax.device_put`, it may hand back `model`'s own buffers where they are laid out
+    already (a replicated bias on the devices it lies on): donating the sharded model
+    (`eqx.filter_jit(donate="all")`) then deletes those arrays of `model` too. Keep
+    using the sharded model, or copy what you still need.
     """
     model, dropped = _specs.validate(model, mesh, relaxed=relaxed)
     _warn(dropped)
