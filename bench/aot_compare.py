@@ -239,7 +239,7 @@ def markdown(cache) -> str:
         "best xla row by the goal's factor, the lax ring's compute (the replay's compute "
         "stream) at most 1.10x the reference's, auto's temporary memory at most 1.05x the "
         "best xla row's ('-': not recorded for that row).", "",
-        goals(cache), "", _bfloat16_sums(), END, ""])
+        goals(cache), "", _bfloat16_sums(), _kept_nothing(), END, ""])
 
 
 def _bfloat16_sums() -> str:
@@ -255,6 +255,23 @@ def _bfloat16_sums() -> str:
         "default), beside the best xla row and auto above (docs/ops.md weighs the "
         "error against the time).", "",
         aot_reduce_dtype.markdown(json.loads(aot_reduce_dtype.CACHE.read_text())), ""])
+
+
+def _kept_nothing() -> str:
+    """`bench/aot_keep_gathered.py`'s table (auto keeping no gathered array), if made."""
+    import aot_keep_gathered
+
+    if not aot_keep_gathered.CACHE.exists():
+        return ""
+    return "\n".join([
+        "### auto keeping nothing it gathers: time against memory", "",
+        "Made by `python bench/aot_keep_gathered.py`: auto compiled with "
+        "`keep_gathered=False` on the sequence-parallel Column styles, the Row styles, or "
+        "both (the backward gathers again what the forward kept: one more ring per layer, "
+        "less temporary memory), beside the best xla row and auto above; each cell is "
+        "us (speed-up over the best xla row) / temporary MiB (over the best xla row's). "
+        "docs/layers.md says when to use it.", "",
+        aot_keep_gathered.markdown(json.loads(aot_keep_gathered.CACHE.read_text())), ""])
 
 
 def write(cache) -> None:

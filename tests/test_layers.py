@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import fusedpar
-from helpers import assert_close, mesh, normal
+from helpers import assert_close, mesh, needs_aot, normal
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -232,17 +232,30 @@ def test_explicit_mesh_keeps_other_axes():
 
 
 def test_gather_output():
+    """Values and gradients, global and in a shard_map with and without check_vma (the
+    replicated output's cotangent arrives whole, or divided by the axis size)."""
     m = mesh((4,), ("tp",))
     k = jax.random.key(5)
     layer = fusedpar.ColumnLinear(IN, HID, key=k, gather_output=True, backend="ring")
     x = normal(6, (3, IN), F32)
-    want = dense_apply(eqx.nn.Linear(IN, HID, key=k), x)
+    dense = eqx.nn.Linear(IN, HID, key=k)
+    want = dense_apply(dense, x)
+
+    def grads(f, model):
+        return eqx.filter_jit(eqx.filter_grad(lambda mx: jnp.sum(jnp.sin(f(*mx)))))((model, x))
+
+    want_grads = grads(dense_apply, dense)
     with jax.set_mesh(m):
         assert_close(eqx.filter_jit(layer.__call__)(x), want, F32, "global")
     # Inside shard_map the gathered output is invariant, so it may leave replicated.
-    local = jax.jit(jax.shard_map(lambda l, x: l(x), mesh=m,
-                                  in_specs=(fusedpar.param_specs(layer), P()), out_specs=P()))
-    assert_close(local(layer, x), want, F32, "shard_map")
+    for check_vma in (True, False):
+        local = jax.shard_map(lambda l, x: l(x), mesh=m, check_vma=check_vma,
+                              in_specs=(fusedpar.param_specs(layer), P()), out_specs=P())
+        what = f"shard_map check_vma={check_vma}"
+        assert_close(jax.jit(local)(layer, x), want, F32, what)
+        got = grads(local, layer)
+        assert_close(got[0].weight, want_grads[0].weight, F32, f"{what} dW")
+        assert_close(got[1], want_grads[1], F32, f"{what} dx")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -498,3 +511,66 @@ def test_comm_dtype_plan_and_bad_input():
         fusedpar.ColumnLinear(IN, HID, key=jax.random.key(0), comm_dtype=jnp.int8)
     with pytest.raises(ValueError, match="pass fsdp_axis"):
         fusedpar.RowLinear(IN, HID, key=jax.random.key(0), fsdp_comm_dtype=jnp.int8)
+
+
+def test_keep_gathered_false_gathers_again_with_the_same_gradients():
+    """`keep_gathered=False` on the styles (FSDP x TP, sequence parallel): the same loss
+    and gradients as the dense layers, and errors where there is nothing to keep. (That
+    it gathers again, the CPU compiler cannot show: it merges the gathers whatever
+    the program says. `test_keep_gathered_false_gathers_again_when_compiled` does.)"""
+    model = [eqx.nn.Linear(IN, HID, key=jax.random.key(0)),
+             eqx.nn.Linear(HID, IN, key=jax.random.key(1))]
+    x = normal(1, (4, 8, IN), F32)
+    m = mesh((2, 4), ("fsdp", "tp"))
+
+    def plan(keep):
+        return {"0": (fusedpar.Column(sequence_parallel=True, keep_gathered=keep),
+                      fusedpar.FSDP()),
+                "1": (fusedpar.Row(sequence_parallel=True, keep_gathered=keep),
+                      fusedpar.FSDP())}
+
+    grad = eqx.filter_value_and_grad(lambda mx: loss(*mx))
+    for backend in BACKENDS:
+        layers = fusedpar.parallelize(model, plan(False), backend=backend)
+        assert layers[0].rule.tp.keep_gathered is False
+        with jax.set_mesh(m):
+            got = eqx.filter_jit(grad)((fusedpar.shard(layers, m), x))
+        check_grads(got, dense_grads(model, x), f"keep_gathered=False {backend}")
+    assert "keep_gathered=False" in fusedpar.describe(fusedpar.parallelize(model, plan(False)))
+    assert repr(fusedpar.Row(sequence_parallel=True, keep_gathered=False)) == (
+        "Row(axis='tp', sequence_parallel=True, keep_gathered=False)")
+    with pytest.raises(ValueError, match="keep_gathered=False needs sequence_parallel=True"):
+        fusedpar.RowLinear(IN, HID, key=jax.random.key(0), keep_gathered=False)
+    with pytest.raises(TypeError, match="Column: keep_gathered must be True or False"):
+        fusedpar.Column(sequence_parallel=True, keep_gathered=None)
+    table = eqx.nn.Embedding(HID, IN, key=jax.random.key(2))
+    with pytest.raises(ValueError, match="an embedding runs no collective matmul"):
+        fusedpar.parallelize([table], {"0": fusedpar.Row(sequence_parallel=True,
+                                                         keep_gathered=False)})
+
+
+@pytest.mark.aot
+@needs_aot
+def test_keep_gathered_false_gathers_again_when_compiled():
+    """Compiled for 8 H100s, a sequence-parallel MLP step with `keep_gathered=False` on
+    both styles runs two more all-gathers on the reference (the Column's input and the
+    Row's cotangent, each gathered again for its weight gradient, which XLA would merge
+    with the first were they the same array) and holds less temporary memory."""
+    from fusedpar._compile import _aot_compare as compare, _aot_programs as programs
+
+    m = compare.mesh("h100x8", "mlp")
+    # The aot programs' MLP size: XLA combines the all-gathers of much smaller arrays.
+    dim, hidden, tokens = (programs.LAYER_SIZES["mlp"][k] for k in ("dim", "hidden", "tokens"))
+    model = eqx.filter_eval_shape(programs._MLP, dim, hidden, jnp.bfloat16, jax.random.key(0))
+    out = {}
+    for keep in (True, False):
+        sp = dict(sequence_parallel=True, keep_gathered=keep)
+        fn, args = programs._layer_program(
+            m, model, {"up": fusedpar.Column(**sp), "down": fusedpar.Row(**sp)}, "reference",
+            (1, 8 * tokens, dim), P(None, "tp", None), jnp.bfloat16)
+        with jax.set_mesh(m):
+            compiled = fn.lower(*args).compile()
+        out[keep] = (compiled.as_text().count("all-gather-start("),
+                     compiled.memory_analysis().temp_size_in_bytes)
+    assert out[False][0] == out[True][0] + 2, out
+    assert out[False][1] < out[True][1], out

@@ -289,17 +289,26 @@ LAYER_SIZES = {
 BLOCK_PROGRAMS = {"block": True, "prefill": False, "decode": False}  # name -> training
 
 
-def mlp_program(mesh, backend="ring", *, dtype=jnp.bfloat16, reduce_dtype=None, **sizes):
+def mlp_program(mesh, backend="ring", *, dtype=jnp.bfloat16, reduce_dtype=None,
+                keep_gathered=True, **sizes):
     """A sequence-parallel MLP made by `parallelize` over the mesh's axis "tp": `tokens`
     sequence positions per device, batch 1 (`LAYER_SIZES["mlp"]` unless given);
-    `reduce_dtype`: the styles' (what the reduce-scatters sum in)."""
+    `reduce_dtype`, `keep_gathered`: the styles' (what the reduce-scatters sum in; whether
+    the backward keeps what the layers gather: one bool, or the Column's and the Row's)."""
     dim, hidden, tokens = _sizes("mlp", sizes, "dim", "hidden", "tokens")
     n = mesh.shape["tp"]
     model = eqx.filter_eval_shape(_MLP, dim, hidden, dtype, jax.random.key(0))
     sp = dict(sequence_parallel=True, reduce_dtype=reduce_dtype)
-    plan = {"up": Column(**sp), "down": Row(**sp)}
+    col, row = _keeps(keep_gathered)
+    plan = {"up": Column(**sp, keep_gathered=col), "down": Row(**sp, keep_gathered=row)}
     return _layer_program(mesh, model, plan, backend, (1, n * tokens, dim),
                           P(None, "tp", None), dtype)
+
+
+def _keeps(keep_gathered) -> tuple:
+    """The programs' `keep_gathered`: one bool for every style, or (the Columns', the
+    Rows')."""
+    return keep_gathered if isinstance(keep_gathered, tuple) else (keep_gathered,) * 2
 
 
 def _sizes(program, given, *names):
@@ -321,17 +330,21 @@ def block_model(program, dtype=jnp.bfloat16, fused_qkv=False, **sizes):
 
 
 def block_program(mesh, backend="ring", *, program="block", dtype=jnp.bfloat16,
-                  fused_qkv=False, reduce_dtype=None, wrt_input=False, **sizes):
+                  fused_qkv=False, reduce_dtype=None, keep_gathered=True, wrt_input=False,
+                  **sizes):
     """An FSDP x TP transformer block (sequence parallel) over the axes ("fsdp", "tp"):
     `seq` positions per tensor-parallel device, one sequence per FSDP device; with
     `fused_qkv`, one q, k, v projection instead of three. `program`: "block" (a training
     step), "prefill" or "decode" (forward only; `LAYER_SIZES` gives each one's sizes).
-    `reduce_dtype`: the styles' (what the reduce-scatters sum in); `wrt_input`:
-    `step_program`'s."""
+    `reduce_dtype`, `keep_gathered`: the tensor-parallel styles' (what the reduce-scatters
+    sum in; whether the backward keeps what they gather: one bool, or the Columns' and the
+    Rows'); `wrt_input`: `step_program`'s."""
     model, x_shape, train = block_model(program, dtype, fused_qkv, **sizes)
     sp = dict(sequence_parallel=True, reduce_dtype=reduce_dtype)
-    plan = {"qkv" if fused_qkv else "[qkv]": Column(**sp), "out": Row(**sp),
-            "mlp.up": Column(**sp), "mlp.down": Row(**sp),
+    col, row = _keeps(keep_gathered)
+    column, row = Column(**sp, keep_gathered=col), Row(**sp, keep_gathered=row)
+    plan = {"qkv" if fused_qkv else "[qkv]": column, "out": row, "mlp.up": column,
+            "mlp.down": row,
             "*": FSDP(reduce_dtype=reduce_dtype)}
     return _layer_program(mesh, model, plan, backend,
                           x_shape(mesh.shape["fsdp"], mesh.shape["tp"]),

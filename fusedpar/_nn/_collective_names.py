@@ -42,7 +42,18 @@ def _by_activations(layer, tp_fwd, tp_bwd) -> tuple[list, list]:
     else:
         fwd = [f"all_gather x(batch) over {f.axis}", tp_fwd, f"all_to_all y over {f.axis}"]
         bwd = [f"all_to_all dy over {f.axis}", tp_bwd, f"reduce_scatter dx(batch) over {f.axis}"]
+    tp = layer.rule.tp
+    if tp_bwd and not tp.keep_gathered:  # the weight gradient's own gather
+        bwd.insert(bwd.index(tp_bwd) + 1, _gathered_again(
+            "x" if tp_fwd.startswith("all_gather") else "dy", layer, tp))
     return [c for c in fwd if c], [c for c in bwd if c]  # (None: no tp collective)
+
+
+def _gathered_again(name, layer, tp) -> str:
+    """The second gather of a `keep_gathered=False` style: the weight gradient's ring
+    over `name` (the op's backward without the kept operand)."""
+    return (f"all_gather_matmul {name}(seq) again over {tp.axis}"
+            f"{_in(layer, tp, 'grad_comm_dtype')} for dW")
 
 
 def column(layer) -> tuple[list, list]:
@@ -61,6 +72,7 @@ def column(layer) -> tuple[list, list]:
         fwd.append(f"all_gather_matmul x(seq) over {tp.axis}{_in(layer, tp, 'comm_dtype')}")
         bwd.append(f"matmul_reduce_scatter dx(seq) over {tp.axis}"
                    f"{_in(layer, tp, 'grad_comm_dtype')}")
+        bwd += [] if tp.keep_gathered else [_gathered_again("x", layer, tp)]
         bwd += [f"reduce_scatter dW over {f.axis}"] if f else []
     else:
         fwd += [f"all_gather_matmul W over {f.axis}{fw}"] if f else []
@@ -84,6 +96,7 @@ def row(layer) -> tuple[list, list]:
             f"matmul_reduce_scatter y(seq) over {tp.axis}{_in(layer, tp, 'comm_dtype')}"]
         bwd = [f"all_gather_matmul dy(seq) over {tp.axis}"
                f"{_in(layer, tp, 'grad_comm_dtype')}"] + (
+            [] if tp.keep_gathered else [_gathered_again("dy", layer, tp)]) + (
             [f"reduce_scatter dW over {f.axis}"] if f else [])
     else:
         fwd = ([f"all_gather_matmul W over {f.axis}{fw}"] if f else []) + [

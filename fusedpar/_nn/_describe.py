@@ -14,7 +14,8 @@ def _style(rule) -> str:
     tp = rule.tp
     if tp is not None:
         flags = [name for name in ("sequence_parallel", "gather_output")
-                 if getattr(tp, name, False)]
+                 if getattr(tp, name, False)] + ([] if tp.keep_gathered else
+                                                 ["keep_gathered=False"])
         parts.append(f"{type(tp).__name__}({', '.join([repr(tp.axis)] + flags + _comm(tp))})")
     if rule.fsdp is not None:
         gather = [] if rule.fsdp.gather == "auto" else [f"gather={rule.fsdp.gather!r}"]

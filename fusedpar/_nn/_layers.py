@@ -234,8 +234,16 @@ class ParallelLinear(eqx.Module):
         y_shape = x.shape[:-1] + (length(self.out_features),)
         _specs.check_spec(f"{where}: x of shape {x.shape} gives an output of shape "
                           f"{y_shape}", y_shape, y_spec, sizes, what="output")
-        x_spec, y_spec, manual = _context.layouts(mesh, rule.axes, x, x_spec, y_spec)
-        check = _dispatch.check_vma(self.backend, _target.current(x).platform)
+        platform = _target.current(x).platform
+        check = _dispatch.check_vma(self.backend, platform)
+        # Every axis manual where a kernel may run (it addresses devices by their
+        # coordinates on every axis; `auto` then estimates per-device shapes). Where
+        # none can (`check`: the reference, the ring, `auto` on CPU), the layer's own
+        # axes, as for the embedding and the loss: under Explicit axes a jax.vmap over
+        # a batch sharded on another axis takes that axis from a shard_map under a jit,
+        # scan or checkpoint inside it.
+        x_spec, y_spec, manual = _context.layouts(mesh, rule.axes, x, x_spec, y_spec,
+                                                  every_axis=not check)
 
         def mapped(fn, args, arg_specs, out_spec):
             return _context.shard_mapped(fn, mesh, rule.axes, manual, self, pspecs, args,
@@ -283,7 +291,7 @@ class ParallelLinear(eqx.Module):
         it lies, which the TPU kernels read in place."""
         return dict(dim=x.ndim - 2, backend=self._ops_backend, comm_dtype=tp.comm_dtype,
                     grad_comm_dtype=tp.grad_comm_dtype, reduce_dtype=tp.reduce_dtype,
-                    w_transposed=True)
+                    keep_gathered=tp.keep_gathered, w_transposed=True)
 
     def _moves_activations(self, rule, x, x_shape, sizes) -> bool:
         """Whether FSDP moves the activations instead of the weight
@@ -339,7 +347,7 @@ class ColumnLinear(ParallelLinear):
                  gather_output: bool = False, fsdp_axis: Optional[str] = None,
                  fsdp_dim: Optional[int] = None, backend: str = "auto", comm_dtype=None,
                  grad_comm_dtype=None, fsdp_comm_dtype=None, fsdp_grad_comm_dtype=None,
-                 reduce_dtype=None, fsdp_gather: str = "auto"):
+                 reduce_dtype=None, fsdp_gather: str = "auto", keep_gathered: bool = True):
         """**Arguments:**
 
         - `in_features`, `out_features`, `use_bias`, `dtype`, `key`: as `eqx.nn.Linear`
@@ -364,11 +372,14 @@ class ColumnLinear(ParallelLinear):
         - `fsdp_gather`: with `fsdp_axis`, what moves over it: "weights", "activations"
           (the FSDP peers' tokens, for steps with few of them) or "auto"
           (`fusedpar.FSDP(gather=)`).
+        - `keep_gathered`: False keeps no gathered input for the weight gradient, which
+          gathers it again: less memory, one more gather (`fusedpar.Column`); needs
+          `sequence_parallel=True`.
         """
         _specs.check_fsdp_dim("ColumnLinear", fsdp_axis, fsdp_dim)
         rule = _specs.compose(
             _specs.Column(axis, sequence_parallel, gather_output, comm_dtype, grad_comm_dtype,
-                          reduce_dtype),
+                          reduce_dtype, keep_gathered),
             _fsdp_style("ColumnLinear", fsdp_axis, fsdp_dim, fsdp_comm_dtype,
                         fsdp_grad_comm_dtype, reduce_dtype, fsdp_gather),
             where="ColumnLinear")
@@ -420,8 +431,9 @@ class ColumnLinear(ParallelLinear):
     def _shares(self) -> bool:
         """Whether the layer's input gather may be shared with sibling layers
         (`_shared_gather`): not for a stored quantized weight (its op keeps no gathered
-        input of the same kind)."""
-        return not isinstance(self.weight, QuantizedArray)
+        input of the same kind), nor where the style keeps none (`keep_gathered=False`:
+        sharing is keeping the gathered input for the siblings and the backward)."""
+        return not isinstance(self.weight, QuantizedArray) and self.rule.tp.keep_gathered
 
     def _sharing(self, tp) -> tuple:
         """What siblings sharing a gather must agree on: the gather (axis, comm dtype)
@@ -469,7 +481,7 @@ class RowLinear(ParallelLinear):
                  fsdp_axis: Optional[str] = None, fsdp_dim: Optional[int] = None,
                  backend: str = "auto", comm_dtype=None, grad_comm_dtype=None,
                  fsdp_comm_dtype=None, fsdp_grad_comm_dtype=None, reduce_dtype=None,
-                 fsdp_gather: str = "auto"):
+                 fsdp_gather: str = "auto", keep_gathered: bool = True):
         """**Arguments:**
 
         - `in_features`, `out_features`, `use_bias`, `dtype`, `key`: as `eqx.nn.Linear`.
@@ -487,10 +499,14 @@ class RowLinear(ParallelLinear):
           reduce-scatter's, or the psum's, and the FSDP weight gradient's); None: float32
           for 16-bit inputs (docs/ops.md says what bfloat16 saves and costs).
         - `fsdp_gather`: as `ColumnLinear`'s.
+        - `keep_gathered`: False gathers the output's cotangent once for each gradient
+          instead of keeping it between them: less memory, one more gather
+          (`fusedpar.Row`); needs `sequence_parallel=True`.
         """
         _specs.check_fsdp_dim("RowLinear", fsdp_axis, fsdp_dim)
         rule = _specs.compose(
-            _specs.Row(axis, sequence_parallel, comm_dtype, grad_comm_dtype, reduce_dtype),
+            _specs.Row(axis, sequence_parallel, comm_dtype, grad_comm_dtype, reduce_dtype,
+                       keep_gathered),
             _fsdp_style("RowLinear", fsdp_axis, fsdp_dim, fsdp_comm_dtype,
                         fsdp_grad_comm_dtype, reduce_dtype, fsdp_gather),
             where="RowLinear")

@@ -167,6 +167,10 @@ class TableRule(Rule):
                     f"{where}: an embedding runs no collective matmul, so {s} cannot set "
                     "its comm_dtype / grad_comm_dtype; give the embedding its own plan "
                     "pattern without them.")
+        if rule.tp is not None and not rule.tp.keep_gathered:
+            raise ValueError(
+                f"{where}: an embedding runs no collective matmul, so {rule.tp} has nothing "
+                "to keep; give the embedding its own plan pattern without keep_gathered.")
         if rule.fsdp is not None and rule.fsdp.gather == "activations":
             raise ValueError(
                 f"{where}: an embedding gathers its table over {rule.fsdp.axis!r}; "

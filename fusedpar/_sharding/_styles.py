@@ -16,11 +16,11 @@ from .._core import _quantize, _validate
 
 
 class _Style:
-    """What the three styles share: their comm dtypes checked and normalised on
-    construction, and a repr that shows them only when set."""
+    """What the three styles share: their fields checked (comm dtypes normalised) on
+    construction, and a repr that shows the optional ones only when set."""
 
     def __post_init__(self):
-        _comm_dtypes(self)
+        _checked(self)
 
     def __repr__(self):
         return _style_repr(self)
@@ -37,7 +37,10 @@ class Column(_Style):
     `grad_comm_dtype`: that of the backward's reduce-scatter. Both need
     `sequence_parallel=True`. `reduce_dtype`: the floating dtype that backward's
     reduce-scatter sums and sends its partial sums in (the op's `reduce_dtype`; None:
-    float32 for 16-bit inputs).
+    float32 for 16-bit inputs). `keep_gathered=False`: the forward keeps no gathered
+    input for the weight gradient, which gathers it again (less memory, one more
+    gather; needs `sequence_parallel=True`; layers sharing one input, as q, k and v do,
+    then gather it each).
     """
 
     axis: str = "tp"
@@ -46,6 +49,7 @@ class Column(_Style):
     comm_dtype: Any = None
     grad_comm_dtype: Any = None
     reduce_dtype: Any = None
+    keep_gathered: bool = True
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -59,6 +63,9 @@ class Row(_Style):
     `sequence_parallel=True`. `reduce_dtype`: the floating dtype the partial sums are
     summed and sent in, by the reduce-scatter (its `reduce_dtype`) or, without
     `sequence_parallel`, the psum (None: float32 for 16-bit inputs).
+    `keep_gathered=False`: the backward gathers the output's cotangent twice, once for
+    each gradient, instead of keeping it between them (less memory, one more gather;
+    needs `sequence_parallel=True`).
     """
 
     axis: str = "tp"
@@ -66,6 +73,7 @@ class Row(_Style):
     comm_dtype: Any = None
     grad_comm_dtype: Any = None
     reduce_dtype: Any = None
+    keep_gathered: bool = True
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -116,7 +124,7 @@ def _style_repr(style) -> str:
             if v is None:
                 continue
             v = f"jnp.{v.name}"
-        elif f.name == "gather" and v == "auto":
+        elif (f.name, v) in (("gather", "auto"), ("keep_gathered", True)):
             continue
         else:
             v = repr(v)
@@ -124,9 +132,10 @@ def _style_repr(style) -> str:
     return f"{type(style).__name__}({', '.join(parts)})"
 
 
-def _comm_dtypes(style) -> None:
-    """Validate and normalise a style's `comm_dtype` / `grad_comm_dtype` (numpy dtypes),
-    so that styles asking for one dtype compare equal however it was spelt."""
+def _checked(style) -> None:
+    """Validate a style's fields and normalise its `comm_dtype` / `grad_comm_dtype` /
+    `reduce_dtype` (numpy dtypes), so that styles asking for one dtype compare equal
+    however it was spelt."""
     for name in ("comm_dtype", "grad_comm_dtype"):
         d = _quantize.comm_dtype(type(style).__name__, name, getattr(style, name))
         object.__setattr__(style, name, d)
@@ -139,3 +148,11 @@ def _comm_dtypes(style) -> None:
             "sequence_parallel=True: they set the dtype of the sequence-parallel collective "
             "matmul; without it the layer's tensor-parallel collective is a psum, sent in "
             "the activation dtype.")
+    if isinstance(style, (Column, Row)):
+        if not isinstance(style.keep_gathered, bool):
+            raise TypeError(f"{type(style).__name__}: keep_gathered must be True or False, "
+                            f"got {style.keep_gathered!r}.")
+        if not (style.keep_gathered or style.sequence_parallel):
+            raise ValueError(
+                f"{type(style).__name__}: keep_gathered=False needs sequence_parallel=True: "
+                "without it the layer gathers nothing over its axis that it could keep.")
