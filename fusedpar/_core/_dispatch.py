@@ -336,8 +336,11 @@ def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
         call = _shaped(call, name)[0]
         why_not = _backends.get(name).unavailable(call)
         if why_not is not None:
+            ring = ("a bidirectional" if call.bidirectional else "a") + \
+                f" ring of {call.axis_size}"
             raise NotImplementedError(
-                f"{call.op}: backend {name!r} cannot run this call: {why_not}")
+                f"{call.op}: backend {name!r} cannot run this call ({call.prim}, local x"
+                f"{call.x_shape} w{call.w_shape} {call.dtype}, {ring}): {why_not}")
     bidirectional, unroll = ring_shape(call, unroll)
     describe = _backends.get(name).kernels
     choice = Choice(name, reason, bidirectional, unroll, call.target,

@@ -85,7 +85,9 @@ def moves_activations(where, rule, x_shape, dtype, in_features, out_features, si
         return False
     batch = ("(batch, seq, features)" if rule.sequence_parallel
              else "(batch, ..., features)")
-    why = (f"its input of rank {len(x_shape)} has no batch dimension (dim 0 of {batch})"
+    why = (f"its input of rank {len(x_shape)} has no batch dimension (dim 0 of {batch}; "
+           "under a jax.vmap with a jit, scan or checkpoint inside it, the layer sees one "
+           "example)"
            if not has_data_dim(rule, len(x_shape)) else
            "FSDP's comm_dtype / grad_comm_dtype quantize the weight gather"
            if f.comm_dtype is not None or f.grad_comm_dtype is not None else None)
