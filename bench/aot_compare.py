@@ -242,36 +242,53 @@ def markdown(cache) -> str:
         goals(cache), "", _bfloat16_sums(), _kept_nothing(), END, ""])
 
 
+def _variant_table(module, title: str, intro: str) -> str:
+    """A variant script's table (`module.markdown` of its cached rows), if it was run:
+    under `### title`, after `intro`."""
+    if not module.CACHE.exists():
+        return ""
+    return "\n".join([f"### {title}", "", intro, "",
+                      module.markdown(json.loads(module.CACHE.read_text())), ""])
+
+
 def _bfloat16_sums() -> str:
-    """`bench/aot_reduce_dtype.py`'s table (auto with bfloat16 partial sums), if made."""
+    """`bench/aot_reduce_dtype.py`'s table (auto with bfloat16 partial sums)."""
     import aot_reduce_dtype
 
-    if not aot_reduce_dtype.CACHE.exists():
-        return ""
-    return "\n".join([
-        "### auto with bfloat16 partial sums", "",
+    return _variant_table(
+        aot_reduce_dtype, "auto with bfloat16 partial sums",
         "Made by `python bench/aot_reduce_dtype.py`: auto compiled with "
         "`reduce_dtype=jnp.bfloat16` (the layers' and ops' argument; float32 is the "
         "default), beside the best xla row and auto above (docs/ops.md weighs the "
-        "error against the time).", "",
-        aot_reduce_dtype.markdown(json.loads(aot_reduce_dtype.CACHE.read_text())), ""])
+        "error against the time).")
 
 
 def _kept_nothing() -> str:
-    """`bench/aot_keep_gathered.py`'s table (auto keeping no gathered array), if made."""
+    """`bench/aot_keep_gathered.py`'s table (auto keeping no gathered array)."""
     import aot_keep_gathered
 
-    if not aot_keep_gathered.CACHE.exists():
-        return ""
-    return "\n".join([
-        "### auto keeping nothing it gathers: time against memory", "",
+    return _variant_table(
+        aot_keep_gathered, "auto keeping nothing it gathers: time against memory",
         "Made by `python bench/aot_keep_gathered.py`: auto compiled with "
         "`keep_gathered=False` on the sequence-parallel Column styles, the Row styles, or "
         "both (the backward gathers again what the forward kept: one more ring per layer, "
         "less temporary memory), beside the best xla row and auto above; each cell is "
         "us (speed-up over the best xla row) / temporary MiB (over the best xla row's). "
-        "docs/layers.md says when to use it.", "",
-        aot_keep_gathered.markdown(json.loads(aot_keep_gathered.CACHE.read_text())), ""])
+        "docs/layers.md says when to use it.")
+
+
+def variant_main(argv, doc: str, cache_path, run, markdown, programs) -> None:
+    """The command line of a script that compiles variants of `auto` beside these rows
+    (`aot_reduce_dtype.py`, `aot_keep_gathered.py`): `run(targets, programs)` fills
+    and returns its cache, `markdown(cache)` prints it."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--targets", default=",".join(TARGETS))
+    p.add_argument("--programs", default=",".join(programs))
+    p.add_argument("--markdown-only", action="store_true")
+    args = p.parse_args(argv)
+    cache = (json.loads(cache_path.read_text()) if args.markdown_only else
+             run(args.targets.split(","), args.programs.split(",")))
+    print(markdown(cache))
 
 
 def write(cache) -> None:

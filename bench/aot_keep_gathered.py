@@ -18,7 +18,6 @@ aot extra.
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
@@ -87,14 +86,7 @@ def markdown(cache) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--targets", default=",".join(aot_compare.TARGETS))
-    p.add_argument("--programs", default=",".join(PROGRAMS))
-    p.add_argument("--markdown-only", action="store_true")
-    args = p.parse_args(argv)
-    cache = (json.loads(CACHE.read_text()) if args.markdown_only else
-             run(args.targets.split(","), args.programs.split(",")))
-    print(markdown(cache))
+    aot_compare.variant_main(argv, __doc__, CACHE, run, markdown, PROGRAMS)
 
 
 if __name__ == "__main__":

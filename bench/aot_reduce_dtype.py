@@ -16,7 +16,6 @@ the table is printed as Markdown. Needs the aot extra. The accuracy side is
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
@@ -71,14 +70,7 @@ def markdown(cache) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--targets", default=",".join(aot_compare.TARGETS))
-    p.add_argument("--programs", default=",".join(_aot_compare.PROGRAMS))
-    p.add_argument("--markdown-only", action="store_true")
-    args = p.parse_args(argv)
-    cache = (json.loads(CACHE.read_text()) if args.markdown_only else
-             run(args.targets.split(","), args.programs.split(",")))
-    print(markdown(cache))
+    aot_compare.variant_main(argv, __doc__, CACHE, run, markdown, _aot_compare.PROGRAMS)
 
 
 if __name__ == "__main__":

@@ -106,5 +106,6 @@ def test_a_reference_hidden_beside_other_work_stays():
                       "bfloat16", 2, "gpu")
     assert _dispatch.operands_first(call, "reference")
     hw = fusedpar.cost_model.PRESETS["h100_sxm"]
-    beside = fusedpar.cost_model.matmul_seconds(2048, 8192, 4096, "bfloat16", hw) - hw.launch_overhead
+    beside = (fusedpar.cost_model.matmul_seconds(2048, 8192, 4096, "bfloat16", hw)
+              - hw.launch_overhead)
     assert not _dispatch.operands_first(dataclasses.replace(call, beside=beside), "reference")

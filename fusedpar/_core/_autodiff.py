@@ -184,11 +184,12 @@ def _counts_on_sibling(call, cfg, return_gathered) -> bool:
     into steps it fuses into neighbouring XLA fusions, which the barriers wall off:
     there the block replayed 12,422 -> 12,499 us with them, ag_cols 1,405 -> 1,436.
     And only where the sibling's work (`Call.beside`: its estimate less the launch)
-    covers at least a tenth of the collective's estimated transfer. The block's siblings cover 1.4x and
-    0.35x of theirs (0.13x in tests/test_aot.py's smaller block, where the barriers are
-    neutral: 396 against 397 us). A width-256 step's matmul covers 0.007x and hides
-    nothing: there the barriers only constrain XLA's schedule (a 2-block MLP of width
-    256 on 8 H100s replayed at 243 us with them, 208 without)."""
+    covers at least a tenth of the collective's estimated transfer. The block's
+    siblings cover 1.4x and 0.35x of theirs (0.13x in tests/test_aot.py's smaller
+    block, where the barriers are neutral: 396 against 397 us). A width-256 step's
+    matmul covers 0.007x and hides nothing: there the barriers only constrain XLA's
+    schedule (a 2-block MLP of width 256 on 8 H100s replayed at 243 us with them, 208
+    without)."""
     if not (call.platform == "gpu" and bool(call.beside)
             and cfg.backend == _dispatch.REFERENCE and not cfg.rearranged
             and cfg.comm_dtype is None and not prims.of(call.prim).gathers
