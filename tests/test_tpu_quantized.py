@@ -226,3 +226,24 @@ def test_reduce_scatter_kernel_refuses_comm_dtype():
         in_specs=(P(), P()), out_specs=P("x"), check_vma=False)
     with pytest.raises(NotImplementedError, match="backend='ring'"):
         jax.jit(f)(x, w)
+
+
+def test_a_weight_stored_quantized_travels_through_the_kernel_as_stored():
+    """`fusedpar.quantize`'s stored int8 weight in an FSDP layer on the fused kernel:
+    the payload (values, one scale per column) is sent as it is, not quantized again
+    (an AttributeError before, whenever `auto` picked the kernel on a TPU); the same
+    values and input gradient as the lax ring's."""
+    import equinox as eqx
+
+    m = mesh((4,), ("tp",))
+    x = normal(1, (4, 16, 16), jnp.float32)
+    got = {}
+    for backend in ("ring", "pallas_tpu"):
+        layer = fusedpar.quantize(fusedpar.FSDPLinear(16, 32, key=jax.random.key(0),
+                                                      axis="tp", backend=backend),
+                                  dtype=jnp.int8)
+        with jax.set_mesh(m):
+            placed = fusedpar.shard(layer, m)
+            got[backend] = eqx.filter_jit(eqx.filter_value_and_grad(
+                lambda x, l: jnp.sum(jnp.sin(l(x)))))(x, placed)
+    assert_close(got["pallas_tpu"], got["ring"], jnp.float32, "stored int8 weight")

@@ -309,8 +309,8 @@ def _run(prim, cfg, x, w, return_gathered=False):
         dtype, p = x.dtype, prims.of(prim)
         if p.traveller == "x":
             x, scales = _quantize.quantize(x, cfg.comm_dtype, p.scale_axis)
-        else:
-            w, scales = _quantize.quantize(w, cfg.comm_dtype, p.scale_axis)
+        else:  # a weight stored quantized travels as it is (scales (1, n): scale_axis 0)
+            w, scales = _quantize.quantized(w, cfg.comm_dtype, p.scale_axis)
     get = dict(cfg.options, precision=cfg.precision).get
     in_place = _in_place(prim, cfg.w_transposed, cfg.w_resident)
     if in_place:  # the array in memory: XLA folds the two transposes away
