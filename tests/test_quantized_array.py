@@ -254,3 +254,28 @@ def test_layer_trains_straight_through_to_the_master(kind):
         got = eqx.filter_jit(eqx.filter_grad(loss))(fusedpar.shard(layer, m), xs)
     assert_close(got.weight, want.weight, jnp.float32, "sharded")
     assert_close(got.bias, want.bias, jnp.float32, "bias")
+
+
+def test_quantized_inside_shard_map_keeps_each_shards_scales():
+    """`fusedpar.quantize` inside the user's shard_map quantizes each FSDP shard of a row
+    on its own (a sequence-parallel Column's FSDP splits the input features): the gather
+    moves those scales with the values, with check_vma on or off. Before, each device
+    dequantized the other shard with its own scale (the halves here differ 10x: 0.9 of
+    the output wrong); now the output is the weight quantized per shard of a row."""
+    layer = fusedpar.ColumnLinear(32, 64, key=jax.random.key(1), sequence_parallel=True,
+                                  fsdp_axis="fsdp", backend="ring", use_bias=False)
+    layer = eqx.tree_at(lambda l: l.weight, layer, layer.weight.at[:, 16:].multiply(10.0))
+    x = normal(2, (4, 16, 32), jnp.float32)
+    per_shard = fusedpar.quantize(layer, dtype=jnp.int8, block_size=16).weight.dequantize()
+    want = jnp.einsum("bsi,oi->bso", x, per_shard)
+
+    def call(m, x):
+        return fusedpar.quantize(m, dtype=jnp.int8)(x)  # on this device's shards
+
+    (pspecs, xspec), ospec = fusedpar.shard_map_specs(layer, x, call=call)
+    params, static = eqx.partition(layer, eqx.is_array)
+    for check_vma in (True, False):
+        f = jax.jit(jax.shard_map(lambda p, x: call(eqx.combine(p, static), x),
+                                  mesh=mesh((2, 4), ("fsdp", "tp")), in_specs=(pspecs, xspec),
+                                  out_specs=ospec, check_vma=check_vma))
+        assert_close(f(params, x), want, jnp.float32, f"check_vma={check_vma}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from .._core import _gather
+from .._core import _gather, _vma
 from ._layer_math import matmul_t
 from .._core._ops import all_gather_matmul
 from .._core._quantized_array import QuantizedArray
@@ -24,8 +24,8 @@ def gather_fsdp(w, rule: Rule):
     With the FSDP style's `comm_dtype` each device quantizes its shard (one scale per
     output channel of the shard) and the gather moves values and scales; the result is
     dequantized, with a straight-through gradient. A `QuantizedArray` weight is
-    gathered as values and scales (scales along the features only where FSDP splits
-    the output features: a scale covers a whole row) and stays quantized; one with a
+    gathered as values and scales (where FSDP splits the input features, the scales only
+    where they may differ between the shards: below) and stays quantized; one with a
     `master` is gathered the same way (the master stays home) and dequantized, its
     gradient reduce-scattered to the master.
     """
@@ -34,7 +34,13 @@ def gather_fsdp(w, rule: Rule):
         return w
     d = rule.fsdp_dim
     if isinstance(w, QuantizedArray):
-        one = w.scales.shape[-1] == 1 and d == 1  # one scale per row: nothing to gather
+        # One scale per row covers the whole row where the weight was quantized whole
+        # (on global arrays, or before shard_map): nothing to gather, where JAX's types
+        # prove the scales the same on every FSDP device. Quantized inside shard_map on
+        # its shards, each shard's scales are its own (they vary over the axis), and
+        # with check_vma=False nothing says which: then they travel too (a scale per
+        # shard of a row: the same numbers for a weight quantized whole).
+        one = w.scales.shape[-1] == 1 and d == 1 and _vma.invariant(w.scales, f.axis)
         gather = functools.partial(_gather.gather_payload, axis_name=f.axis, dim=d)
         g = QuantizedArray(gather(w.values), w.scales if one else gather(w.scales),
                            axis=w.axis, dtype=w.dtype,
