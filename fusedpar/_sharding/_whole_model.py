@@ -259,10 +259,20 @@ def _check_call(call) -> None:
         pass
 
 
+# Layers traced under another transformation inside `call` receive that
+# transformation's values, not x (and a jit or checkpoint traced before may not run the
+# layers again at all), so the derivation sees neither.
+_HIDDEN = ("(If call applies the layers under jax.checkpoint, eqx.filter_checkpoint, "
+           "jax.jit or lax.scan, that hides x and the layers from this derivation: derive "
+           "the specs from a call without it, e.g. one block of a scanned stack, or write "
+           "them.)")
+
+
 def _resolve(model, calls, x, out):
     if not calls:
         raise ValueError("shard_map_specs: call(model, x) called no fusedpar layer; every "
-                         "array it uses is replicated, use in_specs=P() and out_specs=P().")
+                         "array it uses is replicated, use in_specs=P() and out_specs=P(). "
+                         + _HIDDEN)
     names = _names(model, calls)
     for name, c in zip(names, calls):
         if c.seq_dim is not None and c.seq_dim < c.folded:
@@ -294,7 +304,8 @@ def _resolve(model, calls, x, out):
                 f"shard_map_specs: {what} (shape {leaf.shape}) does not go into a fusedpar "
                 f"layer as it is (the first fusedpar call is {names[0]}, on a value "
                 "computed from it), so its layout cannot be derived; write the in_spec "
-                "of x yourself, with fusedpar.param_specs(model) for the parameters.")
+                "of x yourself, with fusedpar.param_specs(model) for the parameters. "
+                + _HIDDEN)
         specs = {s for _, s in uses}
         if len(specs) > 1:
             raise ValueError(
