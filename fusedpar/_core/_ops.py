@@ -149,8 +149,7 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
                                                    comm_dtype, grad_comm_dtype, unroll)
     for name, flag in (("keep_gathered", keep_gathered), ("w_transposed", w_transposed),
                        ("w_resident", w_resident)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{op}: {name} must be True or False, got {flag!r}.")
+        _validate.boolean(op, name, flag)
     out_dtype = _validate.float_dtype(op, "preferred_element_type", preferred_element_type)
     reduce_dtype = _validate.reduce_dtype(op, reduce_dtype, x.dtype)
     target = _target.current(x, *jax.tree.leaves(w))

@@ -74,6 +74,12 @@ def divisible(op, length, by, what, fix):
         raise ValueError(f"{op}: {what} is {length}, not divisible by {by}; {fix}.")
 
 
+def boolean(where, name, value):
+    """A True/False option."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be True or False, got {value!r}.")
+
+
 def flag(op, name, value):
     """Tri-state options: True, False, or None (the backend's default)."""
     if not (value is None or isinstance(value, bool)):

@@ -61,7 +61,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 from . import _collective_names, _context, _fsdp_activations, _shared_gather
-from .._core import _definition, _dispatch, _folding, _interpret, _vma
+from .._core import _definition, _dispatch, _folding, _interpret, _validate, _vma
 from .._sharding import _specs, _whole_model
 from .._hw import _target
 from .._hw._cost_hardware import get_hardware
@@ -103,8 +103,7 @@ class ParallelLinear(eqx.Module):
         features(where, "in_features", in_features)
         features(where, "out_features", out_features)
         param_dtype(where, dtype)
-        if not isinstance(use_bias, bool):
-            raise TypeError(f"{where}: use_bias must be True or False, got {use_bias!r}.")
+        _validate.boolean(where, "use_bias", use_bias)
         _dispatch.check_backend_name(where, backend)
         # eqx.nn.Linear's initialisation, so one key gives the same weights as it does.
         lin = eqx.nn.Linear(in_features, out_features, use_bias, dtype, key=key)

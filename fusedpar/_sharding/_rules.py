@@ -16,6 +16,7 @@ from typing import Optional, Union
 
 from jax.sharding import PartitionSpec as P
 
+from .._core import _validate
 from ._styles import FSDP, Column, Row
 
 ROLES = ("tp", "fsdp")  # canonical order of axes sharing one dimension: major first
@@ -246,9 +247,7 @@ def compose(*styles, where: str = "layer") -> Rule:
             raise TypeError(f"{where}: a mesh axis must be a name, a non-empty str such as "
                             f"{type(s)().axis!r}, got axis={s.axis!r} in {s}.")
         for flag in ("sequence_parallel", "gather_output"):
-            if not isinstance(getattr(s, flag, False), bool):
-                raise TypeError(f"{where}: {flag} must be True or False, got "
-                                f"{getattr(s, flag)!r}.")
+            _validate.boolean(where, flag, getattr(s, flag, False))
     if fsdp is not None and fsdp.dim not in (None, 0, 1):
         raise ValueError(f"{where}: FSDP dim must be None, 0 or 1 (a weight dimension), "
                          f"got {fsdp.dim!r}.")

@@ -149,9 +149,7 @@ def _checked(style) -> None:
             "matmul; without it the layer's tensor-parallel collective is a psum, sent in "
             "the activation dtype.")
     if isinstance(style, (Column, Row)):
-        if not isinstance(style.keep_gathered, bool):
-            raise TypeError(f"{type(style).__name__}: keep_gathered must be True or False, "
-                            f"got {style.keep_gathered!r}.")
+        _validate.boolean(type(style).__name__, "keep_gathered", style.keep_gathered)
         if not (style.keep_gathered or style.sequence_parallel):
             raise ValueError(
                 f"{type(style).__name__}: keep_gathered=False needs sequence_parallel=True: "
