@@ -259,9 +259,11 @@ def qdot(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=Non
     (lc, rc), (lb, rb) = dimension_numbers
     q_left = isinstance(lhs, QuantizedArray)
     q, other = (lhs, rhs) if q_left else (rhs, lhs)
-    # A stored quantized array serves: no gradient reaches its scales either (with a
-    # master, the straight-through one reaches the master).
-    q = eqx.tree_at(lambda a: a.scales, q, lax.stop_gradient(q.scales))
+    # A stored quantized array serves: no gradient reaches its values (float8 values are
+    # differentiable to JAX) or its scales; with a master, the straight-through one
+    # reaches the master.
+    q = eqx.tree_at(lambda a: (a.values, a.scales), q,
+                    (lax.stop_gradient(q.values), lax.stop_gradient(q.scales)))
     qc, oc, qb = (lc, rc, lb) if q_left else (rc, lc, rb)
     if isinstance(other, QuantizedArray):
         other = other.materialise()
