@@ -38,3 +38,12 @@ restored = eqx.combine(checkpointer.restore(path, shapes), static)
 print(restored[0].weight.sharding.spec)   # P('tp', 'fsdp'): sharded as it was saved
 for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(model)):
     np.testing.assert_array_equal(a, b)
+
+# Or into the dense model's skeleton on one device: the saved arrays have its shapes.
+dense = eqx.filter_eval_shape(make_model, jax.random.key(1))
+shapes, static = eqx.partition(dense, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), shapes)
+dense = eqx.combine(checkpointer.restore(path, shapes), static)  # eqx.nn.Linear layers
+for a, b in zip(jax.tree.leaves(dense), jax.tree.leaves(model)):
+    np.testing.assert_array_equal(a, b)
