@@ -28,6 +28,38 @@ def _program(page):
     return "\n\n".join(blocks)
 
 
+# A number a comment right after a `print(` line quotes: what the print shows ("986 us",
+# "1.21x", "0.000849"), checked against the run's output so that a page cannot go stale.
+_QUOTED = re.compile(r"(?<![\w.])(\d[\d,]*\.\d+|\d[\d,]*(?= ?(?:us|ms|µs)\b)|\d[\d,]*(?:\.\d+)?x\b)")
+
+
+_NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?(?:e-?\d+)?")
+
+
+def shown(quoted: str, printed: list[float]) -> bool:
+    """Whether a printed number rounds to `quoted` at the digits it quotes."""
+    q = quoted.rstrip("x").replace(",", "")
+    half = 0.5 * 10.0 ** -(len(q.partition(".")[2]))
+    return any(abs(p - float(q)) <= half * (1 + 1e-9) for p in printed)
+
+
+def quoted_numbers(program: str) -> list[str]:
+    """The numbers quoted by the comments on and right after each `print(` statement."""
+    out, after_print, depth = [], False, 0
+    for line in program.splitlines():
+        code, _, comment = line.partition("#")
+        if not code.strip():  # a comment line
+            if after_print and depth == 0:
+                out += _QUOTED.findall(comment)
+            continue
+        if depth == 0:
+            after_print = "print(" in code
+        depth = max(depth + code.count("(") - code.count(")"), 0) if after_print else 0
+        if after_print and depth == 0:
+            out += _QUOTED.findall(comment)
+    return out
+
+
 def test_every_page_is_found():
     assert {p.name for p in PAGES} >= {"README.md", "architecture.md", "layers.md", "ops.md",
                                        "tpu.md", "gpu.md", "cost_model.md", "testing.md",
@@ -43,3 +75,6 @@ def test_code_blocks_run(page):
     out = subprocess.run([sys.executable, "-c", _program(page)], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, f"{page.name}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    printed = [float(n.replace(",", "")) for n in _NUMBER.findall(out.stdout)]
+    stale = [n for n in quoted_numbers(_program(page)) if not shown(n, printed)]
+    assert not stale, f"{page.name} quotes {stale}, which its code no longer prints"
