@@ -233,8 +233,13 @@ def test_shard_map_specs():
     assert y_spec == P("fsdp", "tp", None)
     up = m.blocks[0].up
     assert up.rule.activation_specs(2) == (P("tp", None), P(None, "tp"))
-    assert m.blocks[0].down.rule.activation_specs(3, data=True) == (
-        P("fsdp", None, "tp"), P("fsdp", "tp", None))
+    down = m.blocks[0].down.rule
+    assert down.activation_specs(3, data=True) == (P("fsdp", None, "tp"), P("fsdp", "tp", None))
+    # By default as the layer lays out x of that rank: its batch over FSDP where it has one.
+    assert down.activation_specs(3) == down.activation_specs(3, data=True)
+    assert down.activation_specs(2) == down.activation_specs(2, data=False)
+    with pytest.raises(ValueError, match="data=True shards the batch over the FSDP axis"):
+        fusedpar.compose(fusedpar.Column()).activation_specs(2, data=True)
     with pytest.raises(ValueError, match="shard_map_specs: the model has no fusedpar layers"):
         fusedpar.shard_map_specs(eqx.nn.Linear(2, 2, key=K), x)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from jax.sharding import PartitionSpec as P
 
-from ._rules import Rule, axes_of, axes_product
+from ._rules import Rule, axes_of, axes_product, has_data_dim as has_data_dim
 
 
 def with_other_axes(current: P, x_spec: P, y_spec: P, used: tuple) -> tuple[P, P]:
@@ -82,12 +82,3 @@ def layout_axes(rule: Rule, x_spec: P) -> list:
     if rule.fsdp is not None and rule.fsdp.axis in tuple(x_spec):
         axes.append(rule.fsdp.axis)
     return axes
-
-
-def has_data_dim(rule: Rule, ndim: int) -> bool:
-    """Whether an input of rank `ndim` has a batch dimension for the FSDP axis.
-
-    Dim 0, when it is neither the feature dimension nor the sequence dimension (dim -2)
-    of a sequence-parallel layer.
-    """
-    return rule.fsdp is not None and ndim >= 2 + rule.sequence_parallel

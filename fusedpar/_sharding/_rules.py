@@ -106,14 +106,15 @@ class Rule:
         """Per-device weight shape on a mesh with `sizes` (axis -> size)."""
         return local_shape(shape, self.param_specs("weight", False)["weight"], sizes)
 
-    def activation_specs(self, ndim: int, data: bool = False) -> tuple[P, P]:
+    def activation_specs(self, ndim: int, data: Optional[bool] = None) -> tuple[P, P]:
         """(input spec, output spec) of a `(..., features)` activation of rank `ndim`.
 
-        `data`: the batch dimension (dim 0) is sharded over the FSDP axis.
+        `data`: the batch dimension (dim 0) is sharded over the FSDP axis; None: as the
+        layer lays out an input of rank `ndim` (`has_data_dim`).
         """
         x = [None] * ndim
         y = [None] * ndim
-        if data:
+        if _data(self, data, ndim):
             x[0] = y[0] = self.fsdp.axis
         tp = self.tp
         if isinstance(tp, Column):
@@ -189,14 +190,15 @@ class TableRule(Rule):
         """The table dimension the FSDP style shards."""
         return None if self.fsdp is None else 1 - self.fsdp_dim
 
-    def activation_specs(self, ndim: int, data: bool = False) -> tuple[P, P]:
+    def activation_specs(self, ndim: int, data: Optional[bool] = None) -> tuple[P, P]:
         """(ids spec, output spec) for ids of rank `ndim` (the output has rank `ndim + 1`).
 
-        `data`: the batch dimension (dim 0) is sharded over the FSDP axis.
+        `data`: the batch dimension (dim 0) is sharded over the FSDP axis; None: as the
+        embedding lays out ids of rank `ndim`.
         """
         x = [None] * ndim
         y = [None] * (ndim + 1)
-        if data:
+        if _data(self, data, ndim + 1):
             x[0] = y[0] = self.fsdp.axis
         if self.sequence_parallel:
             y[ndim - 1] = self.tp.axis
@@ -210,6 +212,25 @@ class TableRule(Rule):
 
     def without_fsdp(self) -> "TableRule":
         return TableRule(self.tp, None)
+
+
+def has_data_dim(rule: Rule, ndim: int) -> bool:
+    """Whether an input of rank `ndim` has a batch dimension for the FSDP axis.
+
+    Dim 0, when it is neither the feature dimension nor the sequence dimension (dim -2)
+    of a sequence-parallel layer.
+    """
+    return rule.fsdp is not None and ndim >= 2 + rule.sequence_parallel
+
+
+def _data(rule: Rule, data: Optional[bool], ndim: int) -> bool:
+    """`activation_specs`' `data`: as given, or where the layer has a batch dimension."""
+    if data is None:
+        return has_data_dim(rule, ndim)
+    if data and rule.fsdp is None:
+        raise ValueError("activation_specs: data=True shards the batch over the FSDP axis, "
+                         "but this rule has no FSDP style (pass data=False or None).")
+    return bool(data)
 
 
 def transpose(spec: P) -> P:
