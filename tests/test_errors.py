@@ -424,6 +424,10 @@ LAYERS = [
     Row("layers", "keep_gathered=False on a layer without sequence parallelism",
         lazy(lambda: fusedpar.RowLinear(8, 8, key=KEY, keep_gathered=False)), ValueError,
         ("Row: keep_gathered=False needs sequence_parallel=True",)),
+    Row("layers", "reduce_dtype narrower than x on a Row's psum (no sequence parallelism)",
+        global_call(fusedpar.RowLinear(8, 8, key=KEY, reduce_dtype=jnp.float16), (2, 8)),
+        ValueError, ("RowLinear: reduce_dtype float16 has a narrower range than the "
+                     "operands' float32",)),
     Row("layers", "keep_gathered not a bool",
         lambda: fusedpar.Column(sequence_parallel=True, keep_gathered="no"), TypeError,
         ("Column: keep_gathered must be True or False", "got 'no'")),

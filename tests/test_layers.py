@@ -396,6 +396,30 @@ def test_input_dtype_and_unbatched():
     assert_close(y, want, jnp.bfloat16, "global")
 
 
+@pytest.mark.parametrize("backend", ["auto", "ring"])
+def test_empty_sequence_and_batch(backend):
+    """A sequence or batch of length 0 on a mesh: the sequence-parallel layers and the
+    embedding return empty outputs and zero gradients, as with no mesh (XLA refuses a
+    collective over a dimension of size 0)."""
+    k = jax.random.key(11)
+    layers = [fusedpar.ColumnLinear(IN, HID, key=k, sequence_parallel=True, backend=backend),
+              fusedpar.RowLinear(HID, IN, key=k, sequence_parallel=True, backend=backend,
+                                 fsdp_axis="fsdp"),
+              fusedpar.Embedding(64, IN, key=k, sequence_parallel=True)]
+    m = mesh((2, 4), ("fsdp", "tp"))
+    for layer in layers:
+        for shape in [(2, 0), (0, 8)]:
+            emb = isinstance(layer, fusedpar.Embedding)
+            x = jnp.zeros(shape, jnp.int32) if emb else jnp.zeros(shape + (layer.in_features,))
+            with jax.set_mesh(m):
+                placed = fusedpar.shard(layer, m)
+                y = eqx.filter_jit(lambda l, x: l(x))(placed, x)
+                g = eqx.filter_jit(eqx.filter_grad(lambda l, x: jnp.sum(l(x) ** 2)))(placed, x)
+            assert y.shape == layer(x).shape, (type(layer).__name__, shape, y.shape)
+            for leaf in jax.tree.leaves(g):
+                assert not np.any(np.asarray(leaf)), (type(layer).__name__, shape)
+
+
 def test_vmap_fold_rule():
     """fusedpar._core._batching: vmap of a primitive folded into one 2-D call (x mapped, w
     mapped) or run once per example (both), equals the lax ring's own vmap."""

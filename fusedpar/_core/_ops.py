@@ -7,7 +7,9 @@ import inspect
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from . import _autodiff, _definition, _dispatch, _interpret, _quantize, _schedule, _validate, _vma
 from .._hw import _target, _xla_flags
@@ -152,6 +154,8 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
         _validate.boolean(op, name, flag)
     out_dtype = _validate.float_dtype(op, "preferred_element_type", preferred_element_type)
     reduce_dtype = _validate.reduce_dtype(op, reduce_dtype, x.dtype)
+    if (0 in x.shape or 0 in w.shape) and (gathered is None or gathered is KEEP):
+        return _empty(op, x, w, axis_name, gather, dim, out_dtype, gathered)
     target = _target.current(x, *jax.tree.leaves(w))
     automatic = _target.automatic_axes()
     # Multiplying first needs w typed invariant (never guessed), and gradients that
@@ -187,6 +191,29 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
 
 
 KEEP = object()  # `_run(gathered=KEEP)`: return the gathered operand too
+
+
+def _empty(op, x, w, axis_name, gather, dim, out_dtype, gathered):
+    """The result of a call with an empty operand (a sequence or batch of length 0, say):
+    zeros of the lax expression's shape and type, nothing sent. XLA refuses a collective
+    over a dimension of size 0, and there is nothing to send or sum. Their gradients are
+    zeros too, as the expression's are."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+
+    def zeros(s):
+        return _vma.as_varying(jnp.zeros(s.shape, s.dtype), _vma.varying_axes(s))
+
+    dense_w = jax.ShapeDtypeStruct(w.shape, x.dtype, vma=_vma.varying_axes(w)) \
+        if isinstance(w, _quantize.Quantized) else w
+    if op == MATMUL_REDUCE_SCATTER:
+        return zeros(jax.eval_shape(lambda x, w: _definition.matmul_reduce_scatter(
+            x, w, axis_name, dim=dim, out_dtype=out_dtype), x, dense_w))
+    y = zeros(jax.eval_shape(lambda x, w: _definition.all_gather_matmul(
+        x, w, axis_name, gather=gather, dim=dim, out_dtype=out_dtype), x, dense_w))
+    if gathered is KEEP:
+        return y, zeros(jax.eval_shape(
+            lambda x: lax.all_gather(x, axis_name, axis=dim, tiled=True), x))
+    return y
 
 
 def _keeping(prim, cfg, x, w):

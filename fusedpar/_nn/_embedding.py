@@ -258,5 +258,14 @@ class Embedding(eqx.Module):
             raise ValueError(f"Embedding: inside shard_map over {over} the ids' sequence "
                              f"(last dim, {seq}) must divide by {size} to be scattered, got "
                              f"ids of shape {ids.shape}.")
-        return _summed(rows, lambda r: lax.psum_scatter(
-            r, tp.axis, scatter_dimension=ids.ndim - 1, tiled=True))
+        return _summed(rows, lambda r: _scattered(r, tp.axis, ids.ndim - 1, size))
+
+
+def _scattered(rows, axis, dim, size):
+    """`psum_scatter` of `rows` along `dim` over `axis`: zeros where it is empty, which
+    XLA refuses to scatter (a sequence of length 0: nothing to sum)."""
+    if 0 not in rows.shape:
+        return lax.psum_scatter(rows, axis, scatter_dimension=dim, tiled=True)
+    shape = rows.shape[:dim] + (rows.shape[dim] // size,) + rows.shape[dim + 1:]
+    axes = _vma.varying_axes(rows) | ({axis} if _vma.typed(axis) else set())
+    return _vma.as_varying(jnp.zeros(shape, rows.dtype), axes)

@@ -522,7 +522,7 @@ class RowLinear(ParallelLinear):
         # Partial sums stay in the accumulation dtype (or reduce_dtype) through the psum
         # without sequence parallelism, as the reduce-scatter's do.
         acc = (_definition.accumulation_dtype(x.dtype) if tp.reduce_dtype is None
-               else tp.reduce_dtype)
+               else _validate.reduce_dtype(type(self).__name__, tp.reduce_dtype, x.dtype))
         if self._moves_activations(rule, x, x.shape,
                                    {a: lax.axis_size(a) for a in rule.axes}):
             y = _fsdp_activations.local(x, w, rule, lambda x, w, out: (
