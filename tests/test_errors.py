@@ -375,6 +375,12 @@ OPS = [
                      x_dtype=jnp.bfloat16),
         ValueError, ("reduce_dtype float16 has a narrower range than the operands' bfloat16",
                      "6.55e+04 < 3.39e+38", "jnp.float32")),
+    Row("ops", "forward-mode differentiation (jax.jacfwd of the op)",
+        lambda: jax.eval_shape(jax.jacfwd(jax.shard_map(
+            lambda x, w: AGM(x, w, "x", backend="reference"), mesh=mesh((4,), ("x",)),
+            in_specs=(P("x"), P()), out_specs=P("x"))), S((16, 8), jnp.float32),
+            S((8, 12), jnp.float32)),
+        TypeError, ("all_gather_matmul: forward-mode differentiation", "jax.jacrev")),
     Row("ops", "integer preferred_element_type",
         in_shard_map(lambda x, w: AGM(x, w, "x", preferred_element_type=jnp.int32)),
         TypeError, ("preferred_element_type must be a floating dtype", "got int32")),

@@ -180,14 +180,28 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
         shape_requested=bidirectional is not None, w_transposed=w_transposed,
         w_resident=w_resident)
     c = prims.canonicalize(op, gather, dim, x, w, n)
-    if gathered is None:
-        return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
-    assert c.prim == prims.AG_ROWS, c.prim  # a gather of x's rows (`_autodiff`)
-    if gathered is KEEP:
-        y, g = _keeping(c.prim, cfg, c.x, c.w)
-        return c.restore(y), c.restore(g)
-    return c.restore(_autodiff.apply_given(c.prim, cfg, c.x, c.w,
-                                           prims.rows_first(gathered, dim)))
+    try:
+        if gathered is None:
+            return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
+        assert c.prim == prims.AG_ROWS, c.prim  # a gather of x's rows (`_autodiff`)
+        if gathered is KEEP:
+            y, g = _keeping(c.prim, cfg, c.x, c.w)
+            return c.restore(y), c.restore(g)
+        return c.restore(_autodiff.apply_given(c.prim, cfg, c.x, c.w,
+                                               prims.rows_first(gathered, dim)))
+    except TypeError as e:
+        if not any(s in str(e) for s in _FORWARD_MODE):
+            raise
+        raise TypeError(
+            f"{op}: forward-mode differentiation (jax.jvp, jax.linearize, jax.jacfwd, "
+            "jax.hessian) is not supported: the op's gradient is a custom VJP (its dual "
+            "ring), which JAX runs in reverse mode only. Use jax.grad, jax.vjp or "
+            "jax.jacrev (a Hessian: jax.jacrev(jax.jacrev(f))).") from e
+
+
+# What JAX raises when a custom VJP meets forward mode: under jit, and (JAX 0.10, 0.11) in
+# an eager shard_map, where its jvp of the custom_vjp call fails on the static config.
+_FORWARD_MODE = ("forward-mode autodiff", "unhashable type: 'Unhashable'")
 
 
 KEEP = object()  # `_run(gathered=KEEP)`: return the gathered operand too
