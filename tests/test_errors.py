@@ -434,6 +434,14 @@ LAYERS = [
         global_call(fusedpar.RowLinear(8, 8, key=KEY, reduce_dtype=jnp.float16), (2, 8)),
         ValueError, ("RowLinear: reduce_dtype float16 has a narrower range than the "
                      "operands' float32",)),
+    Row("layers", "a weight replaced by one of another shape (its transpose)",
+        lambda: fusedpar.shard(eqx.tree_at(lambda l: l.weight, _col(16, 32),
+                                           jnp.ones((16, 32))), mesh((2, 4), ("fsdp", "tp"))),
+        ValueError, ("ColumnLinear.weight has shape (16, 32), but the layer's (out_features, "
+                     "in_features) is (32, 16) (it is that shape transposed)",)),
+    Row("layers", "a bias replaced by one of another shape",
+        global_call(eqx.tree_at(lambda l: l.bias, _col(16, 32), jnp.ones((16,))), (2, 16)),
+        ValueError, ("ColumnLinear.bias has shape (16,), but the layer's out_features is 32",)),
     Row("layers", "keep_gathered not a bool",
         lambda: fusedpar.Column(sequence_parallel=True, keep_gathered="no"), TypeError,
         ("Column: keep_gathered must be True or False", "got 'no'")),

@@ -177,6 +177,8 @@ class Embedding(eqx.Module):
         if self.rule.sequence_parallel and ids.ndim < 1 and kind != _context.DENSE:
             raise ValueError("Embedding: sequence_parallel=True needs ids (..., seq) whose "
                              "last dimension is the sequence, got a scalar id.")
+        if kind != _context.LOCAL:
+            _specs.check_param_shapes("Embedding", self)
         if kind == _context.LOCAL:
             out = self._local(ids, self.rule)
         elif kind == _context.DENSE:

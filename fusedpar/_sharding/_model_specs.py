@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._core._quantized_array import QuantizedArray
 from ._rules import Rule, TableRule
-from ._spec_checks import check_scalar, check_spec, mesh_sizes
+from ._spec_checks import check_param_shapes, check_scalar, check_spec, mesh_sizes
 
 
 def is_param(x) -> bool:
@@ -193,6 +193,7 @@ def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
         if not is_layer(x):
             return x
         where = layer_name(path, x)
+        check_param_shapes(where, x)
         if relaxed and (is_param(x.weight) or is_quantized(x.weight)):  # tied: its source's
             rule, drops = x.rule.relax(where, x.weight.shape[-2:], sizes)
             if drops:

@@ -44,6 +44,30 @@ def check_scalar(where: str, rule: Rule, in_features, out_features) -> None:
                 "that shards the other dimension.")
 
 
+def check_param_shapes(where: str, layer) -> None:
+    """Raise unless `layer`'s weight (trailing two dims: a stacked weight has more) and
+    bias have the shapes its features give: a weight replaced with `eqx.tree_at` or read
+    from a checkpoint must keep them, or the error comes later, about local shards."""
+    def n(features):
+        return 1 if features == "scalar" else features
+
+    if hasattr(layer, "in_features"):
+        want, names = (n(layer.out_features), n(layer.in_features)), "(out_features, in_features)"
+    else:
+        want, names = (layer.num_embeddings, layer.embedding_size), \
+            "(num_embeddings, embedding_size)"
+    w = getattr(layer, "weight", None)
+    if hasattr(w, "shape") and tuple(w.shape[-2:]) != want:
+        t = " (it is that shape transposed)" if tuple(w.shape[-2:]) == want[::-1] else ""
+        raise ValueError(f"{where}.weight has shape {tuple(w.shape)}, but the layer's "
+                         f"{names} is {want}{t}: a replaced weight must keep that shape.")
+    b = getattr(layer, "bias", None)
+    if b is not None and tuple(b.shape[-1:]) != want[:1]:
+        raise ValueError(f"{where}.bias has shape {tuple(b.shape)}, but the layer's "
+                         f"out_features is {want[0]}: a replaced bias must keep the shape "
+                         f"({want[0]},).")
+
+
 def check_spec(path: str, shape, spec: P, sizes: dict, what="parameter",
                vocab_dim: Optional[int] = None):
     """Raise unless every axis of `spec` is in the mesh and divides its dimension.

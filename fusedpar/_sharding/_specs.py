@@ -37,7 +37,8 @@ from ._model_specs import (PARAM_RANK as PARAM_RANK, check_ties as check_ties,
 from ._rules import (ROLES as ROLES, Drop as Drop, Placement as Placement, Rule as Rule,
                      TableRule as TableRule, compose as compose, merge as merge,
                      transpose as transpose)
-from ._spec_checks import (check_fsdp_dim as check_fsdp_dim, check_scalar as check_scalar,
+from ._spec_checks import (check_fsdp_dim as check_fsdp_dim,
+                           check_param_shapes as check_param_shapes, check_scalar as check_scalar,
                            check_spec as check_spec, mesh_sizes as mesh_sizes,
                            pad_vocab_hint as pad_vocab_hint)
 from ._styles import FSDP as FSDP, Column as Column, Row as Row, Style as Style
