@@ -210,11 +210,12 @@ class Embedding(eqx.Module):
         _specs.check_spec("Embedding.weight", self.weight.shape, pspecs.weight, sizes,
                           vocab_dim=0)
         ids_spec, out_spec = rule.activation_specs(ids.ndim, data)
+        fixes = _specs.decoding_fixes(rule, data, ids.ndim - 1)
         _specs.check_spec(f"Embedding: ids of shape {ids.shape}", ids.shape, ids_spec, sizes,
-                          what="input")
+                          what="input", fixes=fixes)
         if rule.sequence_parallel:
             _specs.check_spec(f"Embedding: ids of shape {ids.shape}", ids.shape + (1,),
-                              out_spec, sizes, what="input")
+                              out_spec, sizes, what="input", fixes=fixes)
         # The output has one more dimension than the ids: lay both out as the output.
         # Lax collectives only: the mesh's other Auto axes stay XLA's.
         padded, out_spec, manual = _context.layouts(mesh, rule.axes, ids,

@@ -229,12 +229,13 @@ class ParallelLinear(eqx.Module):
         pspecs = _specs.layer_param_specs(self, where, rule)
         _specs.check_spec(f"{where}.weight", self.weight.shape, array_of(pspecs.weight), sizes)
         x_spec, y_spec = rule.activation_specs(x.ndim, data)
+        fixes = _specs.decoding_fixes(rule, data, x.ndim - 2)
         _specs.check_spec(f"{where}: x of shape {x.shape}", x.shape, x_spec, sizes,
-                          what="input")
+                          what="input", fixes=fixes)
         # A sequence-parallel Row scatters the sequence of its output, not of its input.
         y_shape = x.shape[:-1] + (length(self.out_features),)
         _specs.check_spec(f"{where}: x of shape {x.shape} gives an output of shape "
-                          f"{y_shape}", y_shape, y_spec, sizes, what="output")
+                          f"{y_shape}", y_shape, y_spec, sizes, what="output", fixes=fixes)
         platform = _target.current(x).platform
         check = _dispatch.check_vma(self.backend, platform)
         # Every axis manual where a kernel may run (it addresses devices by their

@@ -69,10 +69,11 @@ def check_param_shapes(where: str, layer) -> None:
 
 
 def check_spec(path: str, shape, spec: P, sizes: dict, what="parameter",
-               vocab_dim: Optional[int] = None):
+               vocab_dim: Optional[int] = None, fixes: Optional[dict] = None):
     """Raise unless every axis of `spec` is in the mesh and divides its dimension.
 
     `vocab_dim`: the dimension that is a vocabulary, which the message says to pad.
+    `fixes`: {dim: what to do when it does not divide}, in place of the general advice.
     """
     for d, entry in enumerate(spec):
         axes = axes_of(entry)
@@ -88,9 +89,27 @@ def check_spec(path: str, shape, spec: P, sizes: dict, what="parameter",
                    "dimension" if what == "parameter" else "change the size or the mesh")
             if d == vocab_dim:
                 fix = pad_vocab_hint(shape[d], n) + ", or use relaxed=True to replicate it"
+            fix = (fixes or {}).get(d, fix)
             raise ValueError(
                 f"{path}: {what} dim {d} has size {shape[d]}, not divisible by {n}, the "
                 f"product of mesh axes {axes} ({sz}); {fix}.")
+
+
+def decoding_fixes(rule: Rule, data: bool, seq_dim: Optional[int]) -> dict:
+    """`check_spec`'s `fixes` for an input whose batch (dim 0, over the FSDP axis where
+    `data`) or sequence (`seq_dim`, over tp in a sequence-parallel layer) does not divide:
+    what decoding one sequence, a few tokens at a time, runs into."""
+    fixes = {}
+    if data:
+        fixes[0] = (f"a batch that {rule.fsdp.axis!r} does not divide (one sequence while "
+                    "decoding, say) can go without one: call the layer on x[0] (no batch "
+                    "dimension: the layer gathers its weight whole), or pad the batch")
+    if rule.sequence_parallel and seq_dim is not None:
+        fixes[seq_dim] = (f"a sequence that {rule.tp.axis!r} does not divide (a few tokens "
+                          "while decoding, say) needs no sequence parallelism: run those "
+                          "steps with the same weights under a plan with "
+                          "sequence_parallel=False, or pad the sequence")
+    return fixes
 
 
 def pad_vocab_hint(vocab: int, n: int) -> str:

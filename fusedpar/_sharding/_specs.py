@@ -39,6 +39,7 @@ from ._rules import (ROLES as ROLES, Drop as Drop, Placement as Placement, Rule 
                      transpose as transpose)
 from ._spec_checks import (check_fsdp_dim as check_fsdp_dim,
                            check_param_shapes as check_param_shapes, check_scalar as check_scalar,
+                           decoding_fixes as decoding_fixes,
                            check_spec as check_spec, mesh_sizes as mesh_sizes,
                            pad_vocab_hint as pad_vocab_hint)
 from ._styles import FSDP as FSDP, Column as Column, Row as Row, Style as Style
