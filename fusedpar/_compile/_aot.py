@@ -397,21 +397,8 @@ def _hideable(instructions, multiplying):
     return hideable
 
 
-def _sent(i, by_name) -> list:
-    """The operands `i` sends: all of a combined collective's (XLA on GPU merges the
-    values and scales of a quantized ppermute into one collective-permute of two arrays),
-    only the input of an in-place collective-permute (input, output buffer, and two
-    tuples of integer offsets)."""
-    operands = [by_name.get(name) for name in i.operands]
-    if (i.opcode.startswith("collective-permute") and len(operands) == 4
-            and all(o is not None and {d for d, _ in _hlo.array_shapes(o.shape)}
-                    <= {"s32", "u32", "s64"} for o in operands[2:])):
-        operands = operands[:1]
-    return operands
-
-
 def _transfer(module, i, kind, by_name, computation, matmuls, hideable=True) -> Transfer:
-    operands = _sent(i, by_name) if i.operands else []
+    operands = _hlo.sent_operands(i, by_name) if i.operands else []
     if operands and all(o is not None for o in operands):
         shapes = [o.shape for o in operands]
     else:  # a parameter of another computation: the start's first result is the operand

@@ -33,10 +33,14 @@ def matmul_flops(module, i, by_name) -> tuple[float, str]:
                 if j.opcode in ("dot", "convolution"):
                     f, dtype = dot_flops(j, inner)
                     total += f
-                elif j.opcode == "custom-call" and j.target == "tpu_custom_call":
-                    # A Mosaic call XLA moved into a collective's continuation fusion.
-                    f, dtype = matmul_flops(module, j, inner)
-                    total += f
+                elif (j.opcode == "custom-call" and j.target == "tpu_custom_call") or (
+                        j.opcode in ("fusion", "call") and j.calls):
+                    # A Mosaic call XLA moved into a collective's continuation fusion, or
+                    # a fusion nested in this one (the TPU compiler nests a matmul's
+                    # fusion inside another's: a transposed operand's, say).
+                    f, d = matmul_flops(module, j, inner)
+                    if f:
+                        total, dtype = total + f, d
         return total, dtype
     contracting = _GEMM_CONTRACT.search(i.line)
     if contracting and i.operands and i.operands[0] in by_name:  # a cuBLAS GEMM

@@ -25,6 +25,7 @@ reads and writes in `_hlo_bytes`; loops in `_hlo_loops`; pairs and replica group
 
 from ._hlo_bytes import (dma_bytes as dma_bytes, in_place_bytes as in_place_bytes,
                          operand_bytes as operand_bytes, read_bytes as read_bytes,
+                         sent_operands as sent_operands,
                          written_bytes as written_bytes)
 from ._hlo_groups import (replica_groups as replica_groups,
                           source_target_pairs as source_target_pairs)

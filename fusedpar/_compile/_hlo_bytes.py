@@ -52,6 +52,7 @@ def read_bytes(module: Module, i: Instruction, by_name: dict) -> int:
     fraction = 1.0
     for c in i.calls if i.opcode == "fusion" else ():
         windows.update(_sliced_parameters(module, c))
+        windows.update(dict.fromkeys(_updated_in_place(module, c), 0))
         fraction = _window_fraction(module, c)
     return sum(windows.get(n, round(o.bytes * fraction))
                for n, o in enumerate(operands) if o is not None)
@@ -123,6 +124,30 @@ def _sliced_parameters(module: Module, computation: str, depth: int = 0) -> dict
     return found
 
 
+def _updated_in_place(module: Module, computation: str) -> dict:
+    """`{parameter number: the update's bytes}` for the parameters of a fused
+    computation that are only the buffer of a dynamic-update-slice its root tuple
+    returns: XLA updates that buffer in place (a loop's stacked residuals, one layer's
+    slice an iteration), so the fusion neither reads it nor writes more than the update."""
+    inner = module.computations.get(computation, ())
+    root = module.roots.get(computation)
+    if root is None or root.opcode != "tuple":
+        return {}
+    by_name = {j.name: j for j in inner}
+    found = {}
+    for j in inner:
+        number = _PARAMETER.search(j.line) if j.opcode == "parameter" else None
+        users = [u for u in inner if j.name in u.operands]
+        if not number or len(users) != 1:
+            continue
+        u = users[0]
+        update = by_name.get(u.operands[1]) if len(u.operands) > 1 else None
+        if (u.opcode == "dynamic-update-slice" and u.operands[0] == j.name
+                and u.name in root.operands and update is not None):
+            found[int(number.group(1))] = update.bytes
+    return found
+
+
 def _passes_through(user: Instruction, root: Optional[Instruction]) -> bool:
     """Whether a fused computation's `user` of a value moves it without the compute
     units: the root tuple returning it as it is (an output aliased to the operand, as
@@ -147,17 +172,41 @@ def written_bytes(module: Module, i: Instruction) -> int:
         if root is None or root.opcode != "tuple":
             continue
         inner = {j.name: j for j in module.computations.get(c, ())}
-        return sum(inner[o].bytes for o in root.operands if o in inner
-                   and inner[o].opcode != "parameter" and not is_collective(inner[o]))
+        # An element updating a parameter's buffer in place writes the update only.
+        in_place = {o.name: inner[o.operands[1]].bytes for o in inner.values()
+                    if o.opcode == "dynamic-update-slice" and len(o.operands) > 1
+                    and o.operands[1] in inner and o.name in root.operands
+                    and inner.get(o.operands[0]) is not None
+                    and inner[o.operands[0]].opcode == "parameter"}
+        return sum(in_place.get(o, inner[o].bytes) for o in root.operands
+                   if o in inner and inner[o].opcode != "parameter"
+                   and not is_collective(inner[o]))
     return i.bytes
 
 
+def sent_operands(i: Instruction, by_name: dict) -> list:
+    """The operands collective `i` sends (None where one is not in `by_name`): all of a
+    collective XLA merged from several (`all-reduce(a, b)`; on GPU the values and scales
+    of a quantized ppermute in one collective-permute of two arrays), only the input of
+    an in-place collective-permute (input, output buffer, and two tuples of integer
+    offsets) or of a send (its token), and of a fusion wrapping a collective (the TPU
+    compiler's: its other operands feed the work beside it)."""
+    operands = [by_name.get(name) for name in i.operands]
+    if i.opcode.startswith(("send", "fusion")):
+        return operands[:1]
+    if (i.opcode.startswith("collective-permute") and len(operands) == 4
+            and all(o is not None and {d for d, _ in array_shapes(o.shape)}
+                    <= {"s32", "u32", "s64"} for o in operands[2:])):
+        return operands[:1]
+    return operands
+
+
 def operand_bytes(i: Instruction, by_name: dict) -> int:
-    """Bytes of `i`'s first operand (of its own first array when the operand is not in
-    `by_name`): what a collective sends per device."""
-    operand = by_name.get(i.operands[0]) if i.operands else None
-    if operand is not None:
-        return operand.bytes
+    """Bytes collective `i` sends per device (`sent_operands`); its own first array's
+    where an operand is not in `by_name` (a parameter of another computation)."""
+    operands = sent_operands(i, by_name)
+    if operands and all(o is not None for o in operands):
+        return sum(o.bytes for o in operands)
     arrays = array_shapes(i.shape)
     if not arrays:
         return 0
