@@ -891,13 +891,80 @@ def test_a_kernel_that_sends_without_a_plan_is_listed():
     assert len(p.unread) == 1 and "a kernel that sends bytes itself" in p.unread[0]
 
 
+S3 = "{2,1,0:T(8,128)(2,1)}"
+
+
+def _merged(operands: int) -> str:
+    """A TPU program with what XLA makes of a user's step: an all-reduce merged from
+    `operands` (XLA combines a step's gradient all-reduces), a matmul fusion nested in
+    another's, and a loop fusion whose root tuple updates a stacked buffer in place (a
+    scan's residuals: one layer's slice an iteration) beside a second output."""
+    shape = ", ".join([f"bf16[2048,2048]{B}"] * operands)
+    return f"""\
+HloModule merged, is_scheduled=true, num_partitions=4
+
+%sum (a: bf16[], b: bf16[]) -> bf16[] {{
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %s = bf16[] add(%a, %b)
+}}
+
+{_fused_conv(2048)}
+
+%outer (p0: bf16[2048,2048], p1: bf16[2048,2048]) -> bf16[2048,2048] {{
+  %p0 = bf16[2048,2048]{B} parameter(0)
+  %p1 = bf16[2048,2048]{B} parameter(1)
+  %f = bf16[2048,2048]{B} fusion(%p0, %p1), kind=kOutput, calls=%fused_conv
+  ROOT %n = bf16[2048,2048]{B} negate(%f)
+}}
+
+%stack_update (s0: bf16[8,2048,2048], s1: bf16[2048,2048], s2: s32[]) -> (bf16[8,2048,2048], bf16[2048,2048]) {{
+  %s0 = bf16[8,2048,2048]{S3} parameter(0)
+  %s1 = bf16[2048,2048]{B} parameter(1)
+  %s2 = s32[]{U} parameter(2)
+  %z = s32[]{U} constant(0)
+  %b = bf16[1,2048,2048]{S3} bitcast(%s1)
+  %dus = bf16[8,2048,2048]{S3} dynamic-update-slice(%s0, %b, %s2, %z, %z)
+  %neg = bf16[2048,2048]{B} negate(%s1)
+  ROOT %t = (bf16[8,2048,2048]{S3}, bf16[2048,2048]{B}) tuple(%dus, %neg)
+}}
+
+ENTRY %main (x: bf16[2048,2048], w: bf16[2048,2048], stack: bf16[8,2048,2048]) -> (bf16[8,2048,2048], bf16[2048,2048]) {{
+  %x = bf16[2048,2048]{B} parameter(0)
+  %w = bf16[2048,2048]{B} parameter(1)
+  %stack = bf16[8,2048,2048]{S3} parameter(2)
+  %ar = ({shape}) all-reduce({", ".join(["%x", "%w"][:operands])}), channel_id=1, replica_groups={{{{0,1,2,3}}}}, to_apply=%sum
+  %x2 = bf16[2048,2048]{B} get-tuple-element(%ar), index=0
+  %f = bf16[2048,2048]{B} fusion(%x2, %w), kind=kOutput, calls=%outer
+  %i = s32[]{U} constant(3)
+  ROOT %u = (bf16[8,2048,2048]{S3}, bf16[2048,2048]{B}) fusion(%stack, %f, %i), kind=kLoop, calls=%stack_update
+}}
+"""
+
+
+def test_merged_collectives_nested_matmuls_and_in_place_updates():
+    one, two = _simulate.predict(_merged(1), V5E), _simulate.predict(_merged(2), V5E)
+    # A merged all-reduce sends every operand: twice one's bytes.
+    assert two.min_comm_s == pytest.approx(2 * one.min_comm_s, rel=1e-9)
+    assert two.communication > one.communication
+    # The matmul nested two fusions deep counts.
+    flops = 2.0 * 2048 ** 3
+    assert two.dot_flops == flops and two.unread == ()
+    # The update moves the slice it writes, not the stacked buffer (64 MiB: 82 us more).
+    block = 2048 * 2048 * 2
+    matmul = max(flops / V5E.matmul_flops("bfloat16"), 3 * block / V5E.hbm_bandwidth)
+    update = (block + 4 + 2 * block) / V5E.hbm_bandwidth  # reads f, writes slice and neg
+    assert two.compute == pytest.approx(matmul + V5E.launch_overhead + update, rel=1e-9)
+
+
 @pytest.mark.parametrize("text,hw,coords", [
     (GPU_PIPELINED, H100, None), (TPU_PIPELINED, V5E, SQUARE), (TPU_WIDE, V5E, None),
     (GPU_SEND_RECV, H100, None),
     (TPU_ASYNC_SLICE, V5E, None), (_all_gather("mesh['x'=2,'y'=4] {'y'}"), H100, None),
     (_permutes("{{0,2}}", "{{1,2}}"), V5E, LINE),
     (_ring_kernel("fusedpar.ag_rows.pallas_tpu.bidirectional"), V5E, None),
-    (_collective_beside(kernel=True), V5E, None), (_collective_beside(kernel=False), V5E, None)])
+    (_collective_beside(kernel=True), V5E, None), (_collective_beside(kernel=False), V5E, None),
+    (_merged(2), V5E, None)])
 def test_the_bounds_hold(text, hw, coords):
     p = _simulate.predict(text, hw, coords)
     assert p.compute >= p.min_compute_s * (1 - 1e-9)
