@@ -223,6 +223,19 @@ ENTRY %main (x: f32[8]) -> (s32[], f32[8]) {{
 """
 
 
+@pytest.mark.parametrize("text", (GPU_PIPELINED, TPU_PIPELINED), ids=("gpu", "tpu"))
+def test_the_overlap_report_counts_each_trip(text):
+    """`aot.overlap` counts a loop body's transfers and bytes as often as it runs (3
+    trips, read from the condition), as `predict` does: one block before the loop and
+    one an iteration."""
+    from fusedpar import aot
+
+    report = aot.overlap(text)
+    (ring,) = report.ops
+    assert (report.total, ring.transfers, ring.bytes) == (4, 4, 4 * 2048 * 2048 * 2)
+    assert [t.runs for t in report.transfers if t.computation != "main"] == [3]
+
+
 @pytest.mark.parametrize("start,limit,step,direction,mirrored,trips", [
     (0, 4, 1, "LT", False, 4),
     (0, 4, 2, "LT", False, 2),  # a loop XLA widened: two iterations per trip

@@ -202,6 +202,7 @@ class Transfer:
     laid_out: int = 0
     arrays: tuple = ()
     hideable: bool = True
+    runs: int = 1  # times its computation runs in one step (a loop body: its trip count)
 
     @property
     def hidden(self) -> bool:
@@ -257,16 +258,17 @@ class Report:
 
     @property
     def total(self) -> int:
-        return len(self.transfers)
+        """Transfers a step makes (each as often as its loop runs it)."""
+        return sum(t.runs for t in self.transfers)
 
     @property
     def hidden(self) -> int:
-        return sum(t.hidden for t in self.transfers)
+        return sum(t.runs for t in self.transfers if t.hidden)
 
     @property
     def hideable(self) -> int:
         """Transfers that some schedule could hide (`Transfer.hideable`)."""
-        return sum(t.hideable for t in self.transfers)
+        return sum(t.runs for t in self.transfers if t.hideable)
 
     def op(self, prim: str, backend: str, pass_: str = "forward") -> Optional[OpSummary]:
         for s in self.ops:
@@ -310,11 +312,13 @@ def overlap(program) -> Report:
     runs one, a cuBLAS or Pallas kernel) is scheduled between its start and its done; a
     synchronous collective hides nothing. A matmul is exposed when no transfer is in
     flight while it runs. Transfers and matmuls are attributed to the fusedpar op whose
-    name scope they were traced in ("other" for the rest of the program).
+    name scope they were traced in ("other" for the rest of the program). Those of a
+    loop body count as often as the loop runs it (`Transfer.runs`).
     """
     module = _hlo.parse(_text(program))
     multiplying = _hlo.matmul_computations(module)
     fused = _fused_kernel_names()
+    runs = _runs(module)
     transfers, matmuls, kernels, ring_kernels = [], [], [], 0
     for comp in _hlo.scheduled_computations(module):
         instructions = module.computations[comp]
@@ -347,19 +351,48 @@ def overlap(program) -> Report:
                     key = (prim if key[0] == "other" else key[0], backend, "fused kernel")
                     kernels.append(key)
                     ring_kernels += name in fused
-                matmuls.append((key, not open_))
+                matmuls.append((key, not open_, runs.get(comp, 1)))
         for start, kind, seen in open_.values():  # done in another computation
             transfers.append(_transfer(module, start, kind, by_name, comp, tuple(seen),
                                        hideable(start.name, start.name)))
+    transfers = [dataclasses.replace(t, runs=runs.get(t.computation, 1)) for t in transfers]
     keys = list(dict.fromkeys([t.op for t in transfers] + [m[0] for m in matmuls]))
     ops = []
     for key in keys:
         mine = [t for t in transfers if t.op == key]
-        mm = [exposed for k, exposed in matmuls if k == key]
-        ops.append(OpSummary(key, len(mine), sum(t.hidden for t in mine),
-                             sum(t.bytes for t in mine), len(mm), sum(mm),
-                             kernels.count(key), sum(t.hideable for t in mine)))
+        mm = [(exposed, n) for k, exposed, n in matmuls if k == key]
+        ops.append(OpSummary(key, sum(t.runs for t in mine),
+                             sum(t.runs for t in mine if t.hidden),
+                             sum(t.bytes * t.runs for t in mine), sum(n for _, n in mm),
+                             sum(n for exposed, n in mm if exposed),
+                             kernels.count(key), sum(t.runs for t in mine if t.hideable)))
     return Report(tuple(transfers), tuple(ops), ring_kernels)
+
+
+def _runs(module) -> dict:
+    """`{computation: times it runs in one call of the entry}`: a loop's body its trip
+    count times (once where the replay cannot read the count: `predict` lists it), and
+    whatever a computation calls as often as it runs."""
+    runs, stack = {module.entry: 1}, [module.entry]
+    while stack:
+        comp = stack.pop()
+        instructions = module.computations.get(comp, ())
+        by_name = {i.name: i for i in instructions}
+        for i in instructions:
+            if i.opcode == "while":
+                condition, body = _hlo.loop_parts(i)
+                trips = _hlo.trip_count(module, i, by_name) or 1
+                called = [(body, trips), (condition, trips + 1)]
+            elif i.opcode in ("call", "conditional") or (
+                    i.opcode == "async-start" and i.calls):
+                called = [(c, 1) for c in i.calls]
+            else:
+                continue
+            for c, k in called:
+                if c and c not in runs:
+                    runs[c] = runs[comp] * k
+                    stack.append(c)
+    return runs
 
 
 def _fused_kernel_names() -> dict:
@@ -406,12 +439,24 @@ def _transfer(module, i, kind, by_name, computation, matmuls, hideable=True) -> 
     nbytes = sum(_hlo.shape_bytes(s) for s in shapes)
     laid_out = sum(_hlo.laid_out_bytes(s) for s in shapes)
     arrays = tuple(a for s in shapes for a in _hlo.array_shapes(s))
-    # A collective the compiler wrapped without a name (a TPU reduce-scatter fusion)
-    # belongs to the op whose result it sends.
-    name = _hlo.op_name(module, i) or next(
-        (_hlo.op_name(module, o) for o in operands if o is not None), "")
+    # A collective the compiler wrapped or merged without a name (a TPU reduce-scatter
+    # fusion; the all-reduce XLA makes of a step's gradient all-reduces, fed by a
+    # concatenate without one either) belongs to the op whose result it sends.
+    name = _hlo.op_name(module, i) or _producer_op_name(module, operands, by_name)
     return Transfer(i.name, kind, _op_of(name), nbytes, computation,
                     matmuls, laid_out, arrays, hideable or bool(matmuls))
+
+
+def _producer_op_name(module, operands, by_name, depth: int = 4) -> str:
+    """The op_name of the nearest producer of `operands` that has one, searching `depth`
+    levels up the computation's dataflow; "" if none does."""
+    frontier = [o for o in operands if o is not None]
+    for _ in range(depth):
+        name = next((n for n in (_hlo.op_name(module, o) for o in frontier) if n), "")
+        if name:
+            return name
+        frontier = [by_name[n] for o in frontier for n in o.operands if n in by_name]
+    return ""
 
 
 def _first_array(shape: str) -> str:
