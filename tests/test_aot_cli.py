@@ -99,6 +99,8 @@ def junk(mesh, backend):
 def concrete(mesh, backend):
     import jax
     return jax.device_put(1.0, mesh.devices.flat[0])
+
+not_fn = 3
 '''
 
 
@@ -109,6 +111,7 @@ def concrete(mesh, backend):
     ("junk", "returned int '42'"),
     ("concrete", "made arrays on the target's compile-only devices"),
     ("missing", "has no function 'missing'"),
+    ("not_fn", "has 'not_fn', which is not callable (a int)"),
 ])
 def test_a_program_of_your_own_that_breaks_the_contract_exits_2(tmp_path, name, message,
                                                                  capsys):
@@ -121,3 +124,30 @@ def test_a_program_of_your_own_that_breaks_the_contract_exits_2(tmp_path, name, 
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "(mesh, backend) -> (jitted, args)" in err, err
+
+
+@pytest.mark.aot
+@needs_aot
+@pytest.mark.parametrize("spec, message", [
+    ("nosuchmodule_xyz:step", "cannot import 'nosuchmodule_xyz': ModuleNotFoundError"),
+    ("{dir}:step", "is not a .py file"),
+    (":step", "names no file or module"),
+    ("{syntax}:step", "cannot import '{syntax}': SyntaxError"),
+    ("{other_axis}:step", "uses a mesh axis that the mesh {{'fsdp': 2, 'tp': 4}} lacks"),
+])
+def test_a_program_that_cannot_be_imported_or_meshed_exits_2(tmp_path, spec, message,
+                                                             capsys):
+    """A file or module that is not there or not Python, or a program whose specs name an
+    axis the mesh lacks: a bad argument that says so, not a traceback."""
+    (tmp_path / "bad.py").write_text("def step(mesh, backend:\n")
+    (tmp_path / "axis.py").write_text(
+        "import jax\nfrom jax.sharding import NamedSharding, PartitionSpec as P\n"
+        "def step(mesh, backend):\n"
+        "    return jax.jit(lambda x: x), (jax.ShapeDtypeStruct((8,), 'float32', "
+        "sharding=NamedSharding(mesh, P('data'))),)\n")
+    names = dict(dir=tmp_path, syntax=tmp_path / "bad.py", other_axis=tmp_path / "axis.py")
+    args = _aot_cli._parse(["--target", "h100x8", "--program", spec.format(**names)])
+    with pytest.raises(SystemExit) as e:
+        list(_aot_cli._programs(args))
+    assert e.value.code == 2
+    assert message.format(**names) in capsys.readouterr().err

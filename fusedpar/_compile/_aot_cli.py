@@ -173,18 +173,28 @@ _CONTRACT = ("a function (mesh, backend) -> (jitted, args): the args "
 
 def _user_program(spec):
     where, name = spec.rsplit(":", 1)
-    if where.endswith(".py"):
-        loader = importlib.util.spec_from_file_location("aot_user_program", where)
-        if loader is None or not os.path.exists(where):
-            _parser().error(f"--program: no file {where!r}")
-        module = importlib.util.module_from_spec(loader)
-        loader.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
+    how = "give FILE.py:FUNCTION or MODULE:FUNCTION (an importable module)"
+    if not where or not name:
+        missing = "file or module" if not where else "function"
+        _parser().error(f"--program: {spec!r} names no {missing}; {how}.")
+    try:
+        if where.endswith(".py"):
+            loader = importlib.util.spec_from_file_location("aot_user_program", where)
+            if loader is None or not os.path.isfile(where):
+                _parser().error(f"--program: no file {where!r}")
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        elif os.path.exists(where):
+            _parser().error(f"--program: {where!r} is not a .py file; {how}.")
+        else:
+            module = importlib.import_module(where)
+    except (ImportError, SyntaxError) as e:
+        _parser().error(f"--program: cannot import {where!r}: {type(e).__name__}: {e}; {how}.")
     fn = getattr(module, name, None)
     if not callable(fn):
-        _parser().error(f"--program: {where} has no function {name!r}; it must be "
-                        f"{_CONTRACT}.")
+        what = (f"has no function {name!r}" if fn is None else
+                f"has {name!r}, which is not callable (a {type(fn).__name__})")
+        _parser().error(f"--program: {where} {what}; it must be {_CONTRACT}.")
     try:
         inspect.signature(fn).bind(None, None)
     except TypeError as e:
@@ -200,6 +210,7 @@ def _built(spec, fn, mesh, backend):
     try:
         built = fn(mesh, backend)
     except Exception as e:
+        _missing_axis(spec, mesh, e)
         if "compile-only" not in str(e):
             raise
         _parser().error(f"--program: {spec} made arrays on the target's compile-only "
@@ -209,6 +220,37 @@ def _built(spec, fn, mesh, backend):
         _parser().error(f"--program: {spec} returned {type(built).__name__} "
                         f"{str(built)[:80]!r}; it must be {_CONTRACT}.")
     return built
+
+
+_PARTITIONS = re.compile(r"\b(?:num_partitions|replica_count)=(\d+)")
+
+
+def _missing_axis(label, mesh, error):
+    """A bad-argument exit if `error` is JAX's for a PartitionSpec naming an axis the mesh
+    lacks (the program's names against --axes)."""
+    if isinstance(error, ValueError) and "not found in mesh" in str(error):
+        _parser().error(f"--axes/--mesh: {label} uses a mesh axis that the mesh "
+                        f"{dict(mesh.shape)} lacks ({error}); give --mesh and --axes as "
+                        "the program names them.")
+
+
+def _compiled(args, label, mesh, fn, arguments, options):
+    """`fn` compiled for --target, or a bad-argument exit where a program of your own
+    does not fit the mesh: an axis the mesh lacks, or arguments that leave it on one
+    device (arrays or shapes without a sharding: the program then compiles for one
+    device and its report would not be the mesh's)."""
+    try:
+        compiled = fn.lower(*arguments).compile(compiler_options=options or None)
+    except ValueError as e:
+        _missing_axis(label, mesh, e)
+        raise
+    header = compiled.as_text()[:2000]
+    if mesh.size > 1 and not any(int(n) > 1 for n in _PARTITIONS.findall(header)):
+        _parser().error(f"--program: {label} compiled for one device, not the mesh's "
+                        f"{mesh.size}: its arguments must be jax.ShapeDtypeStructs with a "
+                        "NamedSharding on the mesh it is given (or the jitted function "
+                        "in_shardings on it), not arrays or unsharded shapes.")
+    return compiled
 
 
 def _mesh(args):
@@ -221,7 +263,7 @@ def _mesh(args):
     if args.mesh:
         shape = tuple(int(v) for v in args.mesh.lower().split("x"))
     elif len(axes) == 2:
-        shape = (2, n // 2)
+        shape = (2, n // 2) if n % 2 == 0 else (1, n)
     else:
         shape = (n,)
     try:
@@ -294,7 +336,7 @@ def main(argv=None):
         # Under the mesh, as the program runs: layers on global arrays need it set (a
         # program of your own is lowered so too, docs/aot.md).
         with jax.set_mesh(mesh):
-            compiled = fn.lower(*arguments).compile(compiler_options=options or None)
+            compiled = _compiled(args, label, mesh, fn, arguments, options)
         seconds = time.perf_counter() - start
         report = aot.overlap(compiled)
         predicted = aot.predict(compiled, mesh)
