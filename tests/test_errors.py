@@ -925,6 +925,8 @@ DEMO_BENCH = [
         cli(_demo_on_cpu, ["--backends", "pallas_tpu", "--mesh", "2x4"]), SystemExit,
         ("--backends pallas_tpu runs the TPU kernels in TPU interpret mode", "--mesh 2x4",
          "deadlock", "Use --mesh 1x4")),
+    Row("aot", "a 3-D slice of a 2-D TPU", lambda: __import__("fusedpar.aot").aot.devices(
+        "v5e:2x4x2"), ValueError, ("target 'v5e:2x4x2': a v5e slice is 2-D (like 'v5e:2x4')",)),
     Row("aot", "unknown target", lambda: __import__("fusedpar.aot").aot.devices("v9x:2x2"),
         ValueError, ("unknown target 'v9x:2x2'; valid: h100x8, v4:2x2x2, v5e:2x4",)),
     Row("aot", "unknown --target", cli(_aot_parse, ["--target", "tpu9"]), SystemExit,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -342,11 +343,7 @@ def main(argv=None):
         predicted = aot.predict(compiled, mesh)
         print(report.markdown(f"{args.target}: {label}, backend={args.backend} "
                               f"(compiled in {seconds:.1f} s)"))
-        print(f"Predicted per device: {predicted.seconds * 1e6:,.0f} us (lower bound "
-              f"{predicted.lower_bound * 1e6:,.0f} us: compute "
-              f"{predicted.compute * 1e6:,.0f} us, communication over all links "
-              f"{predicted.min_comm_s * 1e6:,.0f} us; waiting on transfers "
-              f"{predicted.exposed * 1e6:,.0f} us).")
+        print(dataclasses.replace(predicted, unread=()))
         for what in predicted.unread:
             print(f"Not read by the replay: {what}")
         if args.breakdown:

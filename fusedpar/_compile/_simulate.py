@@ -141,6 +141,14 @@ class Prediction:
     def lower_bound(self) -> float:
         return max(self.compute, self.min_comm_s)
 
+    def __str__(self) -> str:
+        """The line a person reads (`print(prediction)`); `repr` has every field."""
+        unread = f" Not read: {'; '.join(self.unread)}." if self.unread else ""
+        return (f"Predicted per device: {self.seconds * 1e6:,.0f} us (lower bound "
+                f"{self.lower_bound * 1e6:,.0f} us: compute {self.compute * 1e6:,.0f} us, "
+                f"communication over all links {self.min_comm_s * 1e6:,.0f} us; waiting "
+                f"on transfers {self.exposed * 1e6:,.0f} us).{unread}")
+
 
 class _Replay:
     def __init__(self, module, hw, coords=None, wraps=None):
