@@ -50,9 +50,10 @@ def sent(target, comm):
     return out
 
 
+# One case per target and per dtype (float8's TPU compile, ~25 s more on 2 cores, is the
+# int8 one's with another narrow dtype).
 @pytest.mark.parametrize("target,comm", [
-    ("h100x8", "int8"), ("h100x8", "float8_e4m3fn"), ("v5e:2x4", "int8"),
-    pytest.param("v5e:2x4", "float8_e4m3fn", marks=pytest.mark.slow)])  # ~25 s more
+    ("h100x8", "int8"), ("h100x8", "float8_e4m3fn"), ("v5e:2x4", "int8")])
 def test_quantized_ring_transfers_carry_narrow_bytes(target, comm):
     base, got = sent(target, "bfloat16"), sent(target, comm)
     for prim in PRIMS:
