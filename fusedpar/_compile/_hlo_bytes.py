@@ -52,7 +52,7 @@ def read_bytes(module: Module, i: Instruction, by_name: dict) -> int:
     fraction = 1.0
     for c in i.calls if i.opcode == "fusion" else ():
         windows.update(_sliced_parameters(module, c))
-        windows.update(dict.fromkeys(_updated_in_place(module, c), 0))
+        windows.update((n, 0) for n, _ in _updated_in_place(module, c).values())
         fraction = _window_fraction(module, c)
     return sum(windows.get(n, round(o.bytes * fraction))
                for n, o in enumerate(operands) if o is not None)
@@ -125,26 +125,26 @@ def _sliced_parameters(module: Module, computation: str, depth: int = 0) -> dict
 
 
 def _updated_in_place(module: Module, computation: str) -> dict:
-    """`{parameter number: the update's bytes}` for the parameters of a fused
-    computation that are only the buffer of a dynamic-update-slice its root tuple
-    returns: XLA updates that buffer in place (a loop's stacked residuals, one layer's
-    slice an iteration), so the fusion neither reads it nor writes more than the update."""
+    """`{root tuple element: (its buffer's parameter number, the update's bytes)}` for the
+    elements of a fused computation's root tuple that are a dynamic-update-slice of a
+    parameter used nowhere else: XLA updates that buffer in place (a loop's stacked
+    residuals, one layer's slice an iteration), so the fusion neither reads it nor writes
+    more than the update."""
     inner = module.computations.get(computation, ())
     root = module.roots.get(computation)
     if root is None or root.opcode != "tuple":
         return {}
     by_name = {j.name: j for j in inner}
     found = {}
-    for j in inner:
-        number = _PARAMETER.search(j.line) if j.opcode == "parameter" else None
-        users = [u for u in inner if j.name in u.operands]
-        if not number or len(users) != 1:
-            continue
-        u = users[0]
+    for u in inner:
+        buffer = by_name.get(u.operands[0]) if u.operands else None
         update = by_name.get(u.operands[1]) if len(u.operands) > 1 else None
-        if (u.opcode == "dynamic-update-slice" and u.operands[0] == j.name
-                and u.name in root.operands and update is not None):
-            found[int(number.group(1))] = update.bytes
+        if (u.opcode != "dynamic-update-slice" or u.name not in root.operands
+                or update is None or buffer is None or buffer.opcode != "parameter"):
+            continue
+        number = _PARAMETER.search(buffer.line)
+        if number and sum(buffer.name in j.operands for j in inner) == 1:
+            found[u.name] = (int(number.group(1)), update.bytes)
     return found
 
 
@@ -172,15 +172,10 @@ def written_bytes(module: Module, i: Instruction) -> int:
         if root is None or root.opcode != "tuple":
             continue
         inner = {j.name: j for j in module.computations.get(c, ())}
-        # An element updating a parameter's buffer in place writes the update only.
-        in_place = {o.name: inner[o.operands[1]].bytes for o in inner.values()
-                    if o.opcode == "dynamic-update-slice" and len(o.operands) > 1
-                    and o.operands[1] in inner and o.name in root.operands
-                    and inner.get(o.operands[0]) is not None
-                    and inner[o.operands[0]].opcode == "parameter"}
-        return sum(in_place.get(o, inner[o].bytes) for o in root.operands
-                   if o in inner and inner[o].opcode != "parameter"
-                   and not is_collective(inner[o]))
+        in_place = _updated_in_place(module, c)  # these write their update only
+        return sum(in_place[o][1] if o in in_place else inner[o].bytes
+                   for o in root.operands if o in inner
+                   and inner[o].opcode != "parameter" and not is_collective(inner[o]))
     return i.bytes
 
 
