@@ -161,3 +161,32 @@ def test_shard_map_specs_under_a_mesh(kind):
     m = mesh((2, 4), ("fsdp", "tp"), kind)
     with jax.set_mesh(m):
         assert fusedpar.shard_map_specs(fusedpar.shard(model, m), x, call=_mlp) == want
+
+
+@pytest.mark.parametrize("backend", ["reference", "ring"])
+def test_a_batch_an_explicit_axis_shards_inside_a_shard_map_over_tp_only(backend):
+    """Explicit axes, a shard_map manual over "tp" alone, x's batch sharded over "data":
+    each op runs per block of "data" (their 2-D form would merge a sharded batch into
+    rows) and gives the lax expression's values (JAX 0.10 differentiates neither there);
+    with check_vma=True (where JAX cannot nest that shard_map) an error says what to
+    change."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    m = mesh((2, 4), ("data", "tp"), AxisType.Explicit)
+    x = jax.random.normal(jax.random.key(2), (4, 8, 16))
+    w = jax.random.normal(jax.random.key(3), (16, 32))
+
+    def fused(x, w):  # every device gathers the same y: the reduce-scatter sums 4 copies
+        y = fusedpar.all_gather_matmul(x, w, "tp", dim=1, backend=backend)
+        return fusedpar.matmul_reduce_scatter(y, w.T, "tp", dim=1, backend=backend)
+
+    def run(check_vma):
+        return jax.jit(jax.shard_map(fused, in_specs=(P(None, "tp"), P()),
+                                     out_specs=P(None, "tp"), axis_names={"tp"},
+                                     check_vma=check_vma))
+
+    with jax.set_mesh(m):
+        xs = jax.device_put(x, NamedSharding(m, P("data")))
+        assert_close(run(False)(xs, w), 4 * (x @ w) @ w.T, jnp.float32)
+        with pytest.raises(ValueError, match="make the shard_map manual over"):
+            run(True)(xs, w)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import AxisType, PartitionSpec as P
 
 from . import _autodiff, _definition, _dispatch, _interpret, _quantize, _schedule, _validate, _vma
 from .._hw import _target, _xla_flags
@@ -139,9 +140,31 @@ def _pairs(options) -> tuple:
     return tuple(sorted((options or {}).items()))
 
 
-def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, keep_gathered,
-         preferred_element_type, reduce_dtype, precision, options, comm_dtype,
-         grad_comm_dtype, w_transposed=False, w_resident=False, gathered=None):
+class _PerBlock(Exception):
+    """`_run_here` cannot run on operands that these Explicit mesh axes shard."""
+
+    def __init__(self, axes, out_dtype):
+        super().__init__(axes)
+        self.axes, self.out_dtype = axes, out_dtype
+
+
+def _run(op, x, w, axis_name, gather, dim, **kwargs):
+    """`_run_here`, or, where Explicit mesh axes shard the operands in a way the ops' 2-D
+    form cannot carry, `_run_here` on each device's block of those axes (`_manual_over`)."""
+    try:
+        return _run_here(op, x, w, axis_name, gather, dim, **kwargs)
+    except _PerBlock as e:
+        gathered = kwargs.get("gathered")
+        return _manual_over(
+            e.axes, _expression(op, x, w, axis_name, gather, dim, e.out_dtype, gathered),
+            lambda x, w, g: _run_here(op, x, w, axis_name, gather, dim,
+                                      **dict(kwargs, gathered=g)), x, w, gathered)
+
+
+def _run_here(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll,
+              keep_gathered, preferred_element_type, reduce_dtype, precision, options,
+              comm_dtype, grad_comm_dtype, w_transposed=False, w_resident=False,
+              gathered=None):
     """Validate the call (once: `_validate.op_call`), choose its backend, run it.
 
     `gathered` (`all_gather_matmul_keeping`, `all_gather_matmul_given`): `KEEP` returns
@@ -179,7 +202,22 @@ def _run(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unroll, ke
         auto=backend == AUTO, automatic_axes=automatic, rearranged=choice.rearranged,
         shape_requested=bidirectional is not None, w_transposed=w_transposed,
         w_resident=w_resident)
-    c = prims.canonicalize(op, gather, dim, x, w, n)
+    try:
+        c = prims.canonicalize(op, gather, dim, x, w, n)
+    except Exception as e:  # noqa: BLE001 - JAX's ShardingTypeError is not public
+        explicit = _explicit_axes(x, w, gathered)
+        if type(e).__name__ != "ShardingTypeError" or not explicit:
+            raise
+        # The 2-D form merges a batch that an Explicit axis shards into rows, which
+        # sharding in types refuses: run the op per block of those axes instead (`_run`).
+        if _vma.checked(axis_name):
+            raise ValueError(
+                f"{op}: x or w is sharded over the Explicit mesh axes {explicit} inside a "
+                f"shard_map manual over {axis_name!r} but not over them, with "
+                f"check_vma=True (local x{tuple(x.shape)}): make the shard_map manual over "
+                f"{explicit} too (axis_names), or pass it check_vma=False, or use Auto "
+                "axes.") from e
+        raise _PerBlock(explicit, out_dtype) from e
     try:
         if gathered is None:
             return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
@@ -207,27 +245,82 @@ _FORWARD_MODE = ("forward-mode autodiff", "unhashable type: 'Unhashable'")
 KEEP = object()  # `_run(gathered=KEEP)`: return the gathered operand too
 
 
+def _expression(op, x, w, axis_name, gather, dim, out_dtype, gathered):
+    """The lax expression's result (`jax.ShapeDtypeStruct`s: shape, dtype, sharding,
+    varying axes): the op's, and with `gathered=KEEP` the gathered operand's too."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    dense_w = jax.ShapeDtypeStruct(w.shape, x.dtype, vma=_vma.varying_axes(w)) \
+        if isinstance(w, _quantize.Quantized) else w
+    if gathered is not None and gathered is not KEEP:  # gathered by an earlier call
+        return jax.eval_shape(lambda g, w: _definition.matmul(g, w, out_dtype=out_dtype),
+                              gathered, dense_w)
+    if op == MATMUL_REDUCE_SCATTER:
+        return jax.eval_shape(lambda x, w: _definition.matmul_reduce_scatter(
+            x, w, axis_name, dim=dim, out_dtype=out_dtype), x, dense_w)
+    y = jax.eval_shape(lambda x, w: _definition.all_gather_matmul(
+        x, w, axis_name, gather=gather, dim=dim, out_dtype=out_dtype), x, dense_w)
+    if gathered is KEEP:
+        return y, jax.eval_shape(
+            lambda x: lax.all_gather(x, axis_name, axis=dim, tiled=True), x)
+    return y
+
+
 def _empty(op, x, w, axis_name, gather, dim, out_dtype, gathered):
     """The result of a call with an empty operand (a sequence or batch of length 0, say):
     zeros of the lax expression's shape and type, nothing sent. XLA refuses a collective
     over a dimension of size 0, and there is nothing to send or sum. Their gradients are
     zeros too, as the expression's are."""
-    out_dtype = x.dtype if out_dtype is None else out_dtype
+    return jax.tree.map(
+        lambda s: _vma.as_varying(jnp.zeros(s.shape, s.dtype), _vma.varying_axes(s)),
+        _expression(op, x, w, axis_name, gather, dim, out_dtype, gathered))
 
-    def zeros(s):
-        return _vma.as_varying(jnp.zeros(s.shape, s.dtype), _vma.varying_axes(s))
 
-    dense_w = jax.ShapeDtypeStruct(w.shape, x.dtype, vma=_vma.varying_axes(w)) \
-        if isinstance(w, _quantize.Quantized) else w
-    if op == MATMUL_REDUCE_SCATTER:
-        return zeros(jax.eval_shape(lambda x, w: _definition.matmul_reduce_scatter(
-            x, w, axis_name, dim=dim, out_dtype=out_dtype), x, dense_w))
-    y = zeros(jax.eval_shape(lambda x, w: _definition.all_gather_matmul(
-        x, w, axis_name, gather=gather, dim=dim, out_dtype=out_dtype), x, dense_w))
-    if gathered is KEEP:
-        return y, zeros(jax.eval_shape(
-            lambda x: lax.all_gather(x, axis_name, axis=dim, tiled=True), x))
-    return y
+def _explicit_axes(x, w, gathered) -> tuple:
+    """The context mesh's Explicit axes (not manual) that shard `x`, `w` or `gathered`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    explicit = {name for name, t in zip(mesh.axis_names, mesh.axis_types)
+                if t == AxisType.Explicit}
+    arrays = jax.tree.leaves((x, w, None if gathered is KEEP else gathered))
+    found = [a for array in arrays for entry in _spec(array) for a in _vma.axis_names(entry)
+             if a in explicit]
+    return tuple(dict.fromkeys(found))
+
+
+def _spec(array) -> tuple:
+    sharding = getattr(jax.typeof(array), "sharding", None)
+    return tuple(e for e in (getattr(sharding, "spec", None) or ()) if e is not None)
+
+
+def _along(spec, axes) -> P:
+    """`spec` with only the mesh axes in `axes`."""
+    def keep(entry):
+        kept = tuple(a for a in _vma.axis_names(entry) if a in axes) if entry else ()
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+    return P(*(keep(e) for e in spec))
+
+
+def _manual_over(axes, expression, run, x, w, gathered):
+    """`run(x, w, gathered)` inside a shard_map manual over `axes` as well: the Explicit
+    mesh axes that shard the operands (a batch sharded over "data" in a shard_map manual
+    over "tp" only), whose sharding in types the ring's reshapes cannot carry (merging a
+    sharded batch into the rows it gathers). Each device runs the op on its block; the
+    layouts along `axes` are the operands' and, for the result, the lax expression's.
+    Only where the enclosing shard_map does not check varying axes (JAX 0.10 can neither
+    lower a nested shard_map over operands varying along its parent's axes, nor type a
+    custom VJP's gradients across an unchecked one)."""
+    given = gathered is not None and gathered is not KEEP
+
+    def spec(a):
+        return _along(jax.typeof(a).sharding.spec, axes)
+
+    args = (x, w) + ((gathered,) if given else ())
+    in_specs = (spec(x), jax.tree.map(spec, w)) + ((spec(gathered),) if given else ())
+    out_specs = jax.tree.map(lambda s: _along(s.sharding.spec, axes), expression)
+    f = (lambda x, w, g: run(x, w, g)) if given else (lambda x, w: run(x, w, gathered))
+    return jax.shard_map(f, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes),
+                         check_vma=False)(*args)
 
 
 def _keeping(prim, cfg, x, w):
