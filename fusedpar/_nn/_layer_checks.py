@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from .._sharding import _specs
+from .._sharding._spec_checks import length as length
 from .._core._quantized_array import QuantizedArray
 
 
@@ -21,11 +22,6 @@ def param_dtype(where, dtype) -> None:
         raise ValueError(f"{where}: dtype must be a floating dtype (float32, bfloat16, ...) "
                          f"for the parameters it initialises, got {jnp.dtype(dtype).name}; "
                          "for integer weights, quantize a model (fusedpar.quantize).")
-
-
-def length(features) -> int:
-    """The length of a features dimension (`"scalar"` is 1)."""
-    return 1 if features == "scalar" else features
 
 
 def check_quantized_weight(where, w) -> None:

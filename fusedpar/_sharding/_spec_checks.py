@@ -44,15 +44,18 @@ def check_scalar(where: str, rule: Rule, in_features, out_features) -> None:
                 "that shards the other dimension.")
 
 
+def length(features) -> int:
+    """The length of a linear layer's features dimension (`"scalar"` is 1)."""
+    return 1 if features == "scalar" else features
+
+
 def check_param_shapes(where: str, layer) -> None:
     """Raise unless `layer`'s weight (trailing two dims: a stacked weight has more) and
     bias have the shapes its features give: a weight replaced with `eqx.tree_at` or read
     from a checkpoint must keep them, or the error comes later, about local shards."""
-    def n(features):
-        return 1 if features == "scalar" else features
-
     if hasattr(layer, "in_features"):
-        want, names = (n(layer.out_features), n(layer.in_features)), "(out_features, in_features)"
+        want = (length(layer.out_features), length(layer.in_features))
+        names = "(out_features, in_features)"
     else:
         want, names = (layer.num_embeddings, layer.embedding_size), \
             "(num_embeddings, embedding_size)"
