@@ -124,7 +124,7 @@ def test_error_input_not_divisible():
     with jax.set_mesh(mesh((4,), ("tp",))):
         with pytest.raises(ValueError, match=r"ColumnLinear: x of shape \(6, 8\): input dim 0 "
                            r"has size 6, not divisible by 4, the product of mesh axes "
-                           r"\('tp',\) \(tp=4\); change the size or the mesh"):
+                           r"\('tp',\) \(tp=4\); a sequence that 'tp' does not divide"):
             layer(jnp.ones((6, 8)))
         with pytest.raises(ValueError, match=r"sequence_parallel=True needs an input "
                            r"\(\.\.\., seq, features\).*got x of shape \(8,\)"):

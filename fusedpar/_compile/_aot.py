@@ -46,8 +46,9 @@ def _check_target(target: str):
     m = _TPU.match(target)
     kind = m and _registry.aot_kind(m.group(1))
     if kind and kind.platform == "tpu":
-        sides, axes = m.group(2).split("x"), kind.hardware.torus_axes
-        if len(sides) > axes:  # libtpu lays a 3-D shape of a 2-D chip out as 2-D anyway
+        sides = m.group(2).split("x")
+        axes = kind.hardware.torus_axes if kind.hardware is not None else 0
+        if 0 < axes < len(sides):  # libtpu lays a 3-D shape of a 2-D chip out as 2-D anyway
             raise ValueError(f"target {target!r}: a {m.group(1)} slice is {axes}-D (like "
                              f"{kind.aot.example or kind.aot.name + ':2x4'!r}), got "
                              f"{len(sides)} sides.")
