@@ -283,14 +283,14 @@ def _explicit_axes(x, w, gathered) -> tuple:
     explicit = {name for name, t in zip(mesh.axis_names, mesh.axis_types)
                 if t == AxisType.Explicit}
     arrays = jax.tree.leaves((x, w, None if gathered is KEEP else gathered))
-    found = [a for array in arrays for entry in _spec(array) for a in _vma.axis_names(entry)
-             if a in explicit]
+    found = [a for array in arrays for entry in _spec(array) if entry is not None
+             for a in _vma.axis_names(entry) if a in explicit]
     return tuple(dict.fromkeys(found))
 
 
 def _spec(array) -> tuple:
-    sharding = getattr(jax.typeof(array), "sharding", None)
-    return tuple(e for e in (getattr(sharding, "spec", None) or ()) if e is not None)
+    """`array`'s PartitionSpec as its type carries it (sharding in types), or ()."""
+    return tuple(getattr(getattr(jax.typeof(array), "sharding", None), "spec", None) or ())
 
 
 def _along(spec, axes) -> P:
@@ -313,7 +313,7 @@ def _manual_over(axes, expression, run, x, w, gathered):
     given = gathered is not None and gathered is not KEEP
 
     def spec(a):
-        return _along(jax.typeof(a).sharding.spec, axes)
+        return _along(_spec(a), axes)
 
     args = (x, w) + ((gathered,) if given else ())
     in_specs = (spec(x), jax.tree.map(spec, w)) + ((spec(gathered),) if given else ())
