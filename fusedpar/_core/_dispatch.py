@@ -208,12 +208,11 @@ def _shaped(call: Call, backend: str) -> tuple[Call, str]:
 
 def _estimated(call: Call, hw, name: str) -> cost_model.Breakdown:
     """`name`'s estimate for `call`. The reference's collective hides behind `call.beside`
-    of other work, where XLA runs it beside that work (`Hardware.collective_beside_matmul`)."""
+    of other work, where XLA runs it beside that work (`Hardware.hidden_beside`)."""
     est = cost_model.estimate_call(call, hw, backends=(name,))[name]
-    beside = call.beside if hw.collective_beside_matmul else 0.0
-    if name == REFERENCE and beside > 0:
-        exposed = max(est.transfer_step - beside, 0.0)
-        est = dataclasses.replace(est, seconds=est.compute_step + exposed)
+    hidden = hw.hidden_beside(call.beside, est.transfer_step) if name == REFERENCE else 0.0
+    if hidden > 0:
+        est = dataclasses.replace(est, seconds=est.compute_step + est.transfer_step - hidden)
     return est
 
 
@@ -236,7 +235,7 @@ def auto_choice(call: Call) -> tuple[str, str]:
     # Each backend estimated, and checked, at the ring shape it would run (`_shaped`).
     shaped = {b.name: _shaped(call, b.name)[0] for b in _backends.candidates()}
     est = {name: _estimated(c, hw, name) for name, c in shaped.items()}
-    beside = call.beside if hw.collective_beside_matmul else 0.0
+    hidden = hw.hidden_beside(call.beside, est[REFERENCE].transfer_step)
     candidates, why_not = [], {}
     for backend in _backends.candidates():
         if backend.name == REFERENCE:
@@ -259,9 +258,13 @@ def auto_choice(call: Call) -> tuple[str, str]:
         summary += f"; {name} cannot run it: {why}"
     if best is None:
         return REFERENCE, f"no ring backend can run it; {summary}"
-    if beside > 0:
+    if hidden > 0:
         summary += (f"; the reference's collective can hide behind "
-                    f"{beside * 1e6:.3g} us of other matmuls")
+                    f"{call.beside * 1e6:.3g} us of other matmuls")
+    elif call.beside > 0 and hw.collective_beside_matmul:
+        summary += (f"; {call.beside * 1e6:.3g} us of other matmuls would hide part of "
+                    f"the reference's collective, which XLA on {hw.name} keeps "
+                    f"synchronous unless it is hidden whole")
     ref, fast = est[REFERENCE].seconds, est[best].seconds
     if fast < AUTO_MARGIN * ref:
         return best, (f"{best} is estimated {ref / fast:.2f}x faster than reference "

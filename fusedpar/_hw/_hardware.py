@@ -50,11 +50,18 @@ class Hardware:
     - `collective_beside_matmul`: whether XLA runs a reference collective of the
       backward (a plain reduce-scatter or all-gather) beside the backward's other,
       independent gradient matmul. On 8 H100s it does (1 of the 2 collectives of each
-      ag op's training step hidden); on v5p and v6e none did (XLA makes them
-      synchronous), so `auto` must not count on it there: v5p ag_cols 972 -> 609 us
-      predicted once it did not. v5e keeps it: there the async collective fusion flags
-      (`set_overlap_flags`) run a block's weight-gradient reduce-scatter beside its
-      matmuls, and the v5e block was 0.7% slower without it.
+      ag op's training step hidden); on v5p none did (XLA makes them synchronous), so
+      `auto` must not count on it there: v5p ag_cols 972 -> 609 us predicted once it
+      did not. v6e does, its collectives offloaded to the SparseCores. v5e keeps it:
+      there the async collective fusion flags (`set_overlap_flags`) run a block's
+      weight-gradient reduce-scatter beside its matmuls, and the v5e block was 0.7%
+      slower without it.
+    - `beside_hides_part`: whether a collective that the other matmul covers only in
+      part still hides that part. False on v5e: there the op programs' backward
+      reduce-scatter, which a 218 us matmul could half hide, stayed synchronous (the
+      replay waited its whole 596 us), while the block's, which other work covers
+      whole, ran beside it; counting only whole cover took ag_cols and ag_contract
+      1,405 -> 1,262 us and left the block at 12,422.
     - `torus_period`: on a TPU, the chips along each axis of a slice that is a whole
       torus (wrap-around links joining each axis' ends) when its extents are multiples
       of it; 0 where the links form no torus (a GPU's NVSwitch). The ring order and the
@@ -78,6 +85,7 @@ class Hardware:
     torus_period: int = 0
     torus_axes: int = 0
     collective_beside_matmul: bool = True
+    beside_hides_part: bool = True
 
     def matmul_flops(self, dtype) -> float:
         name = np.dtype(dtype).name
@@ -93,6 +101,16 @@ class Hardware:
         step's matmul with nothing in flight, then `steps - 1` steps whose matmul and
         transfer overlap."""
         return self.launch_overhead + compute + (steps - 1) * self.overlapped(compute, transfer)
+
+    def hidden_beside(self, beside: float, transfer: float) -> float:
+        """Seconds of a reference collective's `transfer` that hide behind `beside`
+        seconds of other, independent matmul work (`collective_beside_matmul`,
+        `beside_hides_part`)."""
+        if not self.collective_beside_matmul or beside <= 0:
+            return 0.0
+        if not self.beside_hides_part and beside < transfer:
+            return 0.0
+        return min(beside, transfer)
 
     def send_bandwidth(self, directions: int) -> float:
         """Bytes/s per direction when sending to `directions` neighbours at once."""

@@ -206,7 +206,7 @@ for _name, _cc, _words in (
 
 
 def _tpu(name, peak_tflops, hbm_gbs, link_gbs, links, torus_period, torus_axes,
-         efficiency=0.8, collective_beside_matmul=False):
+         efficiency=0.8, collective_beside_matmul=False, beside_hides_part=True):
     """A TPU generation's numbers per JAX device (a v4/v5p chip's two TensorCores
     together in megacore mode). float32 matmuls run as bf16 passes at the default
     precision. The fused kernel's step is a DMA start and a semaphore wait
@@ -219,14 +219,16 @@ def _tpu(name, peak_tflops, hbm_gbs, link_gbs, links, torus_period, torus_axes,
     only where `set_overlap_flags`' async collective fusion lets a weight gradient's
     reduce-scatter run beside the backward's matmuls (v5e), and where they run on the
     SparseCores (v6e; docs/measurements.md). v5p's op programs still replay the reference
-    collective synchronous, offload or not."""
+    collective synchronous, offload or not. `beside_hides_part`: False where XLA hides
+    such a collective only behind work that covers it whole (v5e)."""
     return Hardware(name, {"bfloat16": peak_tflops * _T, "float32": peak_tflops * _T},
                     efficiency=efficiency, hbm_bandwidth=hbm_gbs * _G,
                     link_bandwidth=link_gbs * _G, egress_bandwidth=links * link_gbs * _G,
                     step_latency=5e-6, kernel_step_latency=1.5e-6, hop_latency=1e-6,
                     launch_overhead=2e-6, overlap=1.0, torus_period=torus_period,
                     torus_axes=torus_axes,
-                    collective_beside_matmul=collective_beside_matmul)
+                    collective_beside_matmul=collective_beside_matmul,
+                    beside_hides_part=beside_hides_part)
 
 
 # TPU entries. VMEM per TensorCore from JAX's TPU table (`pltpu.get_tpu_info_for_chip`);
@@ -246,7 +248,8 @@ register(Kind(
 register(Kind(
     "tpu_v5e", device_kinds=("TPU v5 lite", "TPU v5e"), aliases=("v5e",), generation="v5e",
     default=True, hardware=_tpu("TPU v5e", 197, 819, 50, 4, 16, 2,
-                                collective_beside_matmul=True), vmem_bytes=128 * MiB,
+                                collective_beside_matmul=True, beside_hides_part=False),
+    vmem_bytes=128 * MiB,
     default_scoped_vmem_bytes=16 * MiB, tiles=(512, 1024, 1024),
     aot=Aot("v5e", example="v5e:2x4"), **_TPU_KIND))
 # TPU v5p: 459 TFLOP/s bf16, 2765 GB/s HBM2e, ICI 1200 GB/s both ways per chip over 6
