@@ -55,6 +55,17 @@ def test_integer_ops_equal_the_lax_expression(dtype):
             np.testing.assert_array_equal(got[k], want[k], err_msg=f"{backend} {kw} {k}")
 
 
+def test_integer_sums_in_the_integer_reduce_dtype_given():
+    """`reduce_dtype=jnp.int32`, the integers' default, may be given: the same exact sums
+    (a floating one, which would round them, is refused: tests/test_errors.py)."""
+    m = mesh((4,), ("x",))
+    x, w = _operands(jnp.int32)
+    run = lambda **kw: jax.jit(jax.shard_map(  # noqa: E731
+        lambda a, b: fusedpar.matmul_reduce_scatter(a, b, "x", dim=1, backend="ring", **kw),
+        mesh=m, in_specs=(P("x"), P()), out_specs=P("x"), check_vma=False))(x, w)
+    np.testing.assert_array_equal(run(reduce_dtype=jnp.int32), run())
+
+
 @pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
 def test_kernels_refuse_integers_with_the_reason(backend):
     x, w = jax.ShapeDtypeStruct((64, 128), jnp.int32), jax.ShapeDtypeStruct((128, 128), jnp.int32)

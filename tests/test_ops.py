@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -182,6 +183,25 @@ def test_preferred_element_type_and_reduce_dtype(dtype):
         y = run(backend, reduce_dtype=dtype)
         assert y.dtype == dtype
         assert_close(y, exact, dtype, f"{backend} reduce_dtype={dtype}")
+
+
+def test_float64_result_and_numpy_dim_as_jax_reads_them():
+    """Without jax_enable_x64, `preferred_element_type=jnp.float64` is float32, as
+    jnp.matmul's (the ring's all-gather crashed writing float64 products into a float32
+    buffer), and `dim` may be a numpy integer, as lax's axis arguments may."""
+    m = mesh((4,), ("x",))
+    x, w = normal(0, (16, 8), jnp.float32), normal(1, (8, 4), jnp.float32)
+
+    def run(**kw):
+        f = lambda x, w: fusedpar.all_gather_matmul(x, w, "x", backend="ring", **kw)
+        return jax.jit(jax.shard_map(f, mesh=m, in_specs=(P("x"), P()), out_specs=P("x"),
+                                     check_vma=False))(x, w)
+
+    want = run()
+    got = run(preferred_element_type=jnp.float64)
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(run(dim=np.int64(0)), want)
 
 
 def test_explain_and_auto_choice():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,7 @@ def axis_size(op, axis_name) -> int:
         raise ValueError(f"{op}: axis_name={axis_name!r} names an axis twice; name each "
                          "mesh axis of the ring once.")
     try:
-        return lax.axis_size(axis_name)
+        size = lax.axis_size(axis_name)
     except NameError:
         mesh = jax.sharding.get_abstract_mesh()
         bound = tuple(getattr(mesh, "manual_axes", ()) or ())
@@ -51,12 +52,31 @@ def axis_size(op, axis_name) -> int:
             f"{op}: axis_name={axis_name!r} is not a bound mesh axis ({where}). Call {op} "
             "inside jax.shard_map over a mesh that has this axis, or use the fusedpar "
             "layers, which wrap themselves in shard_map.") from None
+    unmeshed = _unmeshed_axes(names)
+    if unmeshed:
+        # jax.vmap(axis_name=...) or pmap binds it: the rings type their carries by the
+        # mesh's varying axes and the backward re-reads the axis where vmap no longer
+        # binds it, so no backend runs there end to end.
+        raise ValueError(
+            f"{op}: axis {unmeshed[0]!r} is not an axis of the mesh in context (jax.vmap or "
+            "pmap binds it); the ops run over a jax.shard_map's mesh axes. Call it inside "
+            "jax.shard_map, or write lax.all_gather / lax.psum_scatter and the dot "
+            "yourself over a vmap axis.")
+    return size
+
+
+def _unmeshed_axes(names) -> tuple:
+    """The bound axis `names` that are not axes of the mesh in context: bound by
+    `jax.vmap(axis_name=...)` or `pmap`, not by shard_map."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(a for a in names if a not in (getattr(mesh, "axis_names", ()) or ()))
 
 
 def normalize_dim(op, dim, ndim, what, valid):
     """Normalise a possibly negative `dim` of a rank-`ndim` array; `valid` lists allowed."""
-    if not isinstance(dim, int) or isinstance(dim, bool):
+    if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)):
         raise TypeError(f"{op}: dim must be an int, got {dim!r}.")
+    dim = int(dim)
     d = dim + ndim if dim < 0 else dim
     if d not in valid:
         allowed = ", ".join(str(v) for v in valid) or "none"
@@ -86,6 +106,13 @@ def flag(op, name, value):
         raise TypeError(f"{op}: {name} must be True, False or None, got {value!r}.")
 
 
+def options(op, value):
+    """`options`: a dict of the chosen backend's settings, or None."""
+    if not (value is None or isinstance(value, Mapping)):
+        raise TypeError(f"{op}: options must be a dict of settings such as "
+                        f"{{'block_m': 256}}, or None; got {value!r}.")
+
+
 def float_dtype(op, name, dtype):
     """An optional dtype argument that must be floating (None: the default)."""
     if dtype is None:
@@ -97,13 +124,17 @@ def float_dtype(op, name, dtype):
     if not jnp.issubdtype(d, jnp.inexact):
         raise TypeError(f"{op}: {name} must be a floating dtype such as jnp.float32 or "
                         f"jnp.bfloat16, got {d}.")
-    return d
+    # What JAX computes in: float64 is float32 unless jax_enable_x64 is on (jnp.matmul's
+    # preferred_element_type does the same).
+    return np.dtype(jax.dtypes.canonicalize_dtype(d))
 
 
 def reduce_dtype(op, dtype, x_dtype):
     """`reduce_dtype` (`float_dtype`'s checks), refused where its exponent range is
     narrower than the operands' (`x_dtype`): float16 partial sums of bfloat16 or float32
     operands would overflow to inf where the operands' own products do not."""
+    if jnp.issubdtype(x_dtype, jnp.integer):
+        return _integer_sums(op, dtype, x_dtype)
     d = float_dtype(op, "reduce_dtype", dtype)
     if d is None or not jnp.issubdtype(x_dtype, jnp.floating):
         return d
@@ -114,6 +145,23 @@ def reduce_dtype(op, dtype, x_dtype):
             f"{float(jnp.finfo(x_dtype).max):.4g}): partial sums could overflow to inf. "
             f"Use jnp.float32, or a dtype of at least {jnp.dtype(x_dtype)}'s range "
             "(jnp.bfloat16 halves the traffic).")
+    return d
+
+
+def _integer_sums(op, dtype, x_dtype):
+    """`reduce_dtype` of integer operands: an integer dtype (None: int32, or the
+    operands' where wider), whose sums are exact where a float's would round."""
+    if dtype is None:
+        return None
+    try:
+        d = np.dtype(jax.dtypes.canonicalize_dtype(jnp.dtype(dtype)))
+    except TypeError:
+        raise TypeError(f"{op}: reduce_dtype must be a dtype, got {dtype!r}.") from None
+    if not jnp.issubdtype(d, jnp.integer):
+        raise TypeError(
+            f"{op}: reduce_dtype {d} would round the sums of {jnp.dtype(x_dtype)} operands; "
+            "integer operands sum in an integer dtype: leave reduce_dtype None (int32) or "
+            "pass jnp.int32.")
     return d
 
 
@@ -178,6 +226,10 @@ def op_call(op, x, w, n, gather, dim, bidirectional, comm_dtype=None, grad_comm_
     flag(where, "unroll", unroll)
     comm_dtype = _quantize.comm_dtype(where, "comm_dtype", comm_dtype)
     grad_comm_dtype = _quantize.comm_dtype(where, "grad_comm_dtype", grad_comm_dtype)
+    if type(w).__name__ == "QuantizedArray":  # `fusedpar.QuantizedArray`, not a payload
+        raise TypeError(
+            f"{where}: w is a fusedpar.QuantizedArray; the ops take its payload: pass "
+            "w.as_payload(), or use the layers, which unwrap their quantized weights.")
     if isinstance(w, _quantize.Quantized):
         w, comm_dtype = _prequantized(op, x, w, gather, comm_dtype)
     operands(op, x, w)
