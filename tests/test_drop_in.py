@@ -75,3 +75,37 @@ def test_a_plan_that_names_a_scalar_layer_is_an_error():
     with pytest.raises(ValueError, match=r"parallelize: value: out_features='scalar'.*"
                                          r"leave it out of the parallelize plan"):
         fusedpar.parallelize(_Critic(KEY), {"body": "column", "value": "column"})
+
+
+@pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
+def test_a_float32_bias_on_a_bfloat16_weight_gives_what_eqx_linear_gives(cls):
+    """`eqx.nn.Linear`'s `y + b` promotes: a float32 bias on a bfloat16 weight gives a
+    float32 output (the layers cast the bias to the product's bfloat16: 7e-3 apart)."""
+    lin = eqx.nn.Linear(8, 8, key=KEY)
+    lin = eqx.tree_at(lambda l: l.weight, lin, lin.weight.astype(jnp.bfloat16))
+    layer = eqx.tree_at(lambda l: (l.weight, l.bias), cls(8, 8, key=KEY),
+                        (lin.weight, lin.bias))
+    x = jax.random.normal(jax.random.key(1), (8,), jnp.bfloat16)
+    want = lin(x)
+    assert want.dtype == jnp.float32
+    got = layer(x)
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(got, want)
+
+
+def test_bfloat16_bias_gradients_of_a_2d_mesh_compile_on_cpu():
+    """A bfloat16 layer's bias gradient is summed over the devices in float32: a bfloat16
+    all-reduce in a shard_map that leaves mesh axes to XLA aborts XLA's CPU compiler (its
+    AllReducePromotion pass), which every bfloat16 sequence-parallel Row and FSDP layer
+    with a bias hit on a (2, 4) mesh. Values and gradients as the dense layer's."""
+    m = mesh((2, 4), ("fsdp", "tp"))
+    dense = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a,
+                         fusedpar.RowLinear(64, 64, key=KEY, sequence_parallel=True))
+    x = jax.random.normal(jax.random.key(1), (8, 32, 64), jnp.bfloat16)
+    loss = lambda l, x: jnp.sum(l(x).astype(jnp.float32) ** 2)  # noqa: E731
+    want = eqx.filter_grad(loss)(dense, x)
+    with jax.set_mesh(m):
+        got = eqx.filter_jit(eqx.filter_grad(loss))(fusedpar.shard(dense, m), x)
+    for g, w in ((got.bias, want.bias), (got.weight, want.weight)):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        np.testing.assert_allclose(g, w, atol=2e-2 * np.abs(w).max())

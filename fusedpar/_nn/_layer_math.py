@@ -44,13 +44,21 @@ def matmul_t(x, w, out_dtype=None):
 
 
 def add_bias(y, b):
-    """`y + b` (`b` of shape `(out,)` or None), typed to vary where `y` does."""
+    """`y + b` (`b` of shape `(out,)` or None), typed to vary where `y` does, in the
+    dtype `eqx.nn.Linear`'s `y + b` has (a float32 bias on a bfloat16 product: float32)."""
     if b is None:
         return y
+    out = y.dtype if b.dtype == y.dtype else jnp.result_type(y, b)
+    # Added in the accumulation dtype (float32 for 16-bit floats; the one rounding to
+    # `out` is the add's own), so that the bias gradient is summed over the devices in
+    # float32 too: more accurate, a few KB, and no bfloat16 all-reduce, which XLA's CPU
+    # compiler aborts on in a shard_map that leaves mesh axes to it (its
+    # AllReducePromotion pass, "Invalid binary instruction opcode copy").
+    acc = _definition.accumulation_dtype(out)
     # Type the bias as varying where `y` varies *before* broadcasting it: the transpose
     # of that implicit `pvary` is the bias gradient's psum, which then sums the
     # (out,) bias, not the broadcast (batch, seq, out) cotangent (on an FSDP x TP block
     # that was a 32 MB and an 8 MB all-reduce per step in place of two 8-32 KB ones).
-    b = _vma.as_varying(b.astype(y.dtype), _vma.varying_axes(y))
+    b = _vma.as_varying(b.astype(acc), _vma.varying_axes(y))
     # Broadcast explicitly: jax_numpy_rank_promotion="raise" refuses `y + b` on batches.
-    return y + jnp.broadcast_to(b, y.shape)
+    return (y.astype(acc) + jnp.broadcast_to(b, y.shape)).astype(out)
