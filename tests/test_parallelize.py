@@ -4,6 +4,7 @@ with the same weights; the parallel model trains like the dense one."""
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -69,10 +70,9 @@ def test_parallelize_rewrites_and_keeps_weights():
     # Composition does not depend on the plan's order.
     reordered = fusedpar.parallelize(net, dict(reversed(list(PLAN.items()))), backend="ring")
     assert jax.tree.structure(reordered) == jax.tree.structure(par)
-    # Layers that are already parallel are not eqx.nn.Linear leaves any more.
-    with pytest.raises(ValueError, match=r"\['head'\] matched no eqx\.nn\.Linear; the "
-                       r"model's linear layers are \[\]"):
-        fusedpar.parallelize(par, {"head": "row"})
+    # A parallel model is re-planned: the layer a pattern matches takes its styles.
+    again = fusedpar.parallelize(par, {"head": "row"})
+    assert isinstance(again.head, fusedpar.RowLinear) and again.head.weight is par.head.weight
 
 
 def test_parallelize_errors():
@@ -236,3 +236,31 @@ def test_stacked_layers_shard_each_layer():
     with pytest.raises(ValueError, match=r"ColumnLinear.weight: parameter dim 1 has size "
                                          r"30, not divisible by 4"):
         fusedpar.shard(odd, mesh((4,), ("tp",)))
+
+
+def test_a_parallel_model_is_re_planned():
+    """`parallelize` on a model of fusedpar layers re-plans it: decoding a few tokens
+    of one sequence needs neither the sequence parallelism nor the FSDP batch it trained
+    with. The layers a pattern matches take its styles, the others keep their own; the
+    values are the dense model's."""
+    k = jax.random.split(jax.random.key(0), 3)
+    dense = {"emb": eqx.nn.Embedding(32, 16, key=k[0]), "up": eqx.nn.Linear(16, 64, key=k[1]),
+             "down": eqx.nn.Linear(64, 16, key=k[2])}
+    train = fusedpar.parallelize(dense, {
+        "emb": fusedpar.Row(), "up": fusedpar.Column(sequence_parallel=True),
+        "down": fusedpar.Row(sequence_parallel=True), "*": "fsdp"})
+    decode = fusedpar.parallelize(train, {"up": "column", "down": "row", "emb": "row"})
+    assert decode["up"].rule.fsdp is None and not decode["down"].rule.sequence_parallel
+    kept = fusedpar.parallelize(train, {"up": "column"})
+    assert kept["down"] is train["down"] and kept["up"].rule.fsdp is None
+
+    def run(m, ids):
+        return m["down"](jax.nn.gelu(m["up"](m["emb"](ids))))
+
+    ids = jnp.array([[3, 5, 7]])  # one sequence, 3 tokens: tp (4) divides neither
+    want = jax.vmap(jax.vmap(lambda i: dense["down"](jax.nn.gelu(dense["up"](dense["emb"](
+        i))))))(ids)
+    m = mesh((2, 4), ("fsdp", "tp"))
+    with jax.set_mesh(m):
+        got = eqx.filter_jit(run)(fusedpar.shard(decode, m), ids)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

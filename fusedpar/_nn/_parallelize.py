@@ -48,7 +48,11 @@ def parallelize(model, plan: dict, *, backend: str = "auto"):
     - `backend`: the backend of the new linear layers.
 
     **Returns:** the model with the same weights. Each pattern must match at least one
-    `eqx.nn.Linear` or `eqx.nn.Embedding`. A linear layer with `"scalar"` features whose
+    `eqx.nn.Linear` or `eqx.nn.Embedding`, or a fusedpar layer: a model already
+    parallelized is re-planned (e.g. decoding one token at a time without the sequence
+    parallelism it trained with): a fusedpar layer that a pattern matches takes that
+    plan's styles in place of its own, one that none matches keeps its own (call
+    `fusedpar.shard` again to lay the weights out for the new plan). A linear layer with `"scalar"` features whose
     styles would shard that dimension (of length 1) stays an `eqx.nn.Linear` with a
     warning when only globs match it (`"*"`), and is an error when a pattern is its path.
     `fusedpar.describe(model)` shows what each
@@ -62,8 +66,8 @@ def parallelize(model, plan: dict, *, backend: str = "auto"):
     used, skipped = set(), []
 
     def is_target(x):
-        return ((isinstance(x, eqx.nn.Linear) and not isinstance(x, ParallelLinear)) or
-                isinstance(x, eqx.nn.Embedding))
+        # A fusedpar layer is re-planned: its weights under the plan's styles.
+        return isinstance(x, (eqx.nn.Linear, ParallelLinear, eqx.nn.Embedding, Embedding))
 
     def one(path, x):
         if not is_target(x):
@@ -78,7 +82,7 @@ def parallelize(model, plan: dict, *, backend: str = "auto"):
         if not styles:
             return x
         rule = _specs.compose(*styles, where=where)
-        if isinstance(x, eqx.nn.Embedding):
+        if isinstance(x, (eqx.nn.Embedding, Embedding)):
             return Embedding.from_embedding(x, rule, where)
         try:
             _specs.check_scalar(f"parallelize: {where}", rule, x.in_features, x.out_features)
@@ -100,8 +104,9 @@ def parallelize(model, plan: dict, *, backend: str = "auto"):
     if unused:
         leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_target)[0]
         linear = [_specs.path_str(p) for p, x in leaves if is_target(x)
-                  and not isinstance(x, eqx.nn.Embedding)]
-        tables = [_specs.path_str(p) for p, x in leaves if isinstance(x, eqx.nn.Embedding)]
+                  and not isinstance(x, (eqx.nn.Embedding, Embedding))]
+        tables = [_specs.path_str(p) for p, x in leaves
+                  if isinstance(x, (eqx.nn.Embedding, Embedding))]
         raise ValueError(f"parallelize: plan pattern(s) {unused} matched no eqx.nn.Linear"
                          + (" or eqx.nn.Embedding" if tables else "")
                          + f"; the model's linear layers are {linear}"

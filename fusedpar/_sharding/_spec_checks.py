@@ -111,7 +111,8 @@ def decoding_fixes(rule: Rule, data: bool, seq_dim: Optional[int]) -> dict:
         fixes[seq_dim] = (f"a sequence that {rule.tp.axis!r} does not divide (a few tokens "
                           "while decoding, say) needs no sequence parallelism: run those "
                           "steps with the same weights under a plan with "
-                          "sequence_parallel=False, or pad the sequence")
+                          "sequence_parallel=False (fusedpar.parallelize(model, plan) "
+                          "re-plans a parallel model), or pad the sequence")
     return fixes
 
 
