@@ -97,15 +97,18 @@ def test_bfloat16_bias_gradients_of_a_2d_mesh_compile_on_cpu():
     """A bfloat16 layer's bias gradient is summed over the devices in float32: a bfloat16
     all-reduce in a shard_map that leaves mesh axes to XLA aborts XLA's CPU compiler (its
     AllReducePromotion pass), which every bfloat16 sequence-parallel Row and FSDP layer
-    with a bias hit on a (2, 4) mesh. Values and gradients as the dense layer's."""
+    with a bias hit on a (2, 4) mesh. Gradients as the dense layer's in float32, within
+    a few bfloat16 roundings of their largest magnitude."""
     m = mesh((2, 4), ("fsdp", "tp"))
-    dense = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a,
-                         fusedpar.RowLinear(64, 64, key=KEY, sequence_parallel=True))
+    cast = lambda t, d: jax.tree.map(  # noqa: E731
+        lambda a: a.astype(d) if eqx.is_inexact_array(a) else a, t)
+    layer = cast(fusedpar.RowLinear(64, 64, key=KEY, sequence_parallel=True), jnp.bfloat16)
     x = jax.random.normal(jax.random.key(1), (8, 32, 64), jnp.bfloat16)
     loss = lambda l, x: jnp.sum(l(x).astype(jnp.float32) ** 2)  # noqa: E731
-    want = eqx.filter_grad(loss)(dense, x)
+    want = eqx.filter_grad(loss)(cast(layer, jnp.float32), x.astype(jnp.float32))
     with jax.set_mesh(m):
-        got = eqx.filter_jit(eqx.filter_grad(loss))(fusedpar.shard(dense, m), x)
+        got = eqx.filter_jit(eqx.filter_grad(loss))(fusedpar.shard(layer, m), x)
+    eps = float(jnp.finfo(jnp.bfloat16).eps)
     for g, w in ((got.bias, want.bias), (got.weight, want.weight)):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-        np.testing.assert_allclose(g, w, atol=2e-2 * np.abs(w).max())
+        np.testing.assert_allclose(g, w, atol=4 * eps * np.abs(w).max())
