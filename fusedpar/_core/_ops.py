@@ -129,7 +129,7 @@ def _missing_flags(platform: str, choice: Choice) -> str:
 
 def _choose(call, backend, unroll, precision, options, target) -> Choice:
     """The backend for `call` on `target`, its `options` checked against it."""
-    _validate.options(call.op if call.op in prims.OPS else "explain", options)
+    _validate.options(call.op, options)
     choice = _dispatch.choose(dataclasses.replace(
         call, target=target, precision=precision, options=_pairs(options)),
         backend, unroll)

@@ -52,10 +52,10 @@ def parallelize(model, plan: dict, *, backend: str = "auto"):
     parallelized is re-planned (e.g. decoding one token at a time without the sequence
     parallelism it trained with): a fusedpar layer that a pattern matches takes that
     plan's styles in place of its own, one that none matches keeps its own (call
-    `fusedpar.shard` again to lay the weights out for the new plan). A linear layer with `"scalar"` features whose
-    styles would shard that dimension (of length 1) stays an `eqx.nn.Linear` with a
-    warning when only globs match it (`"*"`), and is an error when a pattern is its path.
-    `fusedpar.describe(model)` shows what each
+    `fusedpar.shard` again to lay the weights out for the new plan). A linear layer
+    with `"scalar"` features whose styles would shard that dimension (of length 1)
+    stays an `eqx.nn.Linear` with a warning when only globs match it (`"*"`), and is an
+    error when a pattern is its path. `fusedpar.describe(model)` shows what each
     became.
     """
     if not isinstance(plan, Mapping):
