@@ -525,7 +525,8 @@ LAYERS = [
         global_call(_col(8, 8, sequence_parallel=True), (3, 8)), ValueError,
         ("ColumnLinear: x of shape (3, 8): input dim 0 has size 3, not divisible by 4",
          "('tp',) (tp=4)", "a sequence that 'tp' does not divide (a few tokens while decoding",
-         "sequence_parallel=False, or pad the sequence")),
+         "sequence_parallel=False (fusedpar.parallelize(model, plan) re-plans a parallel "
+         "model), or pad the sequence")),
     Row("layers", "batch of one on an FSDP layer (decoding)",
         global_call(_col(8, 8, fsdp_axis="fsdp"), (1, 8)), ValueError,
         ("input dim 0 has size 1, not divisible by 2", "call the layer on x[0] (no batch "
