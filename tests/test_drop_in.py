@@ -80,7 +80,8 @@ def test_a_plan_that_names_a_scalar_layer_is_an_error():
 @pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
 def test_a_float32_bias_on_a_bfloat16_weight_gives_what_eqx_linear_gives(cls):
     """`eqx.nn.Linear`'s `y + b` promotes: a float32 bias on a bfloat16 weight gives a
-    float32 output (the layers cast the bias to the product's bfloat16: 7e-3 apart)."""
+    float32 output (the layers used to cast the bias to the product's bfloat16: 7e-3
+    apart)."""
     lin = eqx.nn.Linear(8, 8, key=KEY)
     lin = eqx.tree_at(lambda l: l.weight, lin, lin.weight.astype(jnp.bfloat16))
     layer = eqx.tree_at(lambda l: (l.weight, l.bias), cls(8, 8, key=KEY),

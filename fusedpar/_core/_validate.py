@@ -11,6 +11,7 @@ import numpy as np
 from jax import lax
 
 from . import _primitives as prims, _quantize
+from ._quantized_array import QuantizedArray
 
 
 def operands(op, x, w):
@@ -117,15 +118,20 @@ def float_dtype(op, name, dtype):
     """An optional dtype argument that must be floating (None: the default)."""
     if dtype is None:
         return None
-    try:
-        d = jnp.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"{op}: {name} must be a floating dtype, got {dtype!r}.") from None
+    d = _computed(op, name, dtype, "a floating dtype")
     if not jnp.issubdtype(d, jnp.inexact):
         raise TypeError(f"{op}: {name} must be a floating dtype such as jnp.float32 or "
                         f"jnp.bfloat16, got {d}.")
-    # What JAX computes in: float64 is float32 unless jax_enable_x64 is on (jnp.matmul's
-    # preferred_element_type does the same).
+    return d
+
+
+def _computed(op, name, dtype, what):
+    """`dtype` as JAX computes in it: float64 is float32 unless jax_enable_x64 is on
+    (jnp.matmul's preferred_element_type does the same)."""
+    try:
+        d = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{op}: {name} must be {what}, got {dtype!r}.") from None
     return np.dtype(jax.dtypes.canonicalize_dtype(d))
 
 
@@ -153,10 +159,7 @@ def _integer_sums(op, dtype, x_dtype):
     operands' where wider), whose sums are exact where a float's would round."""
     if dtype is None:
         return None
-    try:
-        d = np.dtype(jax.dtypes.canonicalize_dtype(jnp.dtype(dtype)))
-    except TypeError:
-        raise TypeError(f"{op}: reduce_dtype must be a dtype, got {dtype!r}.") from None
+    d = _computed(op, "reduce_dtype", dtype, "an integer dtype")
     if not jnp.issubdtype(d, jnp.integer):
         raise TypeError(
             f"{op}: reduce_dtype {d} would round the sums of {jnp.dtype(x_dtype)} operands; "
@@ -226,7 +229,7 @@ def op_call(op, x, w, n, gather, dim, bidirectional, comm_dtype=None, grad_comm_
     flag(where, "unroll", unroll)
     comm_dtype = _quantize.comm_dtype(where, "comm_dtype", comm_dtype)
     grad_comm_dtype = _quantize.comm_dtype(where, "grad_comm_dtype", grad_comm_dtype)
-    if type(w).__name__ == "QuantizedArray":  # `fusedpar.QuantizedArray`, not a payload
+    if isinstance(w, QuantizedArray):  # the layers' weight type, not the ops' payload
         raise TypeError(
             f"{where}: w is a fusedpar.QuantizedArray; the ops take its payload: pass "
             "w.as_payload(), or use the layers, which unwrap their quantized weights.")
