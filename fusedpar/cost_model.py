@@ -133,6 +133,7 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
     kernels write it as they go and the reference's collective makes it.
     """
     hw = get_hardware(hardware)
+    x_shape, w_shape = _shape("x_shape", x_shape), _shape("w_shape", w_shape)
     n = int(ring_size)
     if n < 1:
         raise ValueError(f"cost_model: ring_size must be >= 1, got {ring_size!r}.")
@@ -357,10 +358,21 @@ def _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, co
     """Validate an op's local shapes and canonicalise them, as the ops do (no target)."""
     import jax
 
-    x = jax.ShapeDtypeStruct(tuple(x_shape), np.dtype(dtype))
-    w = jax.ShapeDtypeStruct(tuple(w_shape), np.dtype(dtype))
+    x = jax.ShapeDtypeStruct(_shape("x_shape", x_shape), np.dtype(dtype))
+    w = jax.ShapeDtypeStruct(_shape("w_shape", w_shape), np.dtype(dtype))
     return _validate.op_call(op, x, w, int(ring_size), gather, dim, bidirectional,
                              comm_dtype, where=f"cost_model: {op}")[1]
+
+
+def _shape(name: str, shape) -> tuple:
+    """`shape` as a tuple of ints, refused unless every size is an integer >= 0 (a
+    `jax.ShapeDtypeStruct` takes a negative one without a word)."""
+    sizes = tuple(shape) if isinstance(shape, (tuple, list)) else None
+    if sizes is None or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool)
+                                and d >= 0 for d in sizes):
+        raise ValueError(f"cost_model: {name} must be a tuple of sizes >= 0 (the local "
+                         f"shape inside shard_map), got {shape!r}.")
+    return tuple(int(d) for d in sizes)
 
 
 def estimate(op: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",

@@ -148,3 +148,27 @@ def test_explain_says_so():
     assert not plain.product_first
     asked = fusedpar.explain("all_gather_matmul", x, w, 8, backend="ring", w_invariant=True)
     assert not asked.product_first  # an explicit backend runs as asked
+
+
+def test_explain_reads_a_named_axis_as_the_op_does():
+    """Inside shard_map, `explain` given the axis name sees w's varying-axes type as the
+    op does: a replicated w is multiplied first (the op gathers the N-wide product, not
+    x), a sharded one is not; given only the size it cannot know."""
+    x, w = normal(0, (8 * 8, K), jnp.float32), normal(1, (K, N), jnp.float32)
+    seen = {}
+
+    def f(x, w, w_sharded):
+        seen["replicated"] = fusedpar.explain("all_gather_matmul", x, w, "x")
+        seen["sharded"] = fusedpar.explain("all_gather_matmul", x, w_sharded, "x")
+        seen["size"] = fusedpar.explain("all_gather_matmul", x, w, 8)
+        return fusedpar.all_gather_matmul(x, w, "x")[None]
+
+    prog = jax.shard_map(f, mesh=mesh((8,), ("x",)), in_specs=(P("x"), P(), P("x")),
+                         out_specs=P("x"))
+    jaxpr = jax.make_jaxpr(prog)(x, w, jnp.tile(w, (8, 1)))
+    gathered = [e.invars[0].aval.shape[-1] for e in equations(jaxpr)
+                if e.primitive.name == "all_gather"]
+    assert seen["replicated"].product_first and gathered == [N]
+    assert not seen["sharded"].product_first and not seen["size"].product_first
+    with pytest.raises(ValueError, match="outside shard_map pass the axis's size"):
+        fusedpar.explain("all_gather_matmul", x, w, "x")

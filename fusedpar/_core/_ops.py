@@ -51,23 +51,28 @@ def _explain_target(target, platform) -> _target.Target:
 
 def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
             bidirectional=None, unroll=None, precision=None, options=None,
-            platform=None, target=None, comm_dtype=None, w_invariant=False,
-            check_vma=False, reduce_dtype=None) -> Choice:
+            platform=None, target=None, comm_dtype=None, w_invariant=None,
+            check_vma=None, reduce_dtype=None) -> Choice:
     """Which backend (and ring shape) `op` would use for these local operands, and why.
 
     `x` and `w` may be arrays or `jax.ShapeDtypeStruct`s with per-device shapes;
-    `axis_size` is the size of the mesh axis the op runs over. The hardware decided for
+    `axis_size` is the size of the mesh axis the op runs over, or, inside `jax.shard_map`,
+    the axis name you would pass the op: its size, whether the shard_map checks varying
+    axes and whether w is invariant over it (w an array there, not a
+    `jax.ShapeDtypeStruct`) are then read as the op reads them. The hardware decided for
     (`Choice.target`) is `target` (a `jax.sharding.Mesh`, its devices say; or a device),
     else the mesh in context (`jax.set_mesh`, or inside `shard_map`), else this process's
     default device; `platform` ("cpu", "gpu", "tpu") instead names only a platform, with
     its default cost preset. The other arguments are the op's (`comm_dtype`: a backend
     that cannot send quantized payloads is not chosen, or is refused if requested).
-    `w_invariant=True` says w is replicated over the ring's axis and the op can see it
+    `w_invariant=True` (default: read from the context for a named axis, else False)
+    says w is replicated over the ring's axis and the op can see it
     (inside `shard_map(check_vma=True)`, JAX's default): `"auto"` may then run a
     `gather="lhs"` call by multiplying first and gathering the product; a
     `matmul_reduce_scatter` over rows it may run by moving x's rows and w instead of the
-    partial sums, where w is the op's own (`Choice.rearranged` says which). `check_vma=True` says the op runs inside a `jax.shard_map`
-    that checks varying axes (its default): a backend whose kernels need
+    partial sums, where w is the op's own (`Choice.rearranged` says which).
+    `check_vma=True` (default as `w_invariant`'s) says the op runs inside a
+    `jax.shard_map` that checks varying axes (its default): a backend whose kernels need
     `check_vma=False` (the fused TPU kernels) is not chosen there, as the op does.
     `reduce_dtype`: the op's (the reduce-scatter's partial sums, estimated in it).
 
@@ -79,12 +84,27 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     if op not in prims.OPS:
         raise ValueError(f"explain: op must be {ALL_GATHER_MATMUL!r} or "
                          f"{MATMUL_REDUCE_SCATTER!r}, got {op!r}.")
+    axis_name = axis_size if _names_an_axis(axis_size) else None
+    if axis_name is not None:
+        try:
+            lax.axis_size(axis_name)
+        except NameError:
+            raise ValueError(
+                f"explain: axis_size={axis_name!r} names a mesh axis, which only an enclosing "
+                "jax.shard_map binds (none binds it here); outside shard_map pass the "
+                "axis's size, an int.") from None
+        axis_size = _validate.axis_size("explain", axis_name)
     _validate.ring_size("explain", axis_size)
     where = _explain_target(target, platform)
     _, call, _ = _validate.op_call(op, x, w, axis_size, gather, dim, bidirectional,
                                    comm_dtype, unroll=unroll, where="explain")
     _validate.flag("explain", "w_invariant", w_invariant)
     _validate.flag("explain", "check_vma", check_vma)
+    if w_invariant is None:  # as `_run_here` reads it (a ShapeDtypeStruct has no type)
+        w_invariant = (axis_name is not None and not isinstance(w, jax.ShapeDtypeStruct)
+                       and _vma.invariant(w, axis_name))
+    if check_vma is None:
+        check_vma = axis_name is not None and _vma.checked(axis_name)
     reduce_dtype = _validate.reduce_dtype("explain", reduce_dtype, x.dtype)
     call = dataclasses.replace(call, automatic_axes=_target.automatic_axes(),
                                w_invariant=bool(w_invariant), vma_typed=bool(check_vma),
@@ -98,6 +118,12 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
         choice = dataclasses.replace(choice,
                                      reason=f"{choice.reason}; {_schedule.INDEX_ORDER_HINT}")
     return choice
+
+
+def _names_an_axis(axis_size) -> bool:
+    """Whether `explain`'s `axis_size` is a mesh axis name (or a tuple of them)."""
+    names = axis_size if isinstance(axis_size, tuple) else (axis_size,)
+    return bool(names) and all(isinstance(a, str) for a in names)
 
 
 def _devices_known(target) -> bool:
@@ -176,6 +202,10 @@ def _run_here(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unrol
     for name, flag in (("keep_gathered", keep_gathered), ("w_transposed", w_transposed),
                        ("w_resident", w_resident)):
         _validate.boolean(op, name, flag)
+    if w_resident and not w_transposed:  # a hint that would silently do nothing
+        raise ValueError(f"{op}: w_resident=True describes a w passed with "
+                         "w_transposed=True (the transpose of an (n, k) array you hold); "
+                         "pass w_transposed=True with it, or leave w_resident False.")
     out_dtype = _validate.float_dtype(op, "preferred_element_type", preferred_element_type)
     reduce_dtype = _validate.reduce_dtype(op, reduce_dtype, x.dtype)
     if (0 in x.shape or 0 in w.shape) and (gathered is None or gathered is KEEP):
