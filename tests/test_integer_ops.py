@@ -66,6 +66,33 @@ def test_integer_sums_in_the_integer_reduce_dtype_given():
     np.testing.assert_array_equal(run(reduce_dtype=jnp.int32), run())
 
 
+def test_int8_operands_give_an_int32_result_when_asked():
+    """`preferred_element_type=jnp.int32` on int8 operands: the unwrapped sums, equal to
+    lax.dot_general's with the same preferred type (int8's own result wraps)."""
+    m = mesh((4,), ("x",))
+    x, w = _operands(jnp.int8)
+    dot = lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())),  # noqa: E731
+                                       preferred_element_type=jnp.int32)
+
+    def run(f, out):
+        return jax.jit(jax.shard_map(f, mesh=m, in_specs=(P("x"), P()), out_specs=out,
+                                     check_vma=False))(x, w)
+
+    want = {"lhs": run(lambda a, b: dot(lax.all_gather(a, "x", tiled=True), b), P()),
+            "rs": run(lambda a, b: lax.psum_scatter(dot(a, b), "x", scatter_dimension=1,
+                                                    tiled=True), P("x"))}
+    assert int(jnp.abs(want["rs"]).max()) > 127  # the sums an int8 result would wrap
+    for backend, kw in CONFIGS[::3]:
+        got = {"lhs": run(lambda a, b: fusedpar.all_gather_matmul(
+                   a, b, "x", backend=backend, preferred_element_type=jnp.int32, **kw), P()),
+               "rs": run(lambda a, b: fusedpar.matmul_reduce_scatter(
+                   a, b, "x", dim=1, backend=backend, preferred_element_type=jnp.int32,
+                   **kw), P("x"))}
+        for k in want:
+            assert got[k].dtype == jnp.int32, (backend, k)
+            np.testing.assert_array_equal(got[k], want[k], err_msg=f"{backend} {kw} {k}")
+
+
 @pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
 def test_kernels_refuse_integers_with_the_reason(backend):
     x, w = jax.ShapeDtypeStruct((64, 128), jnp.int32), jax.ShapeDtypeStruct((128, 128), jnp.int32)

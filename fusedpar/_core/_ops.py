@@ -206,7 +206,7 @@ def _run_here(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unrol
         raise ValueError(f"{op}: w_resident=True describes a w passed with "
                          "w_transposed=True (the transpose of an (n, k) array you hold); "
                          "pass w_transposed=True with it, or leave w_resident False.")
-    out_dtype = _validate.float_dtype(op, "preferred_element_type", preferred_element_type)
+    out_dtype = _validate.result_dtype(op, preferred_element_type, x.dtype)
     reduce_dtype = _validate.reduce_dtype(op, reduce_dtype, x.dtype)
     if (0 in x.shape or 0 in w.shape) and (gathered is None or gathered is KEEP):
         return _empty(op, x, w, axis_name, gather, dim, out_dtype, gathered)

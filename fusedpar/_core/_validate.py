@@ -125,6 +125,23 @@ def float_dtype(op, name, dtype):
     return d
 
 
+def result_dtype(op, dtype, x_dtype):
+    """`preferred_element_type` (None: the default): floating, or for integer operands an
+    integer at least as wide as theirs too (int8 products summed into int32, as
+    `lax.dot_general` allows)."""
+    if dtype is None or not jnp.issubdtype(x_dtype, jnp.integer):
+        return float_dtype(op, "preferred_element_type", dtype)
+    d = _computed(op, "preferred_element_type", dtype, "a floating or integer dtype")
+    if jnp.issubdtype(d, jnp.inexact):
+        return d
+    if not jnp.issubdtype(d, jnp.integer) or jnp.iinfo(d).bits < jnp.iinfo(x_dtype).bits:
+        raise TypeError(
+            f"{op}: preferred_element_type must be a floating dtype or, for "
+            f"{jnp.dtype(x_dtype)} operands, an integer dtype at least as wide (such as "
+            f"jnp.int32), got {d}.")
+    return d
+
+
 def _computed(op, name, dtype, what):
     """`dtype` as JAX computes in it: float64 is float32 unless jax_enable_x64 is on
     (jnp.matmul's preferred_element_type does the same)."""
