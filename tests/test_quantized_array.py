@@ -231,6 +231,37 @@ def test_bad_input():
         fusedpar.quantize(lin, {"nope": "fsdp"})
     with pytest.raises(ValueError, match="already quantized"):
         fusedpar.quantize(fusedpar.quantize(lin))
+    # A tree-wide astype casts the scales: refused, not computed in float32 with
+    # bfloat16-rounded scales.
+    cast = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a,
+                        fusedpar.quantize(lin))
+    with pytest.raises(ValueError, match="scales are bfloat16, not float32.*"
+                                         "QuantizedArray.astype"):
+        cast(jnp.ones((2, 10), jnp.bfloat16))
+    with pytest.raises(TypeError, match="Embedding: weight is a QuantizedArray.*dequantize"):
+        emb = fusedpar.Embedding(6, 10, key=jax.random.key(0))
+        eqx.tree_at(lambda e: e.weight, emb, QuantizedArray.quantize(emb.weight))(
+            jnp.arange(3))
+
+
+def test_quantize_takes_the_parallelizing_plan_and_refuses_a_tie():
+    """The plan that parallelizes a model names its embeddings too: their tables stay
+    as they are; a weight tied by eqx.nn.Shared is a placeholder, refused by its path."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    model = {"embed": eqx.nn.Embedding(64, 16, key=k1), "head": eqx.nn.Linear(16, 64, key=k2)}
+    plan = {"embed": "row", "head": "column"}
+    q = fusedpar.quantize(fusedpar.parallelize(model, plan), plan)
+    assert isinstance(q["head"].weight, QuantizedArray)
+    assert q["embed"].weight is model["embed"].weight
+    tied = eqx.nn.Shared((model["embed"], model["head"]), lambda p: p[1].weight,
+                         lambda p: p[0].weight)
+    with pytest.raises(ValueError, match=r"pytree.1.weight is a SharedNode.*tied.*where="):
+        fusedpar.quantize(tied)
+    # Block scales that do not split over the ring say which block_size would.
+    rows = fusedpar.parallelize(fusedpar.quantize({"l": eqx.nn.Linear(64, 32, key=k2)},
+                                                  block_size=16), {"l": "row"})
+    with pytest.raises(ValueError, match="block_size=16 makes 4 blocks of in_features=64"):
+        fusedpar.shard(rows, mesh((8,), ("tp",)), relaxed=True)
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "column_sp+fsdp"])

@@ -39,6 +39,7 @@ from jaxtyping import Array
 
 from . import _context
 from .._core import _folding, _vma
+from .._core._quantized_array import QuantizedArray
 from .._hw import _target
 from .._sharding import _specs, _whole_model
 from .._sharding._specs import TableRule
@@ -165,6 +166,10 @@ class Embedding(eqx.Module):
         x = x if isinstance(x, jax.Array) else jnp.asarray(x)
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise TypeError(f"Embedding: x must be integer ids, got dtype {x.dtype}.")
+        if isinstance(self.weight, QuantizedArray):
+            raise TypeError("Embedding: weight is a QuantizedArray; the embedding looks up a "
+                            "floating table (fusedpar.quantize leaves embeddings as they "
+                            "are): give it weight.dequantize().")
         tp = self.rule.tp
         hint = (f"sequence_parallel=True inside shard_map scatters the sequence over "
                 f"{tp.axis!r}, so call the embedding on (..., seq) ids and vmap over the "

@@ -30,6 +30,15 @@ def check_quantized_weight(where, w) -> None:
     if isinstance(w, QuantizedArray) and w.axis != -1:
         raise ValueError(f"{where}: a QuantizedArray weight (out, in) must be quantized "
                          f"along in_features (axis=-1), got axis={w.axis % w.ndim}.")
+    if isinstance(w, QuantizedArray) and w.scales.dtype != jnp.float32:
+        # A tree-wide astype casts the scales and leaves the logical dtype: the layer
+        # would compute in the old dtype with rounded scales.
+        raise ValueError(f"{where}: the QuantizedArray weight's scales are "
+                         f"{jnp.dtype(w.scales.dtype).name}, not float32 (a tree-wide astype "
+                         "casts them); cast a quantized weight with QuantizedArray.astype, "
+                         "which changes its logical dtype only, and skip QuantizedArrays in "
+                         "the tree map (is_leaf=lambda a: isinstance(a, "
+                         "fusedpar.QuantizedArray)).")
 
 
 def layout_hint(rule) -> str:

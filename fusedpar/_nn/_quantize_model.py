@@ -18,6 +18,15 @@ def _is_linear(x) -> bool:
     return isinstance(x, eqx.nn.Linear) or (_specs.is_layer(x) and hasattr(x, "in_features"))
 
 
+def _is_embedding(x) -> bool:
+    return isinstance(x, eqx.nn.Embedding) or (_specs.is_layer(x) and
+                                               hasattr(x, "num_embeddings"))
+
+
+def _is_layer(x) -> bool:
+    return _is_linear(x) or _is_embedding(x)
+
+
 def quantize(model, where: Union[None, Mapping, Callable] = None, *, dtype=jnp.int8,
              block_size: Optional[int] = None, master: bool = False):
     """`model` with the weights of its linear layers quantized (`QuantizedArray`).
@@ -28,7 +37,8 @@ def quantize(model, where: Union[None, Mapping, Callable] = None, *, dtype=jnp.i
     - `where`: which layers: None (every linear layer); a plan, `{pattern: ...}`, whose
       `fnmatch` patterns select layers by dotted path as `fusedpar.parallelize`'s do
       (the values are ignored, so the plan that parallelizes a model can quantize it:
-      each pattern must match a linear layer); or a callable `(path, layer) -> bool`.
+      each pattern must match a linear layer or an embedding, whose table stays as it
+      is); or a callable `(path, layer) -> bool`.
     - `dtype`: `jnp.int8` or `jnp.float8_e4m3fn`. `block_size`: one scale per that many
       input features (None: one per output channel, what a layer can send round a ring).
     - `master`: keep each full-precision weight in its QuantizedArray: gradients then
@@ -54,21 +64,28 @@ def quantize(model, where: Union[None, Mapping, Callable] = None, *, dtype=jnp.i
         return bool(hits)
 
     def one(path, x):
-        if not _is_linear(x) or not chosen(path, x):
-            return x
+        if not _is_layer(x) or not chosen(path, x) or _is_embedding(x):
+            return x  # an embedding's table stays as it is (it is looked up, not multiplied)
         w = x.weight
         if isinstance(w, QuantizedArray):
             raise ValueError(f"quantize: {_specs.path_str(path)}.weight is already "
                              "quantized.")
+        if not eqx.is_inexact_array(w):  # e.g. the placeholder of an eqx.nn.Shared tie
+            raise ValueError(
+                f"quantize: {_specs.path_str(path)}.weight is a {type(w).__name__}, not a "
+                "floating array (a weight tied to another, e.g. by eqx.nn.Shared, is a "
+                "placeholder there); leave the layer out with where=, e.g. where=lambda "
+                f"path, layer: path != {_specs.path_str(path)!r}.")
         q = QuantizedArray.quantize(w, dtype, axis=-1, block_size=block_size, master=master)
         return eqx.tree_at(lambda l: l.weight, x, q)
 
-    out = jax.tree_util.tree_map_with_path(one, model, is_leaf=_is_linear)
+    out = jax.tree_util.tree_map_with_path(one, model, is_leaf=_is_layer)
     if isinstance(where, Mapping):
         unused = [p for p in where if p not in used]
         if unused:
             leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_linear)[0]
             names = [_specs.path_str(p) for p, x in leaves if _is_linear(x)]
-            raise ValueError(f"quantize: plan pattern(s) {unused} matched no linear layer; "
+            raise ValueError(f"quantize: plan pattern(s) {unused} matched no linear layer "
+                             "or embedding; "
                              f"the model's linear layers are {names}.")
     return out

@@ -206,8 +206,14 @@ def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
         specs = layer_param_specs(x, where)
         if is_quantized(x.weight):
             check_spec(f"{where}.weight", x.weight.shape, specs.weight.values, sizes)
-            check_spec(f"{where}.weight.scales", x.weight.scales.shape,
-                       specs.weight.scales, sizes)
+            q, last = x.weight, x.weight.ndim - 1
+            check_spec(f"{where}.weight.scales", q.scales.shape, specs.weight.scales, sizes,
+                       fixes={last: (
+                           f"its block_size={q.block_size} makes {q.scales.shape[last]} "
+                           f"blocks of in_features={q.shape[last]}, which must split "
+                           "evenly over the same axes as the weight: quantize with a "
+                           "block_size dividing each device's share of in_features, or "
+                           "with one scale per output channel (block_size=None)")})
         elif is_param(x.weight):  # else tied: checked where its array is stored
             shape = x.weight.shape
             check_spec(f"{where}.weight", shape, specs.weight, sizes,
