@@ -602,6 +602,12 @@ LAYERS = [
         local_call(_col(8, 8, fsdp_axis="fsdp"), P(), (4, 8)), ValueError,
         ("says replicated over mesh axis 'fsdp'", "P('fsdp', None)",
          "FSDP takes the batch (dim 0) sharded over 'fsdp'")),
+    Row("layers", "local_size over an axis the mesh lacks",
+        lambda: jax.eval_shape(jax.shard_map(
+            lambda x: x * fusedpar.local_size(8, "tp"), mesh=mesh((8,), ("model",)),
+            in_specs=P("model"), out_specs=P("model")), S((8,), jnp.float32)),
+        ValueError, ("local_size: axis 'tp' is not an axis of the mesh in context",
+                     "its axes are ('model',)")),
     Row("layers", "local_size of a count that does not divide",
         lambda: jax.eval_shape(jax.shard_map(
             lambda x: x * fusedpar.local_size(6, "tp"), mesh=mesh((2, 4), ("fsdp", "tp")),

@@ -8,6 +8,8 @@ clear refusal from the kernels, and "auto" never picks them there. The same laye
 compiled for TPU slices: tests/test_aot.py.
 """
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -96,6 +98,33 @@ def test_other_auto_axes_go_on_the_batch_where_it_divides():
     # A (seq, features) input of a sequence-parallel Column: dim 0 changes layout.
     assert _specs.with_unknown_axes((64, 16), P("tp", None), P(None, "tp"), ("data",),
                                     sizes) == (P("tp", None), P(None, "tp"))
+
+
+@pytest.mark.parametrize("backend", ["reference", "ring"])
+def test_lax_backends_multiply_only_their_share_of_a_data_parallel_batch(backend):
+    """On a (2, 4) ("data", "tp") mesh with Auto axes, the lax backends' shard_map is
+    manual over "data" too, with the batch on it: each device multiplies BATCH / 2
+    sequences. Left to XLA, the ops' 2-D form (sequence before batch) made it gather the
+    whole batch onto every device: twice the matmuls, no error. Values equal dense."""
+    layers, dense = _layers(backend)
+    x = normal(0, (BATCH, SEQ, IN), F32)
+    m = mesh((2, 4), ("data", "tp"))
+    with jax.set_mesh(m):
+        model = fusedpar.shard(layers, m)
+        step = eqx.filter_jit(eqx.filter_value_and_grad(_loss))
+        compiled = step.lower(model, x).compile().compiled
+        got = step(model, x)
+    # Each device's share of the three matmuls per layer (XLA counts 1.74x it before).
+    share = 2 * 3 * 2 * BATCH * SEQ * IN * HID / 8
+    assert compiled.cost_analysis()["flops"] < 1.25 * share
+    text = compiled.as_text()
+    over_data = [line for line in text.splitlines() if re.search(r"all-gather(-start)?\(", line)
+                 and ("{{0,4}" in line or "[4,2]<=[2,4]T(1,0)" in line)]
+    assert not over_data, over_data  # (the weight gradients' all-reduce is over "data")
+    want = eqx.filter_value_and_grad(_dense_loss)(dense, x)
+    assert_close(got[0], want[0], F32, "loss")
+    for g, w, name in zip(got[1], want[1], ("up", "down")):
+        assert_close((g.weight, g.bias), (w.weight, w.bias), F32, f"d{name}")
 
 
 def test_fused_tpu_kernels_refused_where_an_axis_is_left_to_xla():

@@ -231,9 +231,14 @@ def local_size(n: int, axis) -> int:
     `n // size of axis` inside a `jax.shard_map` that binds `axis` (the arrays are
     per-device shards), `n` anywhere else (global arrays under `jax.set_mesh`, or no
     mesh). E.g. the attention heads a device computes:
-    `fusedpar.local_size(num_heads, "tp")`. Raises if `n` does not divide.
+    `fusedpar.local_size(num_heads, "tp")`. Raises if `n` does not divide, or if a mesh
+    in context lacks `axis`.
     """
     mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and axis not in mesh.axis_names:  # a typo would silently give n
+        raise ValueError(f"local_size: axis {axis!r} is not an axis of the mesh in context "
+                         f"(its axes are {tuple(mesh.axis_names)}); name the axis the "
+                         "layers shard the dimension over.")
     if mesh.empty or axis not in (getattr(mesh, "manual_axes", ()) or ()):
         return n
     size = lax.axis_size(axis)

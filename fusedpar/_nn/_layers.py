@@ -239,13 +239,17 @@ class ParallelLinear(eqx.Module):
         platform = _target.current(x).platform
         check = _dispatch.check_vma(self.backend, platform)
         # Every axis manual where a kernel may run (it addresses devices by their
-        # coordinates on every axis; `auto` then estimates per-device shapes). Where
-        # none can (`check`: the reference, the ring, `auto` on CPU), the layer's own
-        # axes, as for the embedding and the loss: under Explicit axes a jax.vmap over
-        # a batch sharded on another axis takes that axis from a shard_map under a jit,
-        # scan or checkpoint inside it.
-        x_spec, y_spec, manual = _context.layouts(mesh, rule.axes, x, x_spec, y_spec,
-                                                  every_axis=not check)
+        # coordinates on every axis; `auto` then estimates per-device shapes), and
+        # wherever the axes are Auto: left to XLA, its partitioner loses a batch sharded
+        # over another axis ("data") where the ops put the sequence before it (their
+        # 2-D form) and gathers the whole batch onto every device, twice the matmuls
+        # on a (2, 4) data x tensor mesh. Under Explicit axes where no kernel can run
+        # (`check`: the reference, the ring, `auto` on CPU), the layer's own axes, as
+        # for the embedding and the loss: a jax.vmap over a batch sharded on another
+        # axis takes that axis from a shard_map under a jit, scan or checkpoint inside it.
+        x_spec, y_spec, manual = _context.layouts(
+            mesh, rule.axes, x, x_spec, y_spec,
+            every_axis=not check or not _context.is_explicit(mesh, rule.axes))
 
         def mapped(fn, args, arg_specs, out_spec):
             return _context.shard_mapped(fn, mesh, rule.axes, manual, self, pspecs, args,
