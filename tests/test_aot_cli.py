@@ -151,3 +151,24 @@ def test_a_program_that_cannot_be_imported_or_meshed_exits_2(tmp_path, spec, mes
         list(_aot_cli._programs(args))
     assert e.value.code == 2
     assert message.format(**names) in capsys.readouterr().err
+
+
+@pytest.mark.aot
+@needs_aot
+def test_a_program_whose_layers_do_not_fit_the_mesh_exits_2(tmp_path, capsys):
+    """A layer's own check (features the mesh does not divide), raised while lowering:
+    its message as a bad argument, not a traceback."""
+    path = tmp_path / "odd.py"
+    path.write_text(
+        "import equinox as eqx, jax, fusedpar\n"
+        "from jax.sharding import NamedSharding, PartitionSpec as P\n"
+        "def step(mesh, backend):\n"
+        "    lin = eqx.filter_eval_shape(lambda: fusedpar.ColumnLinear(8, 6, "
+        "key=jax.random.key(0)))\n"
+        "    return jax.jit(lambda l, x: l(x)), (lin, jax.ShapeDtypeStruct((4, 8), "
+        "'float32', sharding=NamedSharding(mesh, P())))\n")
+    with pytest.raises(SystemExit) as e:
+        _aot_cli.main(["--target", "h100x8", "--program", f"{path}:step"])
+    assert e.value.code == 2
+    assert ("cannot run on the mesh {'fsdp': 2, 'tp': 4}: ColumnLinear.weight: parameter "
+            "dim 0 has size 6, not divisible by 4") in capsys.readouterr().err

@@ -115,6 +115,9 @@ def test_hideable_transfers_are_those_with_an_independent_matmul():
     assert (gather.kind, gather.hidden, gather.hideable) == ("all-gather", False, False)
     assert (reduce.kind, reduce.hidden, reduce.hideable) == ("all-reduce", False, True)
     assert (r.total, r.hidden, r.hideable) == (2, 0, 1)
+    # What a device sends over 2 devices: the other's block; half of a reduce-scatter
+    # and of an all-gather of its f16[8,8].
+    assert (gather.bytes, gather.sent, reduce.bytes, reduce.sent) == (64, 64, 128, 128)
     assert "1 have no matmul independent of them" in r.markdown()
     # In the overlapped ring every transfer is hideable (and hidden).
     ring = aot.overlap(OVERLAPPED)
@@ -131,6 +134,16 @@ def test_tpu_dialect_and_backward_attribution():
     assert (s.transfers, s.hidden, s.matmuls, s.exposed) == (1, 1, 2, 1)
     assert s.bytes == 16 * 128 * 2
     assert _hlo.shape_bytes("(bf16[16,128]{1,0:T(8,128)(2,1)}, u32[]{:S(2)})") == 16 * 128 * 2 + 4
+
+
+def test_predict_refuses_a_target_of_another_platform():
+    """A TPU program replayed as an H100's (or a GPU one as a TPU's) would be timed with
+    the other's numbers: refused, naming both."""
+    with pytest.raises(ValueError, match=r"compiled for a TPU .* the target is a GPU"):
+        aot.predict(TPU, "h100x8")
+    with pytest.raises(ValueError, match=r"compiled for a GPU .* the target is a TPU"):
+        aot.predict(DEPENDENT, "v5e:2x4")
+    assert aot.predict(TPU, "v5e:2x4").seconds > 0
 
 
 def test_cpu_program_has_synchronous_transfers():
@@ -192,6 +205,7 @@ def test_tpu_async_collective_fusion():
     (t,) = r.transfers
     assert (t.kind, t.op, t.bytes, t.matmuls) == (
         "all-gather", ("ag_rows", "reference", "forward"), 16 * 128 * 2, ("convolution",))
+    assert t.sent == 7 * t.bytes  # the 7 other devices' blocks pass through each device
     from fusedpar._compile import _simulate
     from fusedpar import cost_model
 
@@ -409,6 +423,7 @@ def test_a_fused_tpu_reduce_scatter_is_a_synchronous_transfer():
     (t,) = r.transfers
     assert (t.kind, t.op, t.bytes, t.hidden) == (
         "reduce-scatter", ("rs_rows", "reference", "forward"), 64 * 128 * 4, False)
+    assert t.sent == 3 * t.bytes // 4  # its all-reduce's group of 4 read inside the fusion
     from fusedpar._compile import _simulate
     from fusedpar import cost_model
 

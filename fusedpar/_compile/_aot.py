@@ -189,7 +189,11 @@ def _op_of(op_name: str) -> tuple[str, str, str]:
 class Transfer:
     """One collective in the schedule and what runs while it is in flight.
 
-    `bytes`: what one device contributes (the collective's operands); `matmuls`: the
+    `bytes`: what one device contributes (the collective's operands); `sent`: what one
+    device sends for it over its links, as a ring moves it — a collective-permute its
+    operands, an all-gather the n - 1 blocks of the others, a reduce-scatter or an
+    all-to-all (n - 1) / n of its operands, an all-reduce twice that — so an XLA
+    collective and fusedpar's ring of permutes compare; `matmuls`: the
     matmuls scheduled between its start and done (none for a synchronous collective);
     `laid_out`: the same bytes as laid out in memory (TPU tiles pad a thin array: an
     f32[512,1] in `T(8,128)` tiles takes 128 lanes a row); `arrays`: `(dtype, dims)` of
@@ -209,6 +213,7 @@ class Transfer:
     arrays: tuple = ()
     hideable: bool = True
     runs: int = 1  # times its computation runs in one step (a loop body: its trip count)
+    sent: int = 0
 
     @property
     def hidden(self) -> bool:
@@ -227,6 +232,7 @@ class OpSummary:
     exposed: int
     kernels: int
     hideable: int  # transfers some schedule could hide (`Transfer.hideable`)
+    sent: int = 0  # `Transfer.sent`, summed
 
     @property
     def verdict(self) -> str:
@@ -285,12 +291,12 @@ class Report:
     def markdown(self, title: str = "") -> str:
         """The per-op table a person reads, with the program's totals."""
         lines = [f"### {title}", ""] if title else []
-        lines += ["| op | backend | pass | transfers hidden | bytes / device | matmuls "
+        lines += ["| op | backend | pass | transfers hidden | bytes sent / device | matmuls "
                   "exposed | verdict |", "|---|---|---|---:|---:|---:|---|"]
         for s in self.ops:
             prim, backend, pass_ = s.op
             lines.append(f"| {prim} | {backend or '-'} | {pass_} | {s.hidden} / "
-                         f"{s.transfers} | {s.bytes:,} | {s.exposed} / {s.matmuls} | "
+                         f"{s.transfers} | {s.sent:,} | {s.exposed} / {s.matmuls} | "
                          f"{s.verdict} |")
         lines += ["", f"{self.hidden} of {self.total} transfers have a matmul in flight"
                   + (f"; {self.total - self.hideable} have no matmul independent of them."
@@ -300,6 +306,17 @@ class Report:
                           "with remote DMAs beside their own matmuls (`aot.predict` times "
                           "them).")
         return "\n".join(lines)
+
+
+def _platform_of(text: str) -> Optional[str]:
+    """The platform an HLO text was compiled for, where its dialect says: TPU layouts
+    carry tiles (`{1,0:T(8,128)}`), GPU instructions a stream in their backend config;
+    None for anything else (a CPU program, a hand-written one)."""
+    if ":T(" in text:
+        return "tpu"
+    if '"operation_queue_id"' in text or "__cublas$" in text:
+        return "gpu"
+    return None
 
 
 def _text(program) -> str:
@@ -371,7 +388,8 @@ def overlap(program) -> Report:
                              sum(t.runs for t in mine if t.hidden),
                              sum(t.bytes * t.runs for t in mine), sum(n for _, n in mm),
                              sum(n for exposed, n in mm if exposed),
-                             kernels.count(key), sum(t.runs for t in mine if t.hideable)))
+                             kernels.count(key), sum(t.runs for t in mine if t.hideable),
+                             sum(t.sent * t.runs for t in mine)))
     return Report(tuple(transfers), tuple(ops), ring_kernels)
 
 
@@ -450,7 +468,20 @@ def _transfer(module, i, kind, by_name, computation, matmuls, hideable=True) -> 
     # concatenate without one either) belongs to the op whose result it sends.
     name = _hlo.op_name(module, i) or _producer_op_name(module, operands, by_name)
     return Transfer(i.name, kind, _op_of(name), nbytes, computation,
-                    matmuls, laid_out, arrays, hideable or bool(matmuls))
+                    matmuls, laid_out, arrays, hideable or bool(matmuls),
+                    sent=_sent(module, i, kind, nbytes))
+
+
+def _sent(module, i, kind: str, nbytes: int) -> int:
+    """`Transfer.sent`: the bytes one device sends for collective `i` whose operands are
+    `nbytes`, over a ring of its largest replica group (all devices where the groups
+    cannot be read, as the replay assumes)."""
+    if kind == "collective-permute":
+        return nbytes
+    inner = _hlo.collective_inside(module, i) or i
+    groups = _hlo.replica_groups(inner, module.devices)
+    n = max((len(g) for g in groups), default=1) if groups is not None else module.devices
+    return round(nbytes * _hlo.ring_factor(kind, n))
 
 
 def _producer_op_name(module, operands, by_name, depth: int = 4) -> str:
@@ -494,6 +525,13 @@ def predict(program, target):
         if found is None:
             raise ValueError(f"predict: target must be a target name, a Mesh of devices or "
                              f"a cost_model.Hardware, got {target!r}.")
+        compiled_for = _platform_of(_text(program))
+        if compiled_for not in (None, found.platform):
+            raise ValueError(
+                f"predict: the program was compiled for a {compiled_for.upper()} (its HLO "
+                f"says so), but the target is a {found.platform.upper()} ("
+                f"{found.device_kind or found.platform}): "
+                "replay it with the target it was compiled for.")
         hardware = cost_model.get_hardware(found.cost_preset)
         devices = list(target.devices.flat)
         # Hops count on a TPU torus; GPUs reach every peer in one hop through NVSwitch

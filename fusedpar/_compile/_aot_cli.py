@@ -235,6 +235,17 @@ def _missing_axis(label, mesh, error):
                         "the program names them.")
 
 
+def _raised_by_fusedpar(error) -> bool:
+    """Whether `error` was raised in fusedpar's own code (its checks of the layers and
+    ops, whose messages say what to change), not in the program's or JAX's."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(
+        package + os.sep)
+
+
 def _compiled(args, label, mesh, fn, arguments, options):
     """`fn` compiled for --target, or a bad-argument exit where a program of your own
     does not fit the mesh: an axis the mesh lacks, or arguments that leave it on one
@@ -244,6 +255,9 @@ def _compiled(args, label, mesh, fn, arguments, options):
         compiled = fn.lower(*arguments).compile(compiler_options=options or None)
     except ValueError as e:
         _missing_axis(label, mesh, e)
+        if _raised_by_fusedpar(e):  # a layer's or op's check: what the program must change
+            _parser().error(f"--program: {label} cannot run on the mesh "
+                            f"{dict(mesh.shape)}: {e}")
         raise
     header = compiled.as_text()[:2000]
     if mesh.size > 1 and not any(int(n) > 1 for n in _PARTITIONS.findall(header)):
@@ -357,6 +371,7 @@ def main(argv=None):
                          transfers=report.total,
                          ops=[dict(op=s.op[0], backend=s.op[1], direction=s.op[2],
                                    transfers=s.transfers, hidden=s.hidden, bytes=s.bytes,
+                                   sent=s.sent,
                                    matmuls=s.matmuls, exposed=s.exposed, verdict=s.verdict)
                               for s in report.ops]))
     if args.json:

@@ -33,7 +33,8 @@ from ._hlo_kinds import (collective_inside as collective_inside,
                          collective_kind as collective_kind, dataflow as dataflow,
                          is_async_start as is_async_start, is_collective as is_collective,
                          is_matmul as is_matmul, matmul_computations as matmul_computations,
-                         op_name as op_name, scheduled_computations as scheduled_computations,
+                         op_name as op_name, ring_factor as ring_factor,
+                         scheduled_computations as scheduled_computations,
                          started_by as started_by, tpu_kernel as tpu_kernel)
 from ._hlo_loops import (element_index as element_index, loop_parts as loop_parts,
                          trip_count as trip_count)

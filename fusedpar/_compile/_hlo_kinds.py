@@ -11,6 +11,16 @@ from ._hlo_loops import element_index
 from ._hlo_parse import COLLECTIVES, MATMUL_TARGETS, Instruction, Module
 
 
+def ring_factor(kind: str, n: int) -> float:
+    """The bytes one device of a ring of `n` sends for a collective of `kind`, per byte of
+    its operands: an all-gather the n - 1 other blocks, an all-reduce a reduce-scatter
+    and an all-gather of (n - 1) / n each, a reduce-scatter or an all-to-all (n - 1) / n
+    (a collective-permute: its operands, 1)."""
+    if kind == "collective-permute":
+        return 1.0
+    return {"all-gather": n - 1, "all-reduce": 2 * (n - 1) / n}.get(kind, (n - 1) / n)
+
+
 def is_collective(i: Instruction) -> bool:
     """Whether `i` is a collective (`COLLECTIVES`) or the start of one."""
     return i.opcode.replace("-start", "") in COLLECTIVES

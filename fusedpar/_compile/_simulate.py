@@ -250,9 +250,9 @@ class _Replay:
         rate = max(hw.send_bandwidth(1), 2 * hw.send_bandwidth(2))
         usage = {} if self.torus is not None else {_links.EGRESS: 1}
         why = f"a ring over {n} devices, both directions"
+        sent = _hlo.ring_factor(kind, n) * nbytes
         if kind == "all-reduce":
-            return 2 * (n - 1) * nbytes / n, rate, 2 * (n - 1) * hw.hop_latency, usage, why
-        sent = (n - 1) * nbytes if kind == "all-gather" else (n - 1) * nbytes / n
+            return sent, rate, 2 * (n - 1) * hw.hop_latency, usage, why
         return sent, rate, hw.launch_overhead + (n - 1) * hw.hop_latency, usage, why
 
     def _on_torus(self, pairs) -> bool:
@@ -276,10 +276,7 @@ class _Replay:
         i = _hlo.collective_inside(self.module, i) or i
         if kind == "collective-permute":
             return nbytes / egress if self._pairs(i) else 0.0
-        n = self.group_size(i)
-        factor = {"all-gather": n - 1, "reduce-scatter": (n - 1) / n,
-                  "all-reduce": 2 * (n - 1) / n}.get(kind, (n - 1) / n)
-        return nbytes * factor / egress
+        return nbytes * _hlo.ring_factor(kind, self.group_size(i)) / egress
 
     # -- the replay ----------------------------------------------------------------------
 

@@ -62,6 +62,12 @@ def init_sharded(make: Callable, mesh, *args, relaxed: bool = False, **kwargs):
     `init_sharded(lambda key: MLP(..., key=key), mesh, key)`). Validation and
     `relaxed` as in `shard`.
     """
+    if any(type(d.client).__name__ == "CompileOnlyPyClient" for d in mesh.devices.flat):
+        # JAX's own error is "'Executable' object has no attribute 'local_devices'".
+        raise ValueError(
+            "init_sharded: the mesh's devices are compile-only (fusedpar.aot.mesh), which "
+            "hold no arrays; to compile for them, lower with the sharded skeleton of the "
+            "model's shapes: fusedpar.shard(eqx.filter_eval_shape(make, *args), mesh).")
     abstract = eqx.filter_eval_shape(make, *args, **kwargs)
     abstract, dropped = _specs.validate(abstract, mesh, relaxed=relaxed)
     _warn(dropped)
