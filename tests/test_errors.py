@@ -538,7 +538,8 @@ LAYERS = [
     Row("layers", "batch of one on an FSDP layer (decoding)",
         global_call(_col(8, 8, fsdp_axis="fsdp"), (1, 8)), ValueError,
         ("input dim 0 has size 1, not divisible by 2", "call the layer on x[0] (no batch "
-         "dimension: the layer gathers its weight whole), or pad the batch")),
+         "dimension: the layer gathers its weight whole)", "under a plan without FSDP "
+         "(fusedpar.parallelize(model, plan) re-plans a parallel model), or pad the batch")),
     Row("layers", "sequence of a sequence-parallel RowLinear's output not divisible",
         global_call(fusedpar.RowLinear(8, 8, key=KEY, sequence_parallel=True), (3, 8)),
         ValueError, ("RowLinear: x of shape (3, 8) gives an output of shape (3, 8)",

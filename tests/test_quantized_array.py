@@ -238,6 +238,10 @@ def test_bad_input():
     with pytest.raises(ValueError, match="scales are bfloat16, not float32.*"
                                          "QuantizedArray.astype"):
         cast(jnp.ones((2, 10), jnp.bfloat16))
+    with pytest.raises(TypeError, match="multiplied outside quax.quaxify"):
+        fusedpar.quantize(eqx.nn.Linear(10, 6, key=jax.random.key(0)))(jnp.ones(10))
+    with pytest.raises(TypeError, match="FSDPLinear: called inside quax.quaxify"):
+        quax.quaxify(lambda l, x: l(x))(fusedpar.quantize(lin), jnp.ones((2, 10)))
     with pytest.raises(TypeError, match="Embedding: weight is a QuantizedArray.*dequantize"):
         emb = fusedpar.Embedding(6, 10, key=jax.random.key(0))
         eqx.tree_at(lambda e: e.weight, emb, QuantizedArray.quantize(emb.weight))(
@@ -257,6 +261,12 @@ def test_quantize_takes_the_parallelizing_plan_and_refuses_a_tie():
                          lambda p: p[0].weight)
     with pytest.raises(ValueError, match=r"pytree.1.weight is a SharedNode.*tied.*where="):
         fusedpar.quantize(tied)
+    # A stored int8 weight travels as int8: an FSDP style asking for fp8 is refused.
+    fsdp = fusedpar.parallelize({"l": eqx.nn.Linear(64, 32, key=k2)},
+                                {"l": fusedpar.FSDP(comm_dtype=jnp.float8_e4m3fn)})
+    with pytest.raises(ValueError, match="quantize: l: the weight is stored quantized as "
+                                         "int8.*FSDP.comm_dtype=float8_e4m3fn"):
+        fusedpar.quantize(fsdp)
     # Block scales that do not split over the ring say which block_size would.
     rows = fusedpar.parallelize(fusedpar.quantize({"l": eqx.nn.Linear(64, 32, key=k2)},
                                                   block_size=16), {"l": "row"})

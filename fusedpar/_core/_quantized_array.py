@@ -69,6 +69,13 @@ def _block_count(where, shape, axis, block_size) -> int:
     return n // block_size
 
 
+# An eqx.nn.Linear holding a QuantizedArray, called plainly, gets Python's "unsupported
+# operand type(s) for @" otherwise.
+_OUTSIDE_QUAX = (f"{_WHERE}: multiplied outside quax.quaxify; a plain Equinox layer or your "
+                 "own code holding one runs under quax.quaxify (quax.quaxify(layer)(x)), "
+                 "while fusedpar layers take it as it is, outside quaxify.")
+
+
 class QuantizedArray(quax.ArrayValue):
     """A quantized array: `values` (int8 / float8_e4m3fn), float32 `scales`, optional
     full-precision `master` (straight-through training). See the module docstring.
@@ -142,6 +149,12 @@ class QuantizedArray(quax.ArrayValue):
         scales = jnp.squeeze(q.scales, axis=axis)  # (..., g, ...)
         return cls(values, scales, axis=axis, dtype=a.dtype,
                    master=a if master else None, allow_materialise=allow_materialise)
+
+    def __matmul__(self, other):
+        raise TypeError(_OUTSIDE_QUAX)
+
+    def __rmatmul__(self, other):
+        raise TypeError(_OUTSIDE_QUAX)
 
     def astype(self, dtype) -> "QuantizedArray":
         """The same values and scales with logical dtype `dtype` (nothing is converted)."""

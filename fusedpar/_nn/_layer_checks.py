@@ -24,9 +24,23 @@ def param_dtype(where, dtype) -> None:
                          "for integer weights, quantize a model (fusedpar.quantize).")
 
 
+def _under_quaxify(w) -> bool:
+    """Whether `w` is quax's tracer: the layer is called inside `quax.quaxify`."""
+    return any(c.__name__ == "_QuaxTracer" and c.__module__.startswith("quax")
+               for c in type(w).__mro__)
+
+
 def check_quantized_weight(where, w) -> None:
     """A QuantizedArray weight `(out, in)` must be scaled along `in` (per output channel,
-    or per block of `in`), the contraction every fusedpar layer applies its scales to."""
+    or per block of `in`), the contraction every fusedpar layer applies its scales to;
+    and the layer is not called inside `quax.quaxify`, whose trace has no rule for the
+    layer's shard_map."""
+    if _under_quaxify(w):
+        raise TypeError(
+            f"{where}: called inside quax.quaxify, which cannot trace the layer's "
+            "shard_map; fusedpar layers take a QuantizedArray weight as it is: call them "
+            "outside quaxify and quaxify only the plain Equinox layers beside them "
+            "(quax.quaxify(layer)(x)).")
     if isinstance(w, QuantizedArray) and w.axis != -1:
         raise ValueError(f"{where}: a QuantizedArray weight (out, in) must be quantized "
                          f"along in_features (axis=-1), got axis={w.axis % w.ndim}.")
@@ -39,6 +53,20 @@ def check_quantized_weight(where, w) -> None:
                          "which changes its logical dtype only, and skip QuantizedArrays in "
                          "the tree map (is_leaf=lambda a: isinstance(a, "
                          "fusedpar.QuantizedArray)).")
+
+
+def check_stored_comm(where, w, rule) -> None:
+    """A weight stored quantized travels in its FSDP gather as it is: the FSDP style's
+    `comm_dtype` is None or the stored values' dtype."""
+    f = getattr(rule, "fsdp", None)
+    if (isinstance(w, QuantizedArray) and f is not None and f.comm_dtype is not None
+            and jnp.dtype(f.comm_dtype) != w.values.dtype):
+        raise ValueError(
+            f"{where}: the weight is stored quantized as {w.values.dtype}, which its FSDP "
+            f"gather over {f.axis!r} sends as it is; FSDP(comm_dtype="
+            f"{jnp.dtype(f.comm_dtype).name}) asks for another dtype: leave comm_dtype None "
+            f"(or {w.values.dtype}), or quantize the weight to "
+            f"{jnp.dtype(f.comm_dtype).name}.")
 
 
 def layout_hint(rule) -> str:

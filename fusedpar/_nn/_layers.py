@@ -66,8 +66,8 @@ from .._sharding import _specs, _whole_model
 from .._hw import _target
 from .._hw._cost_hardware import get_hardware
 from ._fsdp_gather import fsdp_matmul, gather_fsdp
-from ._layer_checks import (check_quantized_weight, check_sequence, features,
-                            layout_hint, length, param_dtype)
+from ._layer_checks import (check_quantized_weight, check_sequence, check_stored_comm,
+                            features, layout_hint, length, param_dtype)
 from ._layer_math import add_bias, array_of, matmul_t, same_dtype, stationary
 from .._core._ops import (all_gather_matmul, all_gather_matmul_given,
                           all_gather_matmul_keeping, matmul_reduce_scatter)
@@ -169,6 +169,7 @@ class ParallelLinear(eqx.Module):
         """The layer on `x` with every vmapped axis folded in."""
         where = type(self).__name__
         check_quantized_weight(where, self.weight)
+        check_stored_comm(where, self.weight, self.rule)
         kind, mesh = _context.detect(where, self.rule.axes, array_of(self.weight),
                                      self.rule)
         tp, f = self.rule.tp, self.rule.fsdp

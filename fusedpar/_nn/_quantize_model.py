@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from .._sharding import _specs
 from .._core._quantized_array import QuantizedArray
+from ._layer_checks import check_stored_comm
 
 
 def _is_linear(x) -> bool:
@@ -77,6 +78,8 @@ def quantize(model, where: Union[None, Mapping, Callable] = None, *, dtype=jnp.i
                 "placeholder there); leave the layer out with where=, e.g. where=lambda "
                 f"path, layer: path != {_specs.path_str(path)!r}.")
         q = QuantizedArray.quantize(w, dtype, axis=-1, block_size=block_size, master=master)
+        if q.master is None:  # a master is sent as the op quantizes it (comm_dtype)
+            check_stored_comm(f"quantize: {_specs.path_str(path)}", q, getattr(x, "rule", None))
         return eqx.tree_at(lambda l: l.weight, x, q)
 
     out = jax.tree_util.tree_map_with_path(one, model, is_leaf=_is_layer)

@@ -106,7 +106,9 @@ def decoding_fixes(rule: Rule, data: bool, seq_dim: Optional[int]) -> dict:
     if data:
         fixes[0] = (f"a batch that {rule.fsdp.axis!r} does not divide (one sequence while "
                     "decoding, say) can go without one: call the layer on x[0] (no batch "
-                    "dimension: the layer gathers its weight whole), or pad the batch")
+                    "dimension: the layer gathers its weight whole), run those steps "
+                    "under a plan without FSDP (fusedpar.parallelize(model, plan) "
+                    "re-plans a parallel model), or pad the batch")
     if rule.sequence_parallel and seq_dim is not None:
         fixes[seq_dim] = (f"a sequence that {rule.tp.axis!r} does not divide (a few tokens "
                           "while decoding, say) needs no sequence parallelism: run those "
