@@ -12,7 +12,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import fusedpar
 from fusedpar import QuantizedArray
-from helpers import assert_close, mesh, normal
+from helpers import assert_close, equations, mesh, normal
 
 DTYPES = [jnp.int8, jnp.float8_e4m3fn]
 
@@ -246,6 +246,20 @@ def test_bad_input():
         emb = fusedpar.Embedding(6, 10, key=jax.random.key(0))
         eqx.tree_at(lambda e: e.weight, emb, QuantizedArray.quantize(emb.weight))(
             jnp.arange(3))
+
+
+def test_describe_leaves_out_the_gradient_a_stored_weight_does_not_get():
+    """A weight stored quantized (no master) gets no gradient: neither its FSDP
+    reduce-scatter runs nor does `collectives()` (what `describe` prints) list it."""
+    layer = fusedpar.quantize(fusedpar.ColumnLinear(8, 16, key=jax.random.key(0),
+                                                    fsdp_axis="fsdp", backend="reference"))
+    fwd, bwd = layer.collectives()
+    assert bwd == ["psum dx over tp", "psum db over fsdp"], bwd  # the bias still trains
+    with jax.set_mesh(mesh((2, 4), ("fsdp", "tp"))):
+        jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(jnp.sin(layer(x)))))(
+            jnp.ones((4, 8, 8)))
+    names = {e.primitive.name for e in equations(jaxpr)}
+    assert "psum" in names and "reduce_scatter" not in names, names
 
 
 def test_quantize_takes_the_parallelizing_plan_and_refuses_a_tie():

@@ -21,6 +21,15 @@ def _in(layer, style, name) -> str:
     return "" if d is None else f" in {jnp.dtype(d).name}"
 
 
+def _backward(layer, bwd) -> list:
+    """`bwd` without the weight gradient's collectives where the weight gets none: one
+    stored quantized without a master serves (no gradient reaches its values)."""
+    w = layer.weight
+    if isinstance(w, QuantizedArray) and w.master is None:
+        bwd = [c for c in bwd if "dW" not in c]
+    return bwd + _bias_grad_sum(layer)
+
+
 def _bias_grad_sum(layer) -> list:
     """A bias is added to every shard of an output sharded along the batch (FSDP) or the
     sequence (a sequence-parallel RowLinear), so its gradient is summed over those axes."""
@@ -79,7 +88,7 @@ def column(layer) -> tuple[list, list]:
         bwd += [f"matmul_reduce_scatter dW over {f.axis}{fg}"] if f else []
         bwd.append(f"psum dx over {tp.axis}")
     fwd += [f"all_gather y over {tp.axis}"] if tp.gather_output else []
-    return fwd, bwd + _bias_grad_sum(layer)
+    return fwd, _backward(layer, bwd)
 
 
 def row(layer) -> tuple[list, list]:
@@ -102,7 +111,7 @@ def row(layer) -> tuple[list, list]:
         fwd = ([f"all_gather_matmul W over {f.axis}{fw}"] if f else []) + [
             f"psum y over {tp.axis}"]
         bwd = [f"matmul_reduce_scatter dW over {f.axis}{fg}"] if f else []
-    return fwd, bwd + _bias_grad_sum(layer)
+    return fwd, _backward(layer, bwd)
 
 
 def fsdp(layer) -> tuple[list, list]:
@@ -110,7 +119,7 @@ def fsdp(layer) -> tuple[list, list]:
     f = layer.rule.fsdp
     if f.gather == "activations":
         fwd, bwd = _by_activations(layer, None, None)
-        return fwd, bwd + _bias_grad_sum(layer)
+        return fwd, _backward(layer, bwd)
     return ([f"all_gather_matmul W over {f.axis}{_in(layer, f, 'comm_dtype')}"],
-            [f"matmul_reduce_scatter dW over {f.axis}{_in(layer, f, 'grad_comm_dtype')}"]
-            + _bias_grad_sum(layer))
+            _backward(layer, [f"matmul_reduce_scatter dW over {f.axis}"
+                              f"{_in(layer, f, 'grad_comm_dtype')}"]))
