@@ -259,7 +259,7 @@ def test_describe_leaves_out_the_gradient_a_stored_weight_does_not_get():
         jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(jnp.sin(layer(x)))))(
             jnp.ones((4, 8, 8)))
     names = {e.primitive.name for e in equations(jaxpr)}
-    assert "psum" in names and "reduce_scatter" not in names, names
+    assert "psum_invariant" in names and "reduce_scatter" not in names, names  # dx: psum
 
 
 def test_quantize_takes_the_parallelizing_plan_and_refuses_a_tie():
