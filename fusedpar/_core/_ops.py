@@ -110,7 +110,10 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
                                w_invariant=bool(w_invariant), vma_typed=bool(check_vma),
                                reduce_dtype=None if reduce_dtype is None else reduce_dtype.name)
     choice = _choose(call, backend, unroll, precision, options, where)
-    missing = _missing_flags(where.platform, choice)
+    # Compile-only devices take their flags from the compile call (aot.compiler_options).
+    mesh = target if isinstance(target, jax.sharding.Mesh) else (
+        _target.concrete_mesh() if target is None else None)
+    missing = "" if _target.compile_only(mesh) else _missing_flags(where.platform, choice)
     if missing:  # XLA reads them once: say so, rather than set them behind your back
         choice = dataclasses.replace(choice, reason=f"{choice.reason}; {missing}")
     if (where.platform == "tpu" and axis_size > 2 and choice.runs_ring

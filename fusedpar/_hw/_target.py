@@ -170,6 +170,13 @@ def automatic_axes() -> tuple:
     return tuple((a, n) for a, n in zip(mesh.axis_names, mesh.axis_sizes) if a not in manual)
 
 
+def compile_only(mesh) -> bool:
+    """Whether `mesh`'s devices are compile-only (`fusedpar.aot.mesh`): they compile
+    programs but hold no arrays, and take their compiler flags from the compile call."""
+    return mesh is not None and any(type(d.client).__name__ == "CompileOnlyPyClient"
+                                    for d in mesh.devices.flat)
+
+
 def concrete_mesh():
     """The `jax.sharding.Mesh` (its devices, with their coordinates) the code being traced
     runs on, or None where no such mesh can be found.

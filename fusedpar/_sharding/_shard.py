@@ -10,6 +10,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from . import _specs
+from .._hw import _target
 
 
 def _warn(dropped):
@@ -62,7 +63,7 @@ def init_sharded(make: Callable, mesh, *args, relaxed: bool = False, **kwargs):
     `init_sharded(lambda key: MLP(..., key=key), mesh, key)`). Validation and
     `relaxed` as in `shard`.
     """
-    if any(type(d.client).__name__ == "CompileOnlyPyClient" for d in mesh.devices.flat):
+    if _target.compile_only(mesh):
         # JAX's own error is "'Executable' object has no attribute 'local_devices'".
         raise ValueError(
             "init_sharded: the mesh's devices are compile-only (fusedpar.aot.mesh), which "
