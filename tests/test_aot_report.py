@@ -109,6 +109,35 @@ ENTRY %main (x: f16[8,8], w: f16[4,8]) -> (f16[8,8], f16[8,8]) {
 """
 
 
+# XLA's all-reduce combiner: the loss's 4-byte psum (forward) and a bias gradient
+# (backward) in one all-reduce of their concatenation, with no name of its own; its
+# reduction region carries the loss's.
+MERGED = """\
+HloModule merged, is_scheduled=true
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b), metadata={op_name="jit(step)/jvp()/psum"}
+}
+
+ENTRY %main (loss: f32[1], db: f32[64]) -> f32[65] {
+  %loss = f32[1]{0} parameter(0)
+  %db = f32[64]{0} parameter(1)
+  %l = f32[1]{0} negate(%loss), metadata={op_name="jit(step)/jvp()/neg"}
+  %g = f32[64]{0} negate(%db), metadata={op_name="jit(step)/transpose(jvp())/reduce_sum"}
+  %cat = f32[65]{0} concatenate(%l, %g), dimensions={0}
+  %ar-start = f32[65]{0} all-reduce-start(%cat), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%sum, backend_config={"operation_queue_id":"0"}
+  ROOT %ar-done = f32[65]{0} all-reduce-done(%ar-start)
+}
+"""
+
+
+def test_a_merged_collective_goes_with_its_largest_part():
+    (t,) = aot.overlap(MERGED).transfers
+    assert t.op == ("other", "", "backward") and (t.bytes, t.sent) == (260, 390)
+
+
 def test_hideable_transfers_are_those_with_an_independent_matmul():
     r = aot.overlap(DEPENDENT)
     gather, reduce = r.transfers

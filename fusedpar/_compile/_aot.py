@@ -465,8 +465,16 @@ def _transfer(module, i, kind, by_name, computation, matmuls, hideable=True) -> 
     arrays = tuple(a for s in shapes for a in _hlo.array_shapes(s))
     # A collective the compiler wrapped or merged without a name (a TPU reduce-scatter
     # fusion; the all-reduce XLA makes of a step's gradient all-reduces, fed by a
-    # concatenate without one either) belongs to the op whose result it sends.
-    name = _hlo.op_name(module, i) or _producer_op_name(module, operands, by_name)
+    # concatenate without one either) belongs to the op whose result it sends. One XLA
+    # merged from several keeps the name of one of them (the loss's 4-byte all-reduce,
+    # merged with the gradients'): it belongs to the op of its largest operand.
+    # (Not the names inside a reduction's to_apply region: those are the first merged
+    # all-reduce's.)
+    reducing = i.opcode.replace("-start", "") in ("all-reduce", "reduce-scatter")
+    name = i.op_name if reducing else _hlo.op_name(module, i)
+    if len(operands) > 1 and all(o is not None for o in operands):
+        name = _producer_op_name(module, operands, by_name) or name
+    name = name or _producer_op_name(module, operands, by_name)
     return Transfer(i.name, kind, _op_of(name), nbytes, computation,
                     matmuls, laid_out, arrays, hideable or bool(matmuls),
                     sent=_sent(module, i, kind, nbytes))
@@ -486,9 +494,11 @@ def _sent(module, i, kind: str, nbytes: int) -> int:
 
 def _producer_op_name(module, operands, by_name, depth: int = 4) -> str:
     """The op_name of the nearest producer of `operands` that has one, searching `depth`
-    levels up the computation's dataflow; "" if none does."""
+    levels up the computation's dataflow, the largest first at each level (what XLA
+    concatenated into one collective belongs with its bulk); "" if none does."""
     frontier = [o for o in operands if o is not None]
     for _ in range(depth):
+        frontier.sort(key=lambda o: -_hlo.shape_bytes(o.shape))
         name = next((n for n in (_hlo.op_name(module, o) for o in frontier) if n), "")
         if name:
             return name
