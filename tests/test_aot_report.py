@@ -110,8 +110,8 @@ ENTRY %main (x: f16[8,8], w: f16[4,8]) -> (f16[8,8], f16[8,8]) {
 
 
 # XLA's all-reduce combiner: the loss's 4-byte psum (forward) and a bias gradient
-# (backward) in one all-reduce of their concatenation, with no name of its own; its
-# reduction region carries the loss's.
+# (backward, behind an unnamed copy) in one all-reduce of their concatenation, with no
+# name of its own; its reduction region carries the loss's.
 MERGED = """\
 HloModule merged, is_scheduled=true
 
@@ -126,7 +126,8 @@ ENTRY %main (loss: f32[1], db: f32[64]) -> f32[65] {
   %db = f32[64]{0} parameter(1)
   %l = f32[1]{0} negate(%loss), metadata={op_name="jit(step)/jvp()/neg"}
   %g = f32[64]{0} negate(%db), metadata={op_name="jit(step)/transpose(jvp())/reduce_sum"}
-  %cat = f32[65]{0} concatenate(%l, %g), dimensions={0}
+  %gb = f32[64]{0} copy(%g)
+  %cat = f32[65]{0} concatenate(%l, %gb), dimensions={0}
   %ar-start = f32[65]{0} all-reduce-start(%cat), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%sum, backend_config={"operation_queue_id":"0"}
   ROOT %ar-done = f32[65]{0} all-reduce-done(%ar-start)
 }

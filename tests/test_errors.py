@@ -607,8 +607,8 @@ LAYERS = [
         lambda: jax.eval_shape(jax.shard_map(
             lambda x: x * fusedpar.local_size(8, "tp"), mesh=mesh((8,), ("model",)),
             in_specs=P("model"), out_specs=P("model")), S((8,), jnp.float32)),
-        ValueError, ("local_size: axis 'tp' is not an axis of the mesh in context",
-                     "its axes are ('model',)")),
+        ValueError, ("local_size: axis 'tp' is not an axis of the mesh of the enclosing "
+                     "shard_map", "its axes are ('model',)")),
     Row("layers", "local_size of a count that does not divide",
         lambda: jax.eval_shape(jax.shard_map(
             lambda x: x * fusedpar.local_size(6, "tp"), mesh=mesh((2, 4), ("fsdp", "tp")),
@@ -985,6 +985,10 @@ DEMO_BENCH = [
                                       __import__("fusedpar.aot").aot.mesh("v5e:2x4"),
                                       jax.random.key(0)), ValueError,
         ("init_sharded: the mesh's devices are compile-only", "eqx.filter_eval_shape")),
+    Row("aot", "shard of arrays onto compile-only devices",
+        lambda: fusedpar.shard(fusedpar.ColumnLinear(8, 8, key=KEY), __import__(
+            "fusedpar.aot").aot.mesh("v5e:2x4", (8,), ("tp",))), ValueError,
+        ("shard: the mesh's devices are compile-only", "eqx.filter_eval_shape")),
     Row("ops", "TPU kernels for another generation than the mesh's", _aot_tpu_mesh_chip,
         ValueError, ("the mesh's devices are TPU v5 lite", "not TPU v6e")),
     Row("bench", "FUSEDPAR_BENCH_SIZES not cpu/accelerator", _bench_sizes("gpu"), ValueError,

@@ -127,6 +127,36 @@ def test_lax_backends_multiply_only_their_share_of_a_data_parallel_batch(backend
         assert_close((g.weight, g.bias), (w.weight, w.bias), F32, f"d{name}")
 
 
+def test_one_example_under_vmap_and_checkpoint_keeps_the_batch_where_it_is():
+    """The same mesh, the layers called on one example (seq, features) under
+    jax.vmap(jax.checkpoint(...)), the batch sharded over "data" outside their view:
+    they leave "data" to XLA rather than put it on the example's sequence (which cost
+    two all-to-alls over "data"). Values equal dense."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    layers = (fusedpar.ColumnLinear(IN, HID, key=k1, backend="ring"),
+              fusedpar.RowLinear(HID, IN, key=k2, backend="ring"))
+    dense = (eqx.nn.Linear(IN, HID, key=k1), eqx.nn.Linear(HID, IN, key=k2))
+
+    def loss(model, x):
+        up, down = model
+        per_example = jax.checkpoint(lambda x: jnp.sum(jnp.sin(down(jnp.tanh(up(x))))))
+        return jnp.sum(jax.vmap(per_example)(x))
+
+    m = mesh((2, 4), ("data", "tp"))
+    x = normal(0, (BATCH, SEQ, IN), F32)
+    with jax.set_mesh(m):
+        model = fusedpar.shard(layers, m)
+        xs = jax.device_put(x, jax.sharding.NamedSharding(m, P("data")))
+        step = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+        text = step.lower(model, xs).compile().compiled.as_text()
+        got = step(model, xs)
+    assert not re.search(r"all-to-all(-start)?\(", text)
+    want = eqx.filter_value_and_grad(_dense_loss)(dense, x)
+    assert_close(got[0], want[0], F32, "loss")
+    for g, w, name in zip(got[1], want[1], ("up", "down")):
+        assert_close((g.weight, g.bias), (w.weight, w.bias), F32, f"d{name}")
+
+
 def test_fused_tpu_kernels_refused_where_an_axis_is_left_to_xla():
     """Inside a shard_map manual over "tp" only, on a ("data", "tp") mesh, the TPU
     kernels cannot run (they address devices by every mesh coordinate; interpret mode's

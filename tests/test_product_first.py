@@ -161,6 +161,8 @@ def test_explain_reads_a_named_axis_as_the_op_does():
         seen["replicated"] = fusedpar.explain("all_gather_matmul", x, w, "x")
         seen["sharded"] = fusedpar.explain("all_gather_matmul", x, w_sharded, "x")
         seen["size"] = fusedpar.explain("all_gather_matmul", x, w, 8)
+        seen["int8 grads"] = fusedpar.explain("all_gather_matmul", x, w, "x",
+                                              grad_comm_dtype=jnp.int8)
         return fusedpar.all_gather_matmul(x, w, "x")[None]
 
     prog = jax.shard_map(f, mesh=mesh((8,), ("x",)), in_specs=(P("x"), P(), P("x")),
@@ -170,5 +172,6 @@ def test_explain_reads_a_named_axis_as_the_op_does():
                 if e.primitive.name == "all_gather"]
     assert seen["replicated"].product_first and gathered == [N]
     assert not seen["sharded"].product_first and not seen["size"].product_first
+    assert not seen["int8 grads"].product_first  # no quantized backward multiplies first
     with pytest.raises(ValueError, match="outside shard_map pass the axis's size"):
         fusedpar.explain("all_gather_matmul", x, w, "x")

@@ -185,8 +185,9 @@ def test_explain_reports_missing_overlap_flags(monkeypatch):
     assert ("XLA_FLAGS lacks --xla_gpu_enable_latency_hiding_scheduler=true "
             "--xla_gpu_experimental_parallel_collective_overlap_limit=2") in choice.reason
     assert "fusedpar.set_overlap_flags()" in choice.reason
-    assert "lacks" not in fusedpar.explain(AGM, x, w, 8, backend="ring", bidirectional=True,
-                                           target=_aot_mesh("h100x8")).reason
+    for compile_only in (_aot_mesh("h100x8"), _aot_mesh("h100x8").devices.flat[0]):
+        assert "lacks" not in fusedpar.explain(AGM, x, w, 8, backend="ring",
+                                               bidirectional=True, target=compile_only).reason
     monkeypatch.setenv("XLA_FLAGS", fusedpar.gpu_overlap_flags())
     assert "lacks" not in fusedpar.explain(AGM, x, w, 8, **gpu).reason
     # TPU: the flags of XLA's own collectives, read from LIBTPU_INIT_ARGS.

@@ -472,8 +472,11 @@ def _transfer(module, i, kind, by_name, computation, matmuls, hideable=True) -> 
     # all-reduce's.)
     reducing = i.opcode.replace("-start", "") in ("all-reduce", "reduce-scatter")
     name = i.op_name if reducing else _hlo.op_name(module, i)
-    if len(operands) > 1 and all(o is not None for o in operands):
-        name = _producer_op_name(module, operands, by_name) or name
+    parts = _merged_parts(module, operands, by_name)
+    if len(parts) > 1:
+        named = [(_hlo.shape_bytes(p.shape), _producer_op_name(module, [p], by_name))
+                 for p in parts]
+        name = max(((b, n) for b, n in named if n), default=(0, name))[1]
     name = name or _producer_op_name(module, operands, by_name)
     return Transfer(i.name, kind, _op_of(name), nbytes, computation,
                     matmuls, laid_out, arrays, hideable or bool(matmuls),
@@ -486,19 +489,29 @@ def _sent(module, i, kind: str, nbytes: int) -> int:
     cannot be read, as the replay assumes)."""
     if kind == "collective-permute":
         return nbytes
-    inner = _hlo.collective_inside(module, i) or i
-    groups = _hlo.replica_groups(inner, module.devices)
-    n = max((len(g) for g in groups), default=1) if groups is not None else module.devices
-    return round(nbytes * _hlo.ring_factor(kind, n))
+    n = _hlo.group_size(_hlo.collective_inside(module, i) or i, module.devices)
+    return round(nbytes * _hlo.ring_factor(kind, module.devices if n is None else n))
+
+
+def _merged_parts(module, operands, by_name) -> list:
+    """What XLA merged into one collective: its operands, or the operands of the
+    concatenation (bare, or as a fusion) that is its one operand; [] where unknown."""
+    if any(o is None for o in operands):
+        return []
+    if len(operands) == 1:
+        (o,) = operands
+        root = next((module.roots.get(c) for c in o.calls if c in module.roots), None)
+        if o.opcode == "concatenate" or (o.opcode == "fusion" and root is not None
+                                         and root.opcode == "concatenate"):
+            return [by_name[n] for n in o.operands if n in by_name]
+    return list(operands)
 
 
 def _producer_op_name(module, operands, by_name, depth: int = 4) -> str:
     """The op_name of the nearest producer of `operands` that has one, searching `depth`
-    levels up the computation's dataflow, the largest first at each level (what XLA
-    concatenated into one collective belongs with its bulk); "" if none does."""
+    levels up the computation's dataflow; "" if none does."""
     frontier = [o for o in operands if o is not None]
     for _ in range(depth):
-        frontier.sort(key=lambda o: -_hlo.shape_bytes(o.shape))
         name = next((n for n in (_hlo.op_name(module, o) for o in frontier) if n), "")
         if name:
             return name
@@ -535,7 +548,8 @@ def predict(program, target):
         if found is None:
             raise ValueError(f"predict: target must be a target name, a Mesh of devices or "
                              f"a cost_model.Hardware, got {target!r}.")
-        compiled_for = _platform_of(_text(program))
+        program = _text(program)  # once: as_text() of a large program takes a while
+        compiled_for = _platform_of(program)
         if compiled_for not in (None, found.platform):
             raise ValueError(
                 f"predict: the program was compiled for a {compiled_for.upper()} (its HLO "

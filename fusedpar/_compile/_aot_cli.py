@@ -236,14 +236,16 @@ def _missing_axis(label, mesh, error):
 
 
 def _raised_by_fusedpar(error) -> bool:
-    """Whether `error` was raised in fusedpar's own code (its checks of the layers and
-    ops, whose messages say what to change), not in the program's or JAX's."""
+    """Whether `error` was raised by the checks of fusedpar's layers, ops and specs,
+    whose messages say what to change: not in the program's code, JAX's, or this
+    compiling package's (a bug there keeps its traceback)."""
     tb = error.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    checks = tuple(os.path.join(package, d) + os.sep for d in ("_nn", "_core", "_sharding"))
     return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(
-        package + os.sep)
+        checks)
 
 
 def _compiled(args, label, mesh, fn, arguments, options):

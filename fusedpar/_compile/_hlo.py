@@ -27,7 +27,7 @@ from ._hlo_bytes import (dma_bytes as dma_bytes, in_place_bytes as in_place_byte
                          operand_bytes as operand_bytes, read_bytes as read_bytes,
                          sent_operands as sent_operands,
                          written_bytes as written_bytes)
-from ._hlo_groups import (replica_groups as replica_groups,
+from ._hlo_groups import (group_size as group_size, replica_groups as replica_groups,
                           source_target_pairs as source_target_pairs)
 from ._hlo_kinds import (collective_inside as collective_inside,
                          collective_kind as collective_kind, dataflow as dataflow,

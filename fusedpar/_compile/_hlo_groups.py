@@ -27,6 +27,13 @@ def source_target_pairs(i: Instruction) -> Optional[list]:
     return [(int(s), int(t)) for s, t in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
 
 
+def group_size(i: Instruction, devices: int) -> Optional[int]:
+    """Devices in the largest replica group of collective `i` (`replica_groups`), None
+    where its groups cannot be read."""
+    groups = replica_groups(i, devices)
+    return None if groups is None else max((len(g) for g in groups), default=1)
+
+
 def replica_groups(i: Instruction, devices: int) -> Optional[list]:
     """The groups of devices a collective runs over, each a list of device ids, from
     any of the forms XLA prints: listed (`{{0,1},{2,3}}`; `{}` is all `devices`),

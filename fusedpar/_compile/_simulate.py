@@ -214,12 +214,12 @@ class _Replay:
 
     def group_size(self, i) -> int:
         """Devices in the largest replica group of collective `i`."""
-        groups = _hlo.replica_groups(i, self.module.devices)
-        if groups is None:
+        n = _hlo.group_size(i, self.module.devices)
+        if n is None:
             self.note(f"{i.opcode} {i.name}: replica groups not read",
                       f"all {self.module.devices} devices in one group")
             return self.module.devices
-        return max((len(g) for g in groups), default=1)
+        return n
 
     def flow(self, i, kind: str, nbytes: float) -> tuple:
         """`(bytes per message, rate alone, latency, {resource: messages}, links)` of

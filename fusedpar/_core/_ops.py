@@ -52,7 +52,7 @@ def _explain_target(target, platform) -> _target.Target:
 def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
             bidirectional=None, unroll=None, precision=None, options=None,
             platform=None, target=None, comm_dtype=None, w_invariant=None,
-            check_vma=None, reduce_dtype=None) -> Choice:
+            check_vma=None, reduce_dtype=None, grad_comm_dtype=None) -> Choice:
     """Which backend (and ring shape) `op` would use for these local operands, and why.
 
     `x` and `w` may be arrays or `jax.ShapeDtypeStruct`s with per-device shapes;
@@ -74,7 +74,9 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     `check_vma=True` (default as `w_invariant`'s) says the op runs inside a
     `jax.shard_map` that checks varying axes (its default): a backend whose kernels need
     `check_vma=False` (the fused TPU kernels) is not chosen there, as the op does.
-    `reduce_dtype`: the op's (the reduce-scatter's partial sums, estimated in it).
+    `reduce_dtype`: the op's (the reduce-scatter's partial sums, estimated in it);
+    `grad_comm_dtype` the op's (gradients that travel quantized rule out multiplying
+    first, as in the op).
 
     Called inside a `jax.shard_map` that leaves mesh axes to XLA, it decides as the op
     would there (the fused TPU kernels cannot run: every mesh axis must be manual). On a
@@ -96,13 +98,14 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
         axis_size = _validate.axis_size("explain", axis_name)
     _validate.ring_size("explain", axis_size)
     where = _explain_target(target, platform)
-    _, call, _ = _validate.op_call(op, x, w, axis_size, gather, dim, bidirectional,
-                                   comm_dtype, unroll=unroll, where="explain")
+    _, call, grad_comm_dtype = _validate.op_call(op, x, w, axis_size, gather, dim,
+                                                 bidirectional, comm_dtype, grad_comm_dtype,
+                                                 unroll=unroll, where="explain")
     _validate.flag("explain", "w_invariant", w_invariant)
     _validate.flag("explain", "check_vma", check_vma)
-    if w_invariant is None:  # as `_run_here` reads it (a ShapeDtypeStruct has no type)
+    if w_invariant is None:  # as the op reads it (a ShapeDtypeStruct has no type)
         w_invariant = (axis_name is not None and not isinstance(w, jax.ShapeDtypeStruct)
-                       and _vma.invariant(w, axis_name))
+                       and _multiplies_first(w, axis_name, grad_comm_dtype))
     if check_vma is None:
         check_vma = axis_name is not None and _vma.checked(axis_name)
     reduce_dtype = _validate.reduce_dtype("explain", reduce_dtype, x.dtype)
@@ -111,9 +114,8 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
                                reduce_dtype=None if reduce_dtype is None else reduce_dtype.name)
     choice = _choose(call, backend, unroll, precision, options, where)
     # Compile-only devices take their flags from the compile call (aot.compiler_options).
-    mesh = target if isinstance(target, jax.sharding.Mesh) else (
-        _target.concrete_mesh() if target is None else None)
-    missing = "" if _target.compile_only(mesh) else _missing_flags(where.platform, choice)
+    devices = _target.concrete_mesh() if target is None else target  # a mesh, a device
+    missing = "" if _target.compile_only(devices) else _missing_flags(where.platform, choice)
     if missing:  # XLA reads them once: say so, rather than set them behind your back
         choice = dataclasses.replace(choice, reason=f"{choice.reason}; {missing}")
     if (where.platform == "tpu" and axis_size > 2 and choice.runs_ring
@@ -121,6 +123,14 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
         choice = dataclasses.replace(choice,
                                      reason=f"{choice.reason}; {_schedule.INDEX_ORDER_HINT}")
     return choice
+
+
+def _multiplies_first(w, axis_name, grad_comm_dtype) -> bool:
+    """Whether the op may multiply first and gather the product (`Call.w_invariant`): w
+    typed invariant over `axis_name` (never guessed), and gradients that travel in x's
+    own dtype (`_product_first` has no quantized backward)."""
+    return (grad_comm_dtype is None and not isinstance(w, _quantize.Quantized)
+            and _vma.invariant(w, axis_name))
 
 
 def _names_an_axis(axis_size) -> bool:
@@ -215,10 +225,7 @@ def _run_here(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unrol
         return _empty(op, x, w, axis_name, gather, dim, out_dtype, gathered)
     target = _target.current(x, *jax.tree.leaves(w))
     automatic = _target.automatic_axes()
-    # Multiplying first needs w typed invariant (never guessed), and gradients that
-    # travel in x's own dtype (`_product_first` has no quantized backward).
-    invariant = (grad_comm_dtype is None and not isinstance(w, _quantize.Quantized)
-                 and _vma.invariant(w, axis_name))
+    invariant = _multiplies_first(w, axis_name, grad_comm_dtype)
     call = dataclasses.replace(call, automatic_axes=automatic, w_invariant=invariant,
                                vma_typed=_vma.checked(axis_name), w_transposed=w_transposed,
                                w_resident=w_resident,

@@ -170,11 +170,14 @@ def automatic_axes() -> tuple:
     return tuple((a, n) for a, n in zip(mesh.axis_names, mesh.axis_sizes) if a not in manual)
 
 
-def compile_only(mesh) -> bool:
-    """Whether `mesh`'s devices are compile-only (`fusedpar.aot.mesh`): they compile
-    programs but hold no arrays, and take their compiler flags from the compile call."""
-    return mesh is not None and any(type(d.client).__name__ == "CompileOnlyPyClient"
-                                    for d in mesh.devices.flat)
+def compile_only(where) -> bool:
+    """Whether the devices of `where` (a `jax.sharding.Mesh`, a device, or None: none)
+    are compile-only (`fusedpar.aot`'s): they compile programs but hold no arrays, and
+    take their compiler flags from the compile call."""
+    devices = (where.devices.flat if isinstance(where, jax.sharding.Mesh)
+               else () if where is None else (where,))
+    return any(type(getattr(d, "client", None)).__name__ == "CompileOnlyPyClient"
+               for d in devices)
 
 
 def concrete_mesh():

@@ -184,7 +184,8 @@ def layouts(mesh, axes, x, x_spec, y_spec, every_axis: bool = True) -> tuple:
     """`(x_spec, y_spec, manual axes)` of a layer's `shard_map` over `axes` on the global
     `x`.
 
-    With `every_axis` (a layer whose ops may run Pallas kernels) it is manual over every
+    With `every_axis` (a layer whose ops may run Pallas kernels, or whose input has a
+    batch on Auto axes: `_layers`) it is manual over every
     axis of `mesh`, not only the layer's: a fused TPU kernel addresses its neighbours by
     their coordinates on every mesh axis, and interpret-mode kernels (host callbacks) run
     only where every axis is manual. It also makes the ops inside see the per-device
@@ -231,15 +232,19 @@ def local_size(n: int, axis) -> int:
     `n // size of axis` inside a `jax.shard_map` that binds `axis` (the arrays are
     per-device shards), `n` anywhere else (global arrays under `jax.set_mesh`, or no
     mesh). E.g. the attention heads a device computes:
-    `fusedpar.local_size(num_heads, "tp")`. Raises if `n` does not divide, or if a mesh
-    in context lacks `axis`.
+    `fusedpar.local_size(num_heads, "tp")`. Raises if `n` does not divide, or, inside a
+    `shard_map`, if its mesh lacks `axis` (where a typo would give the global `n` for a
+    per-device shard); on global arrays a mesh without `axis` (a model written for
+    tensor parallelism on a mesh without it) gives `n`.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and axis not in mesh.axis_names:  # a typo would silently give n
-        raise ValueError(f"local_size: axis {axis!r} is not an axis of the mesh in context "
-                         f"(its axes are {tuple(mesh.axis_names)}); name the axis the "
-                         "layers shard the dimension over.")
-    if mesh.empty or axis not in (getattr(mesh, "manual_axes", ()) or ()):
+    manual = tuple(getattr(mesh, "manual_axes", ()) or ()) if not mesh.empty else ()
+    if manual and axis not in mesh.axis_names:
+        raise ValueError(
+            f"local_size: axis {axis!r} is not an axis of the mesh of the enclosing "
+            f"shard_map (its axes are {tuple(mesh.axis_names)}): name the axis the layers "
+            "shard the dimension over, or use n where nothing shards it on this mesh.")
+    if axis not in manual:
         return n
     size = lax.axis_size(axis)
     if n % size:

@@ -55,18 +55,18 @@ def quantize(model, where: Union[None, Mapping, Callable] = None, *, dtype=jnp.i
     used = set()
 
     def chosen(path, layer) -> bool:
-        if where is None:
-            return True
         name = _specs.path_str(path)
-        if callable(where) and not isinstance(where, Mapping):
-            return bool(where(name, layer))
-        hits = [p for p in where if fnmatch.fnmatchcase(name, p)]
-        used.update(hits)
-        return bool(hits)
+        if isinstance(where, Mapping):  # a plan's patterns may name embeddings too
+            hits = [p for p in where if fnmatch.fnmatchcase(name, p)]
+            used.update(hits)
+            return bool(hits) and _is_linear(layer)
+        if _is_embedding(layer):  # its table stays as it is: looked up, not multiplied
+            return False
+        return where is None or bool(where(name, layer))
 
     def one(path, x):
-        if not _is_layer(x) or not chosen(path, x) or _is_embedding(x):
-            return x  # an embedding's table stays as it is (it is looked up, not multiplied)
+        if not _is_layer(x) or not chosen(path, x):
+            return x
         w = x.weight
         if isinstance(w, QuantizedArray):
             raise ValueError(f"quantize: {_specs.path_str(path)}.weight is already "
@@ -78,17 +78,16 @@ def quantize(model, where: Union[None, Mapping, Callable] = None, *, dtype=jnp.i
                 "placeholder there); leave the layer out with where=, e.g. where=lambda "
                 f"path, layer: path != {_specs.path_str(path)!r}.")
         q = QuantizedArray.quantize(w, dtype, axis=-1, block_size=block_size, master=master)
-        if q.master is None:  # a master is sent as the op quantizes it (comm_dtype)
-            check_stored_comm(f"quantize: {_specs.path_str(path)}", q, getattr(x, "rule", None))
+        # The FSDP gather sends the values' dtype, a master quantized to it too.
+        check_stored_comm(f"quantize: {_specs.path_str(path)}", q, getattr(x, "rule", None))
         return eqx.tree_at(lambda l: l.weight, x, q)
 
     out = jax.tree_util.tree_map_with_path(one, model, is_leaf=_is_layer)
     if isinstance(where, Mapping):
         unused = [p for p in where if p not in used]
         if unused:
-            leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_linear)[0]
-            names = [_specs.path_str(p) for p, x in leaves if _is_linear(x)]
+            leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_layer)[0]
+            names = [_specs.path_str(p) for p, x in leaves if _is_layer(x)]
             raise ValueError(f"quantize: plan pattern(s) {unused} matched no linear layer "
-                             "or embedding; "
-                             f"the model's linear layers are {names}.")
+                             f"or embedding; the model's are {names}.")
     return out

@@ -45,6 +45,13 @@ def shard(model, mesh, *, relaxed: bool = False):
     _warn(dropped)
     params, static = eqx.partition(model, _specs.is_param)
     leaves, treedef = jax.tree.flatten(params)
+    if _target.compile_only(mesh) and any(eqx.is_array(x) for x in leaves):
+        # JAX's own error is "MakeArraysFromHostBufferShards not available with
+        # compile-only client".
+        raise ValueError(
+            "shard: the mesh's devices are compile-only (fusedpar.aot.mesh), which hold no "
+            "arrays; shard the model's shapes instead: fusedpar.shard("
+            "eqx.filter_eval_shape(make_model, ...), mesh) gives the skeleton to lower with.")
     shardings = treedef.flatten_up_to(_shardings(params, mesh))
     arrays = [i for i, x in enumerate(leaves) if eqx.is_array(x)]  # one transfer for all
     placed = jax.device_put([leaves[i] for i in arrays], [shardings[i] for i in arrays])
@@ -67,8 +74,8 @@ def init_sharded(make: Callable, mesh, *args, relaxed: bool = False, **kwargs):
         # JAX's own error is "'Executable' object has no attribute 'local_devices'".
         raise ValueError(
             "init_sharded: the mesh's devices are compile-only (fusedpar.aot.mesh), which "
-            "hold no arrays; to compile for them, lower with the sharded skeleton of the "
-            "model's shapes: fusedpar.shard(eqx.filter_eval_shape(make, *args), mesh).")
+            "hold no arrays; shard the model's shapes instead: fusedpar.shard("
+            "eqx.filter_eval_shape(make, *args), mesh) gives the skeleton to lower with.")
     abstract = eqx.filter_eval_shape(make, *args, **kwargs)
     abstract, dropped = _specs.validate(abstract, mesh, relaxed=relaxed)
     _warn(dropped)

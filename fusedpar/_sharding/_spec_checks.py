@@ -104,11 +104,13 @@ def decoding_fixes(rule: Rule, data: bool, seq_dim: Optional[int]) -> dict:
     what decoding one sequence, a few tokens at a time, runs into."""
     fixes = {}
     if data:
+        # (An FSDP-only layer has no plan without FSDP to be re-planned to.)
+        replan = (", run those steps under a plan without FSDP (fusedpar.parallelize("
+                  "model, plan) re-plans a parallel model)" if rule.tp is not None else "")
         fixes[0] = (f"a batch that {rule.fsdp.axis!r} does not divide (one sequence while "
                     "decoding, say) can go without one: call the layer on x[0] (no batch "
-                    "dimension: the layer gathers its weight whole), run those steps "
-                    "under a plan without FSDP (fusedpar.parallelize(model, plan) "
-                    "re-plans a parallel model), or pad the batch")
+                    f"dimension: the layer gathers its weight whole){replan}, or pad the "
+                    "batch")
     if rule.sequence_parallel and seq_dim is not None:
         fixes[seq_dim] = (f"a sequence that {rule.tp.axis!r} does not divide (a few tokens "
                           "while decoding, say) needs no sequence parallelism: run those "
