@@ -157,6 +157,25 @@ def test_one_example_under_vmap_and_checkpoint_keeps_the_batch_where_it_is():
         assert_close((g.weight, g.bias), (w.weight, w.bias), F32, f"d{name}")
 
 
+def test_an_fsdp_embedding_keeps_a_data_parallel_batch():
+    """A vocabulary-parallel FSDP Embedding on a (2, 2, 2) ("data", "fsdp", "tp") mesh of
+    Auto axes, ids laid out over ("data", "fsdp"): each device looks up its quarter of the
+    batch (left to XLA, the ids were gathered over "data": every data replica looked up
+    the same half, and every layer after it multiplied twice its share). Values equal
+    the dense lookup."""
+    table = eqx.nn.Embedding(64, 32, key=jax.random.key(0))
+    emb = fusedpar.parallelize({"e": table}, {"e": fusedpar.Row(sequence_parallel=True),
+                                              "*": "fsdp"})
+    ids = jax.random.randint(jax.random.key(1), (16, 16), 0, 64)
+    m = mesh((2, 2, 2), ("data", "fsdp", "tp"))
+    with jax.set_mesh(m):
+        emb = fusedpar.shard(emb, m)
+        out = jax.jit(lambda e, t: e["e"](t))(
+            emb, jax.device_put(ids, jax.sharding.NamedSharding(m, P(("data", "fsdp")))))
+    assert out.addressable_shards[0].data.shape == (4, 8, 32)
+    assert_close(out, jax.vmap(jax.vmap(table))(ids), F32, "lookup")
+
+
 def test_fused_tpu_kernels_refused_where_an_axis_is_left_to_xla():
     """Inside a shard_map manual over "tp" only, on a ("data", "tp") mesh, the TPU
     kernels cannot run (they address devices by every mesh coordinate; interpret mode's
