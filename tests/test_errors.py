@@ -172,6 +172,15 @@ def _other_mesh_call():
         return eqx.filter_eval_shape(lambda l, x: l(x), layer, jnp.ones((2, 8)))
 
 
+def _swapped_axes_call():
+    """A layer placed on a (2, 2, 2) ("data", "fsdp", "tp") mesh, traced under one whose
+    first two names are swapped: the sizes agree, the axes do not."""
+    layer = fusedpar.shard(_col(8, 8, fsdp_axis="fsdp"),
+                           mesh((2, 2, 2), ("data", "fsdp", "tp")))
+    with jax.set_mesh(mesh((2, 2, 2), ("fsdp", "data", "tp"))):
+        return eqx.filter_eval_shape(lambda l, x: l(x), layer, jnp.ones((4, 8)))
+
+
 def _restore_other_model():
     """An (8, 16) weight read from a checkpoint into a sharded skeleton's (8, 8) one (what
     `eqx.tree_deserialise_leaves` asks per leaf; it adds the leaf's path)."""
@@ -507,6 +516,10 @@ LAYERS = [
         ("ColumnLinear: its weight is placed on a mesh {'fsdp': 2, 'tp': 4}",
          "called under jax.set_mesh of a mesh {'fsdp': 4, 'tp': 2}",
          "fusedpar.shard(model, mesh)")),
+    Row("layers", "weight placed on one mesh, called under one with its axes reordered",
+        lambda: _swapped_axes_call(), ValueError,
+        ("its weight is placed on a mesh {'data': 2, 'fsdp': 2, 'tp': 2}",
+         "called under jax.set_mesh of a mesh {'fsdp': 2, 'data': 2, 'tp': 2}")),
     Row("layers", "checkpoint of another model restored into a sharded skeleton",
         _restore_other_model, ValueError,
         ("deserialise_filter_spec: the checkpoint holds an array of shape (8, 16) where "
@@ -735,6 +748,9 @@ SPECS = [
         lambda: fusedpar.shard(_col(8, 8, axis="model"), mesh((2, 4), ("fsdp", "tp"))),
         ValueError, ("ColumnLinear: mesh axis 'model' (Column, axis=): not in the mesh",
                      "('fsdp', 'tp')", "Name one of them")),
+    Row("specs", "shard: a typo of a mesh axis",
+        lambda: fusedpar.shard(_col(8, 8, axis="pt"), mesh((2, 4), ("fsdp", "tp"))),
+        ValueError, ("mesh axis 'pt' (Column, axis=; did you mean 'tp'?)",)),
     Row("specs", "shard: axes not in the mesh, several layers",
         lambda: fusedpar.shard({"up": _col(8, 8, axis="model", fsdp_axis="data"),
                                 "down": _col(8, 8)}, mesh((2, 4), ("fsdp", "tp"))),

@@ -76,10 +76,12 @@ def _shape(mesh) -> dict:
 
 def check_same_mesh(where: str, weight, mesh) -> None:
     """Raise if the layer's `weight` is placed on a mesh of another shape than `mesh`, the
-    one set: JAX cannot use an array of one mesh in a program on another (a (2, 4) and a
-    (4, 2) mesh with the same axis names even abort the process, in its Shardy pass)."""
+    one set, its axes in another order included: JAX cannot use an array of one mesh in a
+    program on another (a (2, 4) and a (4, 2) mesh with the same axis names even abort
+    the process, in its Shardy pass), and two meshes of equal sizes whose names differ
+    in order moved every weight on every call."""
     placed = _placed_mesh(weight)
-    if placed is None or _shape(placed) == _shape(mesh):
+    if placed is None or list(_shape(placed).items()) == list(_shape(mesh).items()):
         return
     raise ValueError(
         f"{where}: its weight is placed on a mesh {_shape(placed)}, but it is called under "

@@ -170,8 +170,8 @@ def check_axes(model, sizes: dict) -> None:
            if is_layer(x) and (missing := x.rule.missing_axes(sizes))]
     if bad:
         raise ValueError(f"{'; '.join(bad)}: not in the mesh, whose axes are "
-                         f"{tuple(sizes)}. Name one of them (e.g. FSDP({tuple(sizes)[0]!r}) "
-                         "in a plan), or build the mesh with that axis.")
+                         f"{tuple(sizes)}. Name one of them in the style (the layer's "
+                         "argument above, or the plan's), or build the mesh with that axis.")
 
 
 def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:

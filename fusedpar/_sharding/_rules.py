@@ -11,6 +11,7 @@ styles whose axes do not divide their dimension).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from typing import Optional, Union
 
@@ -61,9 +62,16 @@ class Rule:
     def missing_axes(self, names) -> list:
         """Each axis of this rule not among the mesh axis `names`, with the style that
         uses it and the layer argument that set it, e.g. `"'fsdp' (FSDP, fsdp_axis=)"`."""
-        return [f"{s.axis!r} ({type(s).__name__}, "
-                f"{'fsdp_axis=' if isinstance(s, FSDP) else 'axis='})"
-                for s in (self.tp, self.fsdp) if s is not None and s.axis not in names]
+        out = []
+        for s in (self.tp, self.fsdp):
+            if s is not None and s.axis not in names:
+                # A typo's likely fix: the mesh's closest name ('pt' -> 'tp').
+                close = difflib.get_close_matches(s.axis, [str(n) for n in names], n=1,
+                                                  cutoff=0.5)
+                out.append(f"{s.axis!r} ({type(s).__name__}, "
+                           f"{'fsdp_axis=' if isinstance(s, FSDP) else 'axis='}"
+                           f"{f'; did you mean {close[0]!r}?' if close else ''})")
+        return out
 
     @property
     def sequence_parallel(self) -> bool:
