@@ -47,6 +47,23 @@ def _dense_loss(model, x):
     return jnp.sum(jnp.sin(down(jnp.tanh(up(x)))))
 
 
+def _equal_dense(got, dense, x):
+    """`got`, a (loss, grads) of `_loss`, equals the dense layers' on the same x."""
+    want = eqx.filter_value_and_grad(_dense_loss)(dense, x)
+    assert_close(got[0], want[0], F32, "loss")
+    for g, w, name in zip(got[1], want[1], ("up", "down")):
+        assert_close((g.weight, g.bias), (w.weight, w.bias), F32, f"d{name}")
+
+
+def _compiled_step(loss, layers, x, m):
+    """(the compiled program, (loss, grads)) of `loss`'s value and gradient with
+    `layers` placed on mesh `m`, x as given."""
+    with jax.set_mesh(m):
+        model = fusedpar.shard(layers, m)
+        step = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+        return step.lower(model, x).compile().compiled, step(model, x)
+
+
 @pytest.mark.parametrize("backend", [pytest.param("pallas_tpu", marks=pytest.mark.slow),
                                      "pallas_gpu"])
 def test_tensor_parallel_pallas_layers_beside_an_fsdp_axis(backend):
@@ -65,10 +82,7 @@ def test_tensor_parallel_pallas_layers_beside_an_fsdp_axis(backend):
     maps = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
     assert [set(e.params["newly_manual_axes"]) for e in maps] == [{"fsdp", "tp"}] * 2
     assert maps[0].params["in_specs"][-1] == P("fsdp", "tp", None)
-    want = eqx.filter_value_and_grad(_dense_loss)(dense, x)
-    assert_close(got[0], want[0], F32, "loss")
-    for g, w, name in zip(got[1], want[1], ("up", "down")):
-        assert_close((g.weight, g.bias), (w.weight, w.bias), F32, f"d{name}")
+    _equal_dense(got, dense, x)
 
 
 def test_other_auto_axes_go_on_the_batch_where_it_divides():
@@ -108,12 +122,7 @@ def test_lax_backends_multiply_only_their_share_of_a_data_parallel_batch(backend
     whole batch onto every device: twice the matmuls, no error. Values equal dense."""
     layers, dense = _layers(backend)
     x = normal(0, (BATCH, SEQ, IN), F32)
-    m = mesh((2, 4), ("data", "tp"))
-    with jax.set_mesh(m):
-        model = fusedpar.shard(layers, m)
-        step = eqx.filter_jit(eqx.filter_value_and_grad(_loss))
-        compiled = step.lower(model, x).compile().compiled
-        got = step(model, x)
+    compiled, got = _compiled_step(_loss, layers, x, mesh((2, 4), ("data", "tp")))
     # Each device's share of the three matmuls per layer (XLA counts 1.74x it before).
     share = 2 * 3 * 2 * BATCH * SEQ * IN * HID / 8
     assert compiled.cost_analysis()["flops"] < 1.25 * share
@@ -121,10 +130,7 @@ def test_lax_backends_multiply_only_their_share_of_a_data_parallel_batch(backend
     over_data = [line for line in text.splitlines() if re.search(r"all-gather(-start)?\(", line)
                  and ("{{0,4}" in line or "[4,2]<=[2,4]T(1,0)" in line)]
     assert not over_data, over_data  # (the weight gradients' all-reduce is over "data")
-    want = eqx.filter_value_and_grad(_dense_loss)(dense, x)
-    assert_close(got[0], want[0], F32, "loss")
-    for g, w, name in zip(got[1], want[1], ("up", "down")):
-        assert_close((g.weight, g.bias), (w.weight, w.bias), F32, f"d{name}")
+    _equal_dense(got, dense, x)
 
 
 def test_one_example_under_vmap_and_checkpoint_keeps_the_batch_where_it_is():
@@ -144,17 +150,10 @@ def test_one_example_under_vmap_and_checkpoint_keeps_the_batch_where_it_is():
 
     m = mesh((2, 4), ("data", "tp"))
     x = normal(0, (BATCH, SEQ, IN), F32)
-    with jax.set_mesh(m):
-        model = fusedpar.shard(layers, m)
-        xs = jax.device_put(x, jax.sharding.NamedSharding(m, P("data")))
-        step = eqx.filter_jit(eqx.filter_value_and_grad(loss))
-        text = step.lower(model, xs).compile().compiled.as_text()
-        got = step(model, xs)
-    assert not re.search(r"all-to-all(-start)?\(", text)
-    want = eqx.filter_value_and_grad(_dense_loss)(dense, x)
-    assert_close(got[0], want[0], F32, "loss")
-    for g, w, name in zip(got[1], want[1], ("up", "down")):
-        assert_close((g.weight, g.bias), (w.weight, w.bias), F32, f"d{name}")
+    xs = jax.device_put(x, jax.sharding.NamedSharding(m, P("data")))
+    compiled, got = _compiled_step(loss, layers, xs, m)
+    assert not re.search(r"all-to-all(-start)?\(", compiled.as_text())
+    _equal_dense(got, dense, x)
 
 
 def test_an_fsdp_embedding_keeps_a_data_parallel_batch():
