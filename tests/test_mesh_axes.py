@@ -175,6 +175,26 @@ def test_an_fsdp_embedding_keeps_a_data_parallel_batch():
     assert_close(out, jax.vmap(jax.vmap(table))(ids), F32, "lookup")
 
 
+def test_cross_entropy_keeps_a_data_parallel_batch():
+    """Logits (batch, seq, vocab) on a (2, 2, 2) ("data", "fsdp", "tp") mesh of Auto axes:
+    the loss's shard_map is manual over every axis, the batch on ("data", "fsdp") as the
+    layers that make the logits put it (left to XLA, a small GPT's step exchanged "data"
+    and "fsdp" around the loss: 10 collective-permutes, 2 with this). Values equal the
+    dense loss."""
+    logits = normal(0, (8, 16, 64), F32)
+    labels = jax.random.randint(jax.random.key(1), (8, 16), 0, 64)
+    m = mesh((2, 2, 2), ("data", "fsdp", "tp"))
+    loss = lambda l, y: fusedpar.cross_entropy(l, y, "tp")  # noqa: E731
+    with jax.set_mesh(m):
+        jaxpr = jax.make_jaxpr(loss)(logits, labels)
+        got = jax.jit(loss)(logits, labels)
+    (sm,) = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
+    assert set(sm.params["newly_manual_axes"]) == {"data", "fsdp", "tp"}
+    assert sm.params["in_specs"][0] == P(("data", "fsdp"), None, "tp")
+    want = -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1)[..., 0]
+    assert_close(got, want, F32, "loss")
+
+
 def test_fused_tpu_kernels_refused_where_an_axis_is_left_to_xla():
     """Inside a shard_map manual over "tp" only, on a ("data", "tp") mesh, the TPU
     kernels cannot run (they address devices by every mesh coordinate; interpret mode's
