@@ -182,12 +182,13 @@ def gather_invariant(x, axis_name, axis):
     return all_gather_invariant(x, axis_name, axis=axis, tiled=True)
 
 
-def layouts(mesh, axes, x, x_spec, y_spec, every_axis: bool = True) -> tuple:
+def layouts(mesh, axes, x, x_spec, y_spec, every_axis: bool = True,
+            batched: bool = False) -> tuple:
     """`(x_spec, y_spec, manual axes)` of a layer's `shard_map` over `axes` on the global
-    `x`.
+    `x`; `batched`: `x` has a batch (dim 0 of `(batch, seq, ...)`).
 
-    With `every_axis` (a layer whose ops may run Pallas kernels, or whose input has a
-    batch on Auto axes: `_layers`) it is manual over every
+    With `every_axis` (a layer whose ops may run Pallas kernels), or with Auto axes and
+    `batched`, it is manual over every
     axis of `mesh`, not only the layer's: a fused TPU kernel addresses its neighbours by
     their coordinates on every mesh axis, and interpret-mode kernels (host callbacks) run
     only where every axis is manual. It also makes the ops inside see the per-device
@@ -197,7 +198,15 @@ def layouts(mesh, axes, x, x_spec, y_spec, every_axis: bool = True) -> tuple:
     the input's type does not say, on dim 0 where it divides (`_specs.with_unknown_axes`:
     a data-parallel batch; dim 0's axes in mesh order), else replicated.
 
-    Without it (lax collectives only) it is manual over `axes` and XLA lays out the other
+    Left to XLA, a batch sharded over another Auto axis ("data") was lost where the ops
+    put the sequence before it (their 2-D form), and the whole batch gathered onto every
+    device: twice the matmuls on a (2, 4) data x tensor mesh; an FSDP embedding looked
+    its ids up on every "data" replica; the loss exchanged "data" and "fsdp".
+
+    Otherwise (lax collectives only, no batch: one example `(seq, ...)` under a
+    per-example vmap with a checkpoint or scan inside, whose batch is sharded outside
+    the layer's view, where the other axes on dim 0 would move the batch onto the
+    sequence) it is manual over `axes` and XLA lays out the other
     Auto axes; Explicit ones the input carries are kept as above. Where every one of
     `axes` has size 1 it is manual over every axis all the same: XLA's partitioner
     refuses a collective over axes of size 1 beside automatic ones ("Cross-partition
@@ -208,7 +217,7 @@ def layouts(mesh, axes, x, x_spec, y_spec, every_axis: bool = True) -> tuple:
         x2, y2 = _specs.with_other_axes(current_spec(x), x_spec, y_spec, axes)
         return x2, y2, every if every_axis or (x2, y2) != (x_spec, y_spec) else set(axes)
     sizes = _specs.mesh_sizes(mesh)
-    if not every_axis and any(sizes[a] > 1 for a in axes):
+    if not (every_axis or batched) and any(sizes[a] > 1 for a in axes):
         return x_spec, y_spec, set(axes)
     others = tuple(a for a in mesh.axis_names if a not in axes)
     x_spec, y_spec = _specs.with_unknown_axes(x.shape, x_spec, y_spec, others, sizes,

@@ -222,13 +222,10 @@ class Embedding(eqx.Module):
             _specs.check_spec(f"Embedding: ids of shape {ids.shape}", ids.shape + (1,),
                               out_spec, sizes, what="input", fixes=fixes)
         # The output has one more dimension than the ids: lay both out as the output.
-        # Lax collectives only; the mesh's other Auto axes go on a batch of ids (else
-        # XLA replicated the lookup over "data" when FSDP shares dim 0), as the linear
-        # layers' do (`ColumnLinear._global` says why not without one).
-        batch = ids.ndim >= 2 and not _context.is_explicit(mesh, rule.axes)
+        # Lax collectives only: the mesh's other Auto axes go on a batch of ids.
         padded, out_spec, manual = _context.layouts(mesh, rule.axes, ids,
                                                     P(*ids_spec, None), out_spec,
-                                                    every_axis=batch)
+                                                    every_axis=False, batched=ids.ndim >= 2)
         ids_spec = P(*tuple(padded)[:ids.ndim])
         return _context.shard_mapped(
             functools.partial(Embedding._local, rule=rule), mesh, rule.axes, manual, self,

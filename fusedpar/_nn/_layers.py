@@ -240,19 +240,14 @@ class ParallelLinear(eqx.Module):
         platform = _target.current(x).platform
         check = _dispatch.check_vma(self.backend, platform)
         # Every axis manual where a kernel may run (it addresses devices by their
-        # coordinates on every axis; `auto` then estimates per-device shapes), and under
-        # Auto axes where x has a batch (dim 0 of (batch, seq, features)): left to XLA,
-        # its partitioner loses a batch sharded over another axis ("data") where the ops
-        # put the sequence before it (their 2-D form) and gathers the whole batch onto
-        # every device, twice the matmuls on a (2, 4) data x tensor mesh. Elsewhere
-        # (`check`: the reference, the ring, `auto` on CPU) the layer's own axes, as for
-        # the embedding and the loss: one example (seq, features) under a jax.vmap with
-        # a checkpoint or scan inside has its batch sharded outside the layer's view
-        # (the other axes on its dim 0 would move the batch onto the sequence), and
-        # under Explicit axes that vmap takes the axis from a shard_map inside it.
-        batch = x.ndim >= 3 and not _context.is_explicit(mesh, rule.axes)
+        # coordinates on every axis; `auto` then estimates per-device shapes) and on a
+        # batch of Auto axes (`layouts` says why). Elsewhere (`check`: the reference, the
+        # ring, `auto` on CPU) the layer's own axes, as for the embedding and the loss:
+        # under Explicit axes a jax.vmap over a batch sharded on another axis takes that
+        # axis from a shard_map under a jit, scan or checkpoint inside it.
         x_spec, y_spec, manual = _context.layouts(mesh, rule.axes, x, x_spec, y_spec,
-                                                  every_axis=not check or batch)
+                                                  every_axis=not check,
+                                                  batched=x.ndim >= 3)
 
         def mapped(fn, args, arg_specs, out_spec):
             return _context.shard_mapped(fn, mesh, rule.axes, manual, self, pspecs, args,

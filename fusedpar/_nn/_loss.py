@@ -102,12 +102,10 @@ def _global(logits, labels, axis, mesh, ignore_index, vocab_size):
                          f"size of mesh axis {axis!r}; "
                          + _specs.pad_vocab_hint(vocab_size or vocab, size) + ".")
     n = logits.ndim
-    # Lax collectives only; the mesh's other Auto axes go on a batch of logits, as the
-    # layers that made them put them (left to XLA, they were moved between axes).
-    batch = n >= 3 and not _context.is_explicit(mesh, (axis,))
+    # Lax collectives only: the mesh's other Auto axes go on a batch of logits.
     logits_spec, loss_spec, manual = _context.layouts(
         mesh, (axis,), logits, P(*(None,) * (n - 1), axis), P(*(None,) * n),
-        every_axis=batch)
+        every_axis=False, batched=n >= 3)
     loss_spec = P(*tuple(loss_spec)[:n - 1])
     fn = functools.partial(_shard, axis=axis, ignore_index=ignore_index,
                            vocab_size=vocab_size)
