@@ -486,9 +486,7 @@ def _transfer(module, i, kind, by_name, computation, matmuls, hideable=True) -> 
 def _sent(module, i, kind: str, nbytes: int) -> int:
     """`Transfer.sent`: the bytes one device sends for collective `i` whose operands are
     `nbytes`, over a ring of its largest replica group (all devices where the groups
-    cannot be read, as the replay assumes)."""
-    if kind == "collective-permute":
-        return nbytes
+    cannot be read, as the replay assumes; a permute's are its operands whatever)."""
     n = _hlo.group_size(_hlo.collective_inside(module, i) or i, module.devices)
     return round(nbytes * _hlo.ring_factor(kind, module.devices if n is None else n))
 
