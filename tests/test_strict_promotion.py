@@ -129,3 +129,23 @@ def test_embedding_and_loss(dtype):
         assert_close(g, want_emb, dtype)
     assert_close(got[2], want_loss, dtype)
     assert_close(got[4], want_loss, dtype)
+
+
+def test_mixed_input_dtype_with_a_bias():
+    # docs/layers.md: under "strict" an input of another dtype than the weight is
+    # promoted with the standard rules (a bfloat16 layer given float32 computes in
+    # float32), the bias included; the product's float32 met a bfloat16 bias in
+    # `jnp.result_type` and raised TypePromotionError.
+    m = mesh((2, 4), ("fsdp", "tp"))
+    model = _mlp(jnp.bfloat16, sequence_parallel=True, fsdp_axis="fsdp")
+    x = normal(5, (2, 8, 16), jnp.float32)
+    dense = jax.tree.map(lambda a: a.astype(jnp.float32), model)
+    want = _dense_mlp(dense, x)
+    with strict():
+        got = [model[1](jnp.tanh(model[0](x)))]
+        with jax.set_mesh(m):
+            placed = fusedpar.shard(model, m)
+            got.append(eqx.filter_jit(lambda mo, v: mo[1](jnp.tanh(mo[0](v))))(placed, x))
+    for g in got:
+        assert g.dtype == jnp.float32
+        assert_close(g, want, jnp.float32)

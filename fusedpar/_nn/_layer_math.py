@@ -48,7 +48,8 @@ def add_bias(y, b):
     dtype `eqx.nn.Linear`'s `y + b` has (a float32 bias on a bfloat16 product: float32)."""
     if b is None:
         return y
-    out = y.dtype if b.dtype == y.dtype else jnp.result_type(y, b)
+    with jax.numpy_dtype_promotion("standard"):  # as `same_dtype`: mixed on purpose
+        out = y.dtype if b.dtype == y.dtype else jnp.result_type(y, b)
     # Type the bias as varying where `y` varies *before* broadcasting it: the transpose
     # of that implicit `pvary` is the bias gradient's psum, which then sums the
     # (out,) bias, not the broadcast (batch, seq, out) cotangent (on an FSDP x TP block
