@@ -481,6 +481,12 @@ LAYERS = [
     Row("layers", "fsdp_comm_dtype without fsdp_axis",
         lazy(lambda: fusedpar.RowLinear(8, 8, key=KEY, fsdp_comm_dtype=jnp.int8)),
         ValueError, ("RowLinear: fsdp_comm_dtype / fsdp_grad_comm_dtype", "pass fsdp_axis")),
+    Row("layers", "fsdp_grad_comm_dtype on a sequence-parallel layer",
+        lazy(lambda: _col(8, 8, sequence_parallel=True, fsdp_axis="fsdp",
+                          fsdp_grad_comm_dtype=jnp.int8)),
+        ValueError, ("ColumnLinear: FSDP(axis='fsdp'", "grad_comm_dtype sets the weight "
+                     "gradient's reduce-scatter where the FSDP gather is an "
+                     "all_gather_matmul", "Leave this layer's FSDP grad_comm_dtype None")),
     Row("quantized", "QuantizedArray dtype not int8 or fp8",
         lazy(lambda: fusedpar.QuantizedArray.quantize(jnp.ones((4, 8)), jnp.bfloat16)),
         ValueError, ("QuantizedArray.quantize: dtype must be one of jnp.int8, "

@@ -51,12 +51,7 @@ def gather_fsdp(w, rule: Rule):
         # reduce-scattered (straight through the quantization).
         full = g.dequantize()
         return _gather.straight_through(full, w.master.astype(full.dtype), f.axis, d)
-    if f.grad_comm_dtype is not None and f.comm_dtype is not None:
-        raise NotImplementedError(
-            f"FSDP(grad_comm_dtype={f.grad_comm_dtype}): a sequence-parallel layer gathers "
-            "its FSDP weight with lax.all_gather, whose gradient is a psum_scatter in the "
-            "weight's dtype; grad_comm_dtype applies where the gather is an "
-            "all_gather_matmul (the non-sequence-parallel layers).")
+    # (A grad_comm_dtype is refused here, when the layer's styles are composed.)
     return _gather.gather(w, f.axis, d, f.comm_dtype)
 
 

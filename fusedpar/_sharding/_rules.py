@@ -280,6 +280,15 @@ def compose(*styles, where: str = "layer") -> Rule:
     if fsdp is not None and fsdp.dim not in (None, 0, 1):
         raise ValueError(f"{where}: FSDP dim must be None, 0 or 1 (a weight dimension), "
                          f"got {fsdp.dim!r}.")
+    if (fsdp is not None and fsdp.grad_comm_dtype is not None and tp is not None
+            and tp.sequence_parallel):
+        raise ValueError(
+            f"{where}: {fsdp} with {tp}: grad_comm_dtype sets the weight gradient's "
+            "reduce-scatter where the FSDP gather is an all_gather_matmul; a "
+            "sequence-parallel layer's ring moves the activations and gathers its FSDP "
+            "weight whole (lax.all_gather), whose gradient is a psum_scatter in the "
+            "weight's dtype. Leave this layer's FSDP grad_comm_dtype None (in a plan, give "
+            "the sequence-parallel layers an FSDP style of their own).")
     rule = Rule(tp, fsdp)
     rule.param_specs(where, True)  # raises if an axis is used twice
     return rule
