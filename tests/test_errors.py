@@ -192,6 +192,16 @@ def _restore_other_model():
     fusedpar.deserialise_filter_spec(f, skeleton.weight)
 
 
+def _restore_other_dtype():
+    """A bfloat16 checkpoint (raw bytes to NumPy) read into a float16 skeleton."""
+    f = io.BytesIO()
+    jnp.save(f, jnp.zeros((8, 8), jnp.bfloat16))
+    f.seek(0)
+    skeleton = fusedpar.shard(eqx.filter_eval_shape(lambda: _col(8, 8, dtype=jnp.float16)),
+                              mesh((2, 4), ("fsdp", "tp")))
+    fusedpar.deserialise_filter_spec(f, skeleton.weight)
+
+
 def _emb_head():
     """Token ids -> vocabulary-parallel embedding -> column-parallel head, per example."""
     embed, head = _emb(), _col(8, 16)
@@ -530,6 +540,10 @@ LAYERS = [
         _restore_other_model, ValueError,
         ("deserialise_filter_spec: the checkpoint holds an array of shape (8, 16) where "
          "the skeleton has (8, 8)", "restore it into the model it was saved from")),
+    Row("layers", "checkpoint restored into a skeleton of another dtype",
+        _restore_other_dtype, ValueError,
+        ("deserialise_filter_spec: the checkpoint holds a bfloat16 array of shape (8, 8) "
+         "where the skeleton has float16", "build the skeleton in bfloat16")),
     Row("layers", "called under the deprecated `with mesh:`",
         lambda: _legacy_mesh_call(), ValueError,
         ("ColumnLinear: called inside `with mesh:`", "{'tp': 4}",
@@ -1002,6 +1016,14 @@ DEMO_BENCH = [
     Row("aot", "overlap of something that is not a compiled program",
         lambda: __import__("fusedpar.aot").aot.overlap(42), TypeError,
         ("overlap: program must be a compiled program",)),
+    Row("aot", "a lowered program not compiled yet",
+        lambda: __import__("fusedpar.aot").aot.overlap(jax.jit(jnp.sin).lower(1.0)),
+        TypeError, ("overlap: program is a jax.stages.Lowered, not compiled yet",
+                    "lowered.compile()")),
+    Row("aot", "a program compiled for this CPU replayed as a TPU's",
+        lambda: __import__("fusedpar.aot").aot.predict(
+            jax.jit(jnp.sin).lower(1.0).compile(), "v5e:2x4"), ValueError,
+        ("predict: the program was compiled for a CPU", "the target is a TPU")),
     Row("aot", "init_sharded on compile-only devices",
         lambda: fusedpar.init_sharded(lambda k: fusedpar.ColumnLinear(8, 8, key=k),
                                       __import__("fusedpar.aot").aot.mesh("v5e:2x4"),

@@ -308,10 +308,21 @@ class Report:
         return "\n".join(lines)
 
 
-def _platform_of(text: str) -> Optional[str]:
-    """The platform an HLO text was compiled for, where its dialect says: TPU layouts
-    carry tiles (`{1,0:T(8,128)}`), GPU instructions a stream in their backend config;
-    None for anything else (a CPU program, a hand-written one)."""
+def _platform_of(program, text: str) -> Optional[str]:
+    """The platform `program` was compiled for: that of the devices its shardings name (a
+    compiled program), else what its HLO dialect says (TPU layouts carry tiles,
+    `{1,0:T(8,128)}`; GPU instructions a stream in their backend config); None for a
+    text that says neither (a CPU program's, a hand-written one)."""
+    import jax
+
+    platforms = set()
+    for tree in (getattr(program, "input_shardings", ()),
+                 getattr(program, "output_shardings", ())):
+        for sharding in jax.tree.leaves(tree):
+            platforms |= {d.platform for d in getattr(sharding, "device_set", ())}
+    if len(platforms) == 1:
+        found = platforms.pop()
+        return "gpu" if found in ("cuda", "rocm") else found
     if ":T(" in text:
         return "tpu"
     if '"operation_queue_id"' in text or "__cublas$" in text:
@@ -319,13 +330,23 @@ def _platform_of(text: str) -> Optional[str]:
     return None
 
 
-def _text(program) -> str:
-    if isinstance(program, str):
-        return program
-    if hasattr(program, "as_text"):
-        return program.as_text()
-    raise TypeError(f"overlap: program must be a compiled program (jax.jit(f).lower(...)"
-                    f".compile()) or its as_text(), got {type(program).__name__}.")
+def _text(program, where: str = "overlap") -> str:
+    """`program`'s compiled HLO text; a `Lowered` (not compiled yet) is refused: its
+    StableHLO has no schedule, and read as HLO it showed nothing to overlap or time."""
+    import jax
+
+    if isinstance(program, jax.stages.Lowered):
+        raise TypeError(f"{where}: program is a jax.stages.Lowered, not compiled yet; pass "
+                        "lowered.compile() (the schedule read is the compiler's).")
+    if hasattr(program, "as_text") and not isinstance(program, str):
+        program = program.as_text()
+    if not isinstance(program, str):
+        raise TypeError(f"{where}: program must be a compiled program (jax.jit(f).lower(...)"
+                        f".compile()) or its as_text(), got {type(program).__name__}.")
+    if program.lstrip().startswith("module @"):
+        raise ValueError(f"{where}: program is StableHLO text (a Lowered's as_text()), not "
+                         "a compiled program's HLO; pass lowered.compile() or its as_text().")
+    return program
 
 
 def overlap(program) -> Report:
@@ -546,12 +567,13 @@ def predict(program, target):
         if found is None:
             raise ValueError(f"predict: target must be a target name, a Mesh of devices or "
                              f"a cost_model.Hardware, got {target!r}.")
-        program = _text(program)  # once: as_text() of a large program takes a while
-        compiled_for = _platform_of(program)
+        text = _text(program, "predict")  # once: as_text() of a large program is slow
+        compiled_for = _platform_of(program, text)
+        program = text
         if compiled_for not in (None, found.platform):
             raise ValueError(
-                f"predict: the program was compiled for a {compiled_for.upper()} (its HLO "
-                f"says so), but the target is a {found.platform.upper()} ("
+                f"predict: the program was compiled for a {compiled_for.upper()} (its "
+                f"devices or its HLO say so), but the target is a {found.platform.upper()} ("
                 f"{found.device_kind or found.platform}): "
                 "replay it with the target it was compiled for.")
         hardware = cost_model.get_hardware(found.cost_preset)
@@ -561,5 +583,5 @@ def predict(program, target):
         if found.platform == "tpu" and all(getattr(d, "coords", None) is not None
                                            for d in devices):
             coords = [_registry.position(d, found.kind) for d in devices]
-    return _simulate.predict(_text(program), hardware, coords)
+    return _simulate.predict(_text(program, "predict"), hardware, coords)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -37,12 +38,32 @@ def deserialise_filter_spec(f, like):
             and isinstance(sharding, NamedSharding)):
         return eqx.default_deserialise_filter_spec(f, like)
     value = np.load(f)
-    if value.dtype.kind == "V" and value.dtype.itemsize == np.dtype(like.dtype).itemsize:
-        # `jnp.save` writes a dtype NumPy does not know (bfloat16, the float8s) as raw
-        # bytes, which `np.load` reads back as void: they are the skeleton's dtype.
-        value = value.view(like.dtype)
+    stored = _stored_dtype(value.dtype, np.dtype(like.dtype))
     if value.shape != tuple(like.shape):
         raise ValueError(f"deserialise_filter_spec: the checkpoint holds an array of shape "
                          f"{value.shape} where the skeleton has {tuple(like.shape)} "
                          f"({like.dtype}); restore it into the model it was saved from.")
-    return jax.device_put(value, sharding)
+    if stored != np.dtype(like.dtype):
+        raise ValueError(
+            f"deserialise_filter_spec: the checkpoint holds a {stored} array of shape "
+            f"{value.shape} where the skeleton has {like.dtype}; build the skeleton in "
+            f"{stored} (the dtype it was saved in) and cast the restored model after.")
+    return jax.device_put(value.view(stored), sharding)
+
+
+def _stored_dtype(loaded: np.dtype, like: np.dtype) -> np.dtype:
+    """The dtype an array was saved in, from the dtype `np.load` gives it.
+
+    `jnp.save` writes a dtype NumPy does not know as raw bytes, which `np.load` reads
+    back as void: two bytes are bfloat16 (what `jnp.load` assumes; float16 is NumPy's
+    own), one byte a float8 or int4, which the file does not tell apart: the
+    skeleton's, where it is one of those. Equinox's own reader then checks the dtype; read
+    as the skeleton's bytes, a bfloat16 checkpoint restored into a float16 skeleton came
+    back as nonsense weights without a word."""
+    if loaded.kind != "V":
+        return loaded
+    if loaded.itemsize == 2:
+        return np.dtype(jnp.bfloat16)
+    if loaded.itemsize == 1 and like.itemsize == 1 and like.kind == "V":
+        return like  # ml_dtypes' float8s and int4 are kind "V" to NumPy
+    return loaded
