@@ -113,3 +113,22 @@ def test_bfloat16_bias_gradients_of_a_2d_mesh_compile_on_cpu():
     for g, w in ((got.bias, want.bias), (got.weight, want.weight)):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         np.testing.assert_allclose(g, w, atol=4 * eps * np.abs(w).max())
+
+
+def test_numpy_integer_sizes_as_eqx_linear_takes_them():
+    # A size from NumPy arithmetic (np.prod of a shape) is what eqx.nn.Linear accepts;
+    # the layers, parallelize and cross_entropy refused np.int64 as "not a positive int".
+    dim = np.prod((2, 4))
+    with warnings.catch_warnings():  # Equinox's own: "A JAX array is being set as static"
+        warnings.simplefilter("ignore", UserWarning)
+        lin = eqx.nn.Linear(dim, np.int32(6), key=KEY)
+    layer = fusedpar.ColumnLinear(dim, np.int32(6), key=KEY)
+    assert (type(layer.in_features), type(layer.out_features)) == (int, int)
+    x = jnp.arange(8.0)
+    np.testing.assert_allclose(layer(x), lin(x), rtol=1e-6)
+    planned = fusedpar.parallelize({"up": lin}, {"up": "column"})["up"]
+    assert planned.in_features == 8 and type(planned.in_features) is int
+    logits, labels = jnp.zeros((2, 8)), jnp.array([3, -1])
+    got = fusedpar.cross_entropy(logits, labels, None, ignore_index=np.int64(-1),
+                                 vocab_size=np.int64(8))
+    np.testing.assert_allclose(got, [np.log(8.0), 0.0], rtol=1e-6)

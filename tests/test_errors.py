@@ -540,6 +540,18 @@ LAYERS = [
         _restore_other_model, ValueError,
         ("deserialise_filter_spec: the checkpoint holds an array of shape (8, 16) where "
          "the skeleton has (8, 8)", "restore it into the model it was saved from")),
+    Row("layers", "shard with its arguments swapped",
+        lambda: fusedpar.shard(mesh((2, 4), ("fsdp", "tp")), _col(8, 8)), TypeError,
+        ("shard: mesh must be a jax.sharding.Mesh or AbstractMesh", "got ColumnLinear",
+         "the arguments are (model, mesh)")),
+    Row("layers", "init_sharded given a model, not a function that builds one",
+        lambda: fusedpar.init_sharded(_col(8, 8), mesh((2, 4), ("fsdp", "tp"))), TypeError,
+        ("init_sharded: make must be a function that builds the model",
+         "use fusedpar.shard(model, mesh)")),
+    Row("layers", "arrays sharded onto an AbstractMesh",
+        lambda: fusedpar.shard(_col(8, 8), jax.sharding.AbstractMesh((4,), ("tp",))),
+        ValueError, ("shard: an AbstractMesh has no devices to build arrays on",
+                     "eqx.filter_eval_shape")),
     Row("layers", "checkpoint restored into a skeleton of another dtype",
         _restore_other_dtype, ValueError,
         ("deserialise_filter_spec: the checkpoint holds a bfloat16 array of shape (8, 8) "

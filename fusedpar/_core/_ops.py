@@ -96,7 +96,7 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
                 "jax.shard_map binds (none binds it here); outside shard_map pass the "
                 "axis's size, an int.") from None
         axis_size = _validate.axis_size("explain", axis_name)
-    _validate.ring_size("explain", axis_size)
+    axis_size = _validate.ring_size("explain", axis_size)
     where = _explain_target(target, platform)
     _, call, grad_comm_dtype = _validate.op_call(op, x, w, axis_size, gather, dim,
                                                  bidirectional, comm_dtype, grad_comm_dtype,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 
 import jax
@@ -73,9 +74,15 @@ def _unmeshed_axes(names) -> tuple:
     return tuple(a for a in names if a not in (getattr(mesh, "axis_names", ()) or ()))
 
 
+def is_int(v) -> bool:
+    """An integer that is not a bool: a Python int or a NumPy one (`np.int64(8)`, what
+    arithmetic on NumPy shapes gives, and what `eqx.nn.Linear` accepts)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
 def normalize_dim(op, dim, ndim, what, valid):
     """Normalise a possibly negative `dim` of a rank-`ndim` array; `valid` lists allowed."""
-    if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)):
+    if not is_int(dim):
         raise TypeError(f"{op}: dim must be an int, got {dim!r}.")
     dim = int(dim)
     d = dim + ndim if dim < 0 else dim
@@ -185,10 +192,11 @@ def _integer_sums(op, dtype, x_dtype):
     return d
 
 
-def ring_size(op, axis_size):
-    if not isinstance(axis_size, int) or isinstance(axis_size, bool) or axis_size < 1:
+def ring_size(op, axis_size) -> int:
+    if not is_int(axis_size) or axis_size < 1:
         raise ValueError(f"{op}: axis_size must be a positive int (the size of the mesh "
                          f"axis the op runs over), got {axis_size!r}.")
+    return int(axis_size)
 
 
 def comm_dtypes(op, dtype, **comm) -> None:

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from .._core import _validate
 from .._sharding import _specs
 from .._sharding._spec_checks import length as length
 from .._core._quantized_array import QuantizedArray
 
 
 def features(where, name, v):
-    """A positive int, or "scalar" as `eqx.nn.Linear` takes it (a dimension of 1)."""
-    if v != "scalar" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+    """`v` as a Python int, or "scalar" as `eqx.nn.Linear` takes it (a dimension of 1);
+    refused unless a positive int (a NumPy one too) or "scalar"."""
+    if isinstance(v, str) and v == "scalar":
+        return v
+    if not _validate.is_int(v) or v < 1:
         raise ValueError(f"{where}: {name} must be a positive int or 'scalar', got {v!r}.")
+    return int(v)
 
 
 def param_dtype(where, dtype) -> None:

@@ -100,8 +100,8 @@ class ParallelLinear(eqx.Module):
 
     def _setup(self, in_features, out_features, use_bias, dtype, key, rule, backend):
         where = type(self).__name__
-        features(where, "in_features", in_features)
-        features(where, "out_features", out_features)
+        in_features = features(where, "in_features", in_features)
+        out_features = features(where, "out_features", out_features)
         param_dtype(where, dtype)
         _validate.boolean(where, "use_bias", use_bias)
         _dispatch.check_backend_name(where, backend)
@@ -119,11 +119,11 @@ class ParallelLinear(eqx.Module):
                                                 "out_features", "use_bias")):
             raise TypeError(f"{cls.__name__}.from_linear: linear must be an eqx.nn.Linear "
                             f"(or a fusedpar linear layer), got {type(linear).__name__}.")
-        for name in ("in_features", "out_features"):
-            features(cls.__name__, name, getattr(linear, name))
+        in_features, out_features = (features(cls.__name__, name, getattr(linear, name))
+                                     for name in ("in_features", "out_features"))
         _dispatch.check_backend_name(cls.__name__, backend)
         return _new(cls, weight=linear.weight, bias=linear.bias,
-                    in_features=linear.in_features, out_features=linear.out_features,
+                    in_features=in_features, out_features=out_features,
                     use_bias=linear.use_bias, rule=rule, backend=backend)
 
     def with_rule(self, rule: Rule):

@@ -20,7 +20,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from . import _context
-from .._core import _folding, _vma
+from .._core import _folding, _validate, _vma
 from .._sharding import _specs, _whole_model
 
 
@@ -57,11 +57,12 @@ def cross_entropy(logits, labels, axis: Optional[str] = "tp", *, ignore_index: i
         raise ValueError(f"{where}: labels must have the shape of logits without its last "
                          f"dimension, {logits.shape[:-1]}; got labels of shape "
                          f"{labels.shape}.")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+    if not _validate.is_int(ignore_index):
         raise TypeError(f"{where}: ignore_index must be an int, got {ignore_index!r}.")
-    if vocab_size is not None and (isinstance(vocab_size, bool) or
-                                   not isinstance(vocab_size, int) or vocab_size < 1):
+    if vocab_size is not None and (not _validate.is_int(vocab_size) or vocab_size < 1):
         raise ValueError(f"{where}: vocab_size must be a positive int, got {vocab_size!r}.")
+    ignore_index = int(ignore_index)
+    vocab_size = None if vocab_size is None else int(vocab_size)
     run = functools.partial(_apply, axis=axis, ignore_index=ignore_index,
                             vocab_size=vocab_size)
     return _folding.fold(run, (logits, labels), where=where)

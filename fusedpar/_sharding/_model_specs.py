@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from .._core._quantized_array import QuantizedArray
 from ._rules import Rule, TableRule
-from ._spec_checks import check_param_shapes, check_scalar, check_spec, mesh_sizes
+from ._spec_checks import (check_mesh, check_param_shapes, check_scalar, check_spec,
+                           mesh_sizes)
 
 
 def is_param(x) -> bool:
@@ -184,6 +185,7 @@ def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
     becomes a `fusedpar.Linear`, or an `Embedding` with no axis, with the same weights,
     called as before), and `dropped` lists each `Drop`.
     """
+    check_mesh("validate", mesh)
     sizes = mesh_sizes(mesh)
     dropped: list = []
     check_ties(model)

@@ -10,6 +10,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from . import _specs
+from ._spec_checks import check_mesh
 from .._hw import _target
 
 
@@ -41,10 +42,13 @@ def shard(model, mesh, *, relaxed: bool = False):
     (`eqx.filter_jit(donate="all")`) then deletes those arrays of `model` too. Keep
     using the sharded model, or copy what you still need.
     """
+    check_mesh("shard", mesh)
     model, dropped = _specs.validate(model, mesh, relaxed=relaxed)
     _warn(dropped)
     params, static = eqx.partition(model, _specs.is_param)
     leaves, treedef = jax.tree.flatten(params)
+    if any(eqx.is_array(x) for x in leaves):
+        check_mesh("shard", mesh, concrete=True)
     if _target.compile_only(mesh) and any(eqx.is_array(x) for x in leaves):
         # JAX's own error is "MakeArraysFromHostBufferShards not available with
         # compile-only client".
@@ -70,6 +74,13 @@ def init_sharded(make: Callable, mesh, *args, relaxed: bool = False, **kwargs):
     `init_sharded(lambda key: MLP(..., key=key), mesh, key)`). Validation and
     `relaxed` as in `shard`.
     """
+    check_mesh("init_sharded", mesh, concrete=True, first="make")
+    if isinstance(make, eqx.Module) and jax.tree.leaves(eqx.filter(make, eqx.is_array)):
+        # Called as make(*args), a layer asked for its input x.
+        raise TypeError(f"init_sharded: make must be a function that builds the model "
+                        f"(e.g. lambda key: MLP(..., key=key)), got a {type(make).__name__} "
+                        "holding arrays; to place a model you have, use "
+                        "fusedpar.shard(model, mesh).")
     if _target.compile_only(mesh):
         # JAX's own error is "'Executable' object has no attribute 'local_devices'".
         raise ValueError(

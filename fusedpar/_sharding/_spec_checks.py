@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 from ._rules import Rule, axes_of, axes_product
@@ -19,6 +20,23 @@ def check_fsdp_dim(where: str, fsdp_axis, fsdp_dim) -> None:
         raise ValueError(f"{where}: fsdp_dim={fsdp_dim!r} without fsdp_axis does nothing; "
                          "pass fsdp_axis (e.g. 'fsdp') to shard the weight with FSDP, or "
                          "drop fsdp_dim.")
+
+
+def check_mesh(where: str, mesh, *, concrete: bool = False, first: str = "model") -> None:
+    """Refuse a `mesh` that is not a `jax.sharding.Mesh` (or, unless `concrete`, an
+    `AbstractMesh`): a model passed where the mesh goes, a dict of sizes, None (which
+    failed inside as "'dict' object has no attribute 'axis_names'"). An AbstractMesh has
+    no devices to build arrays on (`concrete`). `first`: the argument before the mesh."""
+    kinds = (Mesh,) if concrete else (Mesh, AbstractMesh)
+    if isinstance(mesh, kinds):
+        return
+    if isinstance(mesh, AbstractMesh):
+        raise ValueError(f"{where}: an AbstractMesh has no devices to build arrays on; pass "
+                         "a jax.sharding.Mesh (jax.make_mesh), or shard the model's shapes: "
+                         "fusedpar.shard(eqx.filter_eval_shape(make, ...), abstract_mesh).")
+    want = "jax.sharding.Mesh" if concrete else "jax.sharding.Mesh or AbstractMesh"
+    raise TypeError(f"{where}: mesh must be a {want} (e.g. jax.make_mesh((2, 4), ('fsdp', "
+                    f"'tp'))), got {type(mesh).__name__}; the arguments are ({first}, mesh).")
 
 
 def mesh_sizes(mesh) -> dict:
