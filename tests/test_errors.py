@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fusedpar
@@ -190,6 +191,16 @@ def _restore_other_model():
     skeleton = fusedpar.shard(eqx.filter_eval_shape(lambda: _col(8, 8)),
                               mesh((2, 4), ("fsdp", "tp")))
     fusedpar.deserialise_filter_spec(f, skeleton.weight)
+
+
+def _explicit_data_fsdp_call():
+    """An FSDP layer on a batch of 6 placed over "data" (2) of an Explicit (2, 2, 2) mesh:
+    the layer adds "fsdp" to that batch (4 ways)."""
+    m = mesh((2, 2, 2), ("data", "fsdp", "tp"), AxisType.Explicit)
+    with jax.set_mesh(m):
+        layer = fusedpar.shard(_col(8, 16, fsdp_axis="fsdp"), m)
+        x = jax.device_put(jnp.ones((6, 4, 8)), NamedSharding(m, P("data")))
+        eqx.filter_jit(lambda l, x: l(x))(layer, x)
 
 
 def _restore_other_dtype():
@@ -540,6 +551,11 @@ LAYERS = [
         _restore_other_model, ValueError,
         ("deserialise_filter_spec: the checkpoint holds an array of shape (8, 16) where "
          "the skeleton has (8, 8)", "restore it into the model it was saved from")),
+    Row("layers", "Explicit axes: a batch the input's data axis divides, not with FSDP's",
+        lambda: _explicit_data_fsdp_call(), ValueError,
+        ("ColumnLinear: input of shape (6, 4, 8) (with the mesh axes its layout "
+         "P('data', None, None) carries beside the layer's)", "not divisible by 4",
+         "('data', 'fsdp')")),
     Row("layers", "shard with its arguments swapped",
         lambda: fusedpar.shard(mesh((2, 4), ("fsdp", "tp")), _col(8, 8)), TypeError,
         ("shard: mesh must be a jax.sharding.Mesh or AbstractMesh", "got ColumnLinear",

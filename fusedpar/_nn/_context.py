@@ -182,10 +182,12 @@ def gather_invariant(x, axis_name, axis):
     return all_gather_invariant(x, axis_name, axis=axis, tiled=True)
 
 
-def layouts(mesh, axes, x, x_spec, y_spec, every_axis: bool = True,
+def layouts(where, mesh, axes, x, x_spec, y_spec, every_axis: bool = True,
             batched: bool = False) -> tuple:
     """`(x_spec, y_spec, manual axes)` of a layer's `shard_map` over `axes` on the global
-    `x`; `batched`: `x` has a batch (dim 0 of `(batch, seq, ...)`).
+    `x`; `batched`: `x` has a batch (dim 0 of `(batch, seq, ...)`); `where` names the
+    layer in the error for Explicit axes the input carries that do not divide with the
+    layer's (JAX's reshard said only "partitioned 4 times").
 
     With `every_axis` (a layer whose ops may run Pallas kernels), or with Auto axes and
     `batched`, it is manual over every
@@ -215,6 +217,10 @@ def layouts(mesh, axes, x, x_spec, y_spec, every_axis: bool = True,
     every = set(mesh.axis_names)
     if is_explicit(mesh, axes):
         x2, y2 = _specs.with_other_axes(current_spec(x), x_spec, y_spec, axes)
+        _specs.check_spec(f"{where}: input of shape {x.shape} (with the mesh axes its "
+                          f"layout {current_spec(x)} carries beside the layer's)",
+                          x.shape + (1,) * (len(x2) - x.ndim), x2, _specs.mesh_sizes(mesh),
+                          what="input")
         return x2, y2, every if every_axis or (x2, y2) != (x_spec, y_spec) else set(axes)
     sizes = _specs.mesh_sizes(mesh)
     if not (every_axis or batched) and any(sizes[a] > 1 for a in axes):

@@ -223,9 +223,9 @@ class Embedding(eqx.Module):
                               out_spec, sizes, what="input", fixes=fixes)
         # The output has one more dimension than the ids: lay both out as the output.
         # Lax collectives only: the mesh's other Auto axes go on a batch of ids.
-        padded, out_spec, manual = _context.layouts(mesh, rule.axes, ids,
-                                                    P(*ids_spec, None), out_spec,
-                                                    every_axis=False, batched=ids.ndim >= 2)
+        padded, out_spec, manual = _context.layouts(
+            "Embedding", mesh, rule.axes, ids, P(*ids_spec, None), out_spec,
+            every_axis=False, batched=ids.ndim >= 2)
         ids_spec = P(*tuple(padded)[:ids.ndim])
         return _context.shard_mapped(
             functools.partial(Embedding._local, rule=rule), mesh, rule.axes, manual, self,

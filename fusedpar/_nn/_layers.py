@@ -245,8 +245,8 @@ class ParallelLinear(eqx.Module):
         # ring, `auto` on CPU) the layer's own axes, as for the embedding and the loss:
         # under Explicit axes a jax.vmap over a batch sharded on another axis takes that
         # axis from a shard_map under a jit, scan or checkpoint inside it.
-        x_spec, y_spec, manual = _context.layouts(mesh, rule.axes, x, x_spec, y_spec,
-                                                  every_axis=not check,
+        x_spec, y_spec, manual = _context.layouts(where, mesh, rule.axes, x, x_spec,
+                                                  y_spec, every_axis=not check,
                                                   batched=x.ndim >= 3)
 
         def mapped(fn, args, arg_specs, out_spec):

@@ -105,7 +105,7 @@ def _global(logits, labels, axis, mesh, ignore_index, vocab_size):
     n = logits.ndim
     # Lax collectives only: the mesh's other Auto axes go on a batch of logits.
     logits_spec, loss_spec, manual = _context.layouts(
-        mesh, (axis,), logits, P(*(None,) * (n - 1), axis), P(*(None,) * n),
+        "cross_entropy", mesh, (axis,), logits, P(*(None,) * (n - 1), axis), P(*(None,) * n),
         every_axis=False, batched=n >= 3)
     loss_spec = P(*tuple(loss_spec)[:n - 1])
     fn = functools.partial(_shard, axis=axis, ignore_index=ignore_index,
