@@ -165,6 +165,13 @@ def _check_mesh(p, args) -> None:
     elif len(axes) > 2:
         p.error(f"--axes: {len(axes)} names {axes} need --mesh (e.g. "
                 f"{'x'.join(['2'] * len(axes))}): the default mesh is for one or two axes")
+    if args.axes is not None and args.program in PROGRAMS:
+        needed = AXES.get(args.program, TWO_AXES)
+        missing = [a for a in needed if a not in axes]
+        if missing:  # the built-in programs shard over these names (a KeyError inside)
+            p.error(f"--axes: --program {args.program} shards over the mesh axes "
+                    f"{','.join(needed)}; --axes {args.axes} lacks {','.join(missing)} "
+                    f"(name them, e.g. --axes {','.join(needed)}, or leave --axes out)")
 
 
 _CONTRACT = ("a function (mesh, backend) -> (jitted, args): the args "
