@@ -259,7 +259,8 @@ def _run_here(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unrol
                 f"{explicit} too (axis_names), or pass it check_vma=False, or use Auto "
                 "axes.") from e
         raise _PerBlock(explicit, out_dtype) from e
-    try:
+    with _validate.reverse_mode_only(op, "the op's gradient is a custom VJP (its dual "
+                                         "ring)"):
         if gathered is None:
             return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
         assert c.prim == prims.AG_ROWS, c.prim  # a gather of x's rows (`_autodiff`)
@@ -268,19 +269,6 @@ def _run_here(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unrol
             return c.restore(y), c.restore(g)
         return c.restore(_autodiff.apply_given(c.prim, cfg, c.x, c.w,
                                                prims.rows_first(gathered, dim)))
-    except TypeError as e:
-        if not any(s in str(e) for s in _FORWARD_MODE):
-            raise
-        raise TypeError(
-            f"{op}: forward-mode differentiation (jax.jvp, jax.linearize, jax.jacfwd, "
-            "jax.hessian) is not supported: the op's gradient is a custom VJP (its dual "
-            "ring), which JAX runs in reverse mode only. Use jax.grad, jax.vjp or "
-            "jax.jacrev (a Hessian: jax.jacrev(jax.jacrev(f))).") from e
-
-
-# What JAX raises when a custom VJP meets forward mode: under jit, and (JAX 0.10, 0.11) in
-# an eager shard_map, where its jvp of the custom_vjp call fails on the static config.
-_FORWARD_MODE = ("forward-mode autodiff", "unhashable type: 'Unhashable'")
 
 
 KEEP = object()  # `_run(gathered=KEEP)`: return the gathered operand too

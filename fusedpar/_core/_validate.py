@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from collections.abc import Mapping
@@ -72,6 +73,27 @@ def _unmeshed_axes(names) -> tuple:
     `jax.vmap(axis_name=...)` or `pmap`, not by shard_map."""
     mesh = jax.sharding.get_abstract_mesh()
     return tuple(a for a in names if a not in (getattr(mesh, "axis_names", ()) or ()))
+
+
+# What JAX raises when a custom VJP meets forward mode: under jit, and (JAX 0.10, 0.11) in
+# an eager shard_map, where its jvp of the custom_vjp call fails on the static config.
+_FORWARD_MODE = ("forward-mode autodiff", "unhashable type: 'Unhashable'")
+
+
+@contextlib.contextmanager
+def reverse_mode_only(where: str, why: str):
+    """Name the function (`where`) and the fix when forward-mode autodiff meets its custom
+    VJP inside (`why`), where JAX's message named neither."""
+    try:
+        yield
+    except TypeError as e:
+        if not any(s in str(e) for s in _FORWARD_MODE):
+            raise
+        raise TypeError(
+            f"{where}: forward-mode differentiation (jax.jvp, jax.linearize, jax.jacfwd, "
+            f"jax.hessian) is not supported: {why}, which JAX runs in reverse mode only. "
+            "Use jax.grad, jax.vjp or jax.jacrev (a Hessian: jax.jacrev(jax.jacrev(f))).") \
+            from e
 
 
 def is_int(v) -> bool:

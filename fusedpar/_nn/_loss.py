@@ -63,9 +63,14 @@ def cross_entropy(logits, labels, axis: Optional[str] = "tp", *, ignore_index: i
         raise ValueError(f"{where}: vocab_size must be a positive int, got {vocab_size!r}.")
     ignore_index = int(ignore_index)
     vocab_size = None if vocab_size is None else int(vocab_size)
+    if axis is not None and (not isinstance(axis, str) or not axis):
+        raise TypeError(f"{where}: axis must be a mesh axis name, a non-empty str such as "
+                        f"'tp', or None for whole logits; got axis={axis!r}.")
     run = functools.partial(_apply, axis=axis, ignore_index=ignore_index,
                             vocab_size=vocab_size)
-    return _folding.fold(run, (logits, labels), where=where)
+    with _validate.reverse_mode_only(where, "its gradient is a custom VJP (the softmax "
+                                            "recomputed in the backward)"):
+        return _folding.fold(run, (logits, labels), where=where)
 
 
 def _apply(logits, labels, *, axis, ignore_index, vocab_size):
