@@ -670,6 +670,9 @@ LAYERS = [
             in_specs=P("model"), out_specs=P("model")), S((8,), jnp.float32)),
         ValueError, ("local_size: axis 'tp' is not an axis of the mesh of the enclosing "
                      "shard_map", "its axes are ('model',)")),
+    Row("layers", "local_size of a count that is not an int",
+        lambda: fusedpar.local_size(8.0, "tp"), TypeError,
+        ("local_size: n must be an int (a global dimension's length), got 8.0",)),
     Row("layers", "local_size of a count that does not divide",
         lambda: jax.eval_shape(jax.shard_map(
             lambda x: x * fusedpar.local_size(6, "tp"), mesh=mesh((2, 4), ("fsdp", "tp")),

@@ -15,10 +15,13 @@ weight placed on a mesh of another shape than the one set (`check_same_mesh`).
 
 from __future__ import annotations
 
+import math
+
 import jax
 from jax import lax
 from jax.sharding import AxisType
 
+from .._core import _validate
 from .._sharding import _specs, _whole_model
 
 LOCAL, GLOBAL, DENSE = "local", "global", "dense"
@@ -249,22 +252,32 @@ def local_size(n: int, axis) -> int:
     `n // size of axis` inside a `jax.shard_map` that binds `axis` (the arrays are
     per-device shards), `n` anywhere else (global arrays under `jax.set_mesh`, or no
     mesh). E.g. the attention heads a device computes:
-    `fusedpar.local_size(num_heads, "tp")`. Raises if `n` does not divide, or, inside a
+    `fusedpar.local_size(num_heads, "tp")`; `axis` may be a tuple of axes (a dimension
+    sharded over several: their sizes multiply). Raises if `n` does not divide, or, inside a
     `shard_map`, if its mesh lacks `axis` (where a typo would give the global `n` for a
     per-device shard); on global arrays a mesh without `axis` (a model written for
     tensor parallelism on a mesh without it) gives `n`.
     """
+    if not _validate.is_int(n):
+        raise TypeError(f"local_size: n must be an int (a global dimension's length), got "
+                        f"{n!r}.")
+    names = axis if isinstance(axis, tuple) else (axis,)
+    if not names or not all(isinstance(a, str) and a for a in names):
+        raise TypeError(f"local_size: axis must be a mesh axis name (a str such as 'tp') or "
+                        f"a tuple of them, got {axis!r}.")
     mesh = jax.sharding.get_abstract_mesh()
     manual = tuple(getattr(mesh, "manual_axes", ()) or ()) if not mesh.empty else ()
-    if manual and axis not in mesh.axis_names:
+    unknown = [a for a in names if a not in mesh.axis_names]
+    if manual and unknown:
         raise ValueError(
-            f"local_size: axis {axis!r} is not an axis of the mesh of the enclosing "
+            f"local_size: axis {unknown[0]!r} is not an axis of the mesh of the enclosing "
             f"shard_map (its axes are {tuple(mesh.axis_names)}): name the axis the layers "
             "shard the dimension over, or use n where nothing shards it on this mesh.")
-    if axis not in manual:
-        return n
-    size = lax.axis_size(axis)
+    bound = [a for a in names if a in manual]
+    if not bound:
+        return int(n)
+    size = math.prod(lax.axis_size(a) for a in bound)
     if n % size:
         raise ValueError(f"local_size: {n} does not divide over mesh axis {axis!r} of size "
                          f"{size}; make it a multiple of {size}.")
-    return n // size
+    return int(n) // size
