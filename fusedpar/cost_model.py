@@ -134,9 +134,9 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
     """
     hw = get_hardware(hardware)
     x_shape, w_shape = _shape("x_shape", x_shape), _shape("w_shape", w_shape)
-    n = int(ring_size)
-    if n < 1:
-        raise ValueError(f"cost_model: ring_size must be >= 1, got {ring_size!r}.")
+    n = _ring_size(ring_size)
+    if prim in prims.PRIMITIVES:  # an unknown one is refused by `_problem`
+        _check_contraction(prim, x_shape, w_shape, n)
     reduce_dtype = np.dtype(_acc_dtype(dtype) if reduce_dtype is None else reduce_dtype)
     (m, k, cols, out_b, extra), block_bytes = _problem(prim, x_shape, w_shape, n, dtype,
                                                        reduce_dtype, comm_dtype)
@@ -215,10 +215,38 @@ _STEP_LATENCY = {"ring": "step_latency", "kernel": "kernel_step_latency"}
 
 def _families(backends) -> dict:
     """`{name: cost family}` of the backends to estimate, in the order asked (default:
-    `auto`'s candidates); names the registry does not model are left out."""
+    `auto`'s candidates); registered names the model has no family for are left out, a
+    name the registry does not know (or a str for the list) is refused."""
+    if isinstance(backends, str):
+        raise TypeError(f"cost_model: backends must be a list of backend names, e.g. "
+                        f"[{backends!r}], got the str {backends!r}.")
+    unknown = [] if backends is None else [b for b in backends if b not in _backends.TABLE]
+    if unknown:
+        raise ValueError(f"cost_model: unknown backend {unknown[0]!r}; valid: "
+                         f"{', '.join(_backends.TABLE)}.")
     chosen = _backends.candidates() if backends is None else [
-        _backends.TABLE[name] for name in backends if name in _backends.TABLE]
+        _backends.TABLE[name] for name in backends]
     return {b.name: b.cost for b in chosen if b.cost is not None}
+
+
+def _ring_size(ring_size) -> int:
+    """`ring_size` as an int, refused unless a positive integer (8.5 was read as 8)."""
+    if not _validate.is_int(ring_size) or ring_size < 1:
+        raise ValueError(f"cost_model: ring_size must be a positive int (the size of the "
+                         f"mesh axis the op runs over), got {ring_size!r}.")
+    return int(ring_size)
+
+
+def _check_contraction(prim, x_shape, w_shape, n) -> None:
+    """Refuse local shapes whose contraction does not match, as `estimate` (through the
+    ops' own checks) does: x's last dimension against w's first, a gathered w's
+    (ag_contract) counting the ring."""
+    k_w = w_shape[0] * (n if prim == prims.AG_CONTRACT else 1)
+    if len(x_shape) != 2 or len(w_shape) != 2 or x_shape[1] != k_w:
+        raise ValueError(f"cost_model: {prim}: x {x_shape} and w {w_shape} (local 2-D "
+                         f"shapes) do not contract: x's columns must equal w's rows"
+                         + (f" times the ring ({n})" if prim == prims.AG_CONTRACT else "")
+                         + ".")
 
 
 def _collective_time(hw: Hardware, n: int, sent: int) -> float:
@@ -351,6 +379,7 @@ def estimate_call(call, hardware=None, reduce_dtype=None,
 def matmul_seconds(m: int, k: int, n: int, dtype="bfloat16",
                    hardware: Union[str, Hardware, None] = None) -> float:
     """Roofline time of one local (m, k) @ (k, n) matmul with its result in `dtype`."""
+    _shape("(m, k, n)", (m, k, n))
     return _matmul_time(get_hardware(hardware), m, k, n, dtype, _itemsize(dtype))
 
 
@@ -360,7 +389,7 @@ def _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, co
 
     x = jax.ShapeDtypeStruct(_shape("x_shape", x_shape), np.dtype(dtype))
     w = jax.ShapeDtypeStruct(_shape("w_shape", w_shape), np.dtype(dtype))
-    return _validate.op_call(op, x, w, int(ring_size), gather, dim, bidirectional,
+    return _validate.op_call(op, x, w, _ring_size(ring_size), gather, dim, bidirectional,
                              comm_dtype, where=f"cost_model: {op}")[1]
 
 
@@ -419,9 +448,14 @@ def bytes_sent(op: str, x_shape, w_shape, ring_size: int, dtype="float32", *, ga
 
 def describe(result: Mapping[str, Breakdown]) -> str:
     """A one-line summary of a `breakdown` for people: time per backend, and why."""
+    if not (isinstance(result, Mapping)
+            and all(isinstance(b, Breakdown) for b in result.values())):
+        raise TypeError("cost_model.describe: result must be what breakdown (or estimate "
+                        "with details=True) returns, {backend: Breakdown}; estimate "
+                        "returns seconds unless details=True.")
     parts = []
     for name, b in result.items():
-        if _families([name]).get(name) == "reference":
+        if name in _backends.TABLE and _backends.TABLE[name].cost == "reference":
             parts.append(f"reference {_fmt(b.seconds)}")
         else:
             parts.append(f"{name} {_fmt(b.seconds)} ({b.steps} steps of "

@@ -49,6 +49,9 @@ def get_hardware(spec: Union[str, Hardware, None] = None, target=None) -> Hardwa
     """
     if isinstance(spec, Hardware):
         return spec
+    if spec is not None and not isinstance(spec, str):
+        raise TypeError(f"cost_model: hardware must be a preset name ({', '.join(PRESETS)}) "
+                        f"or a Hardware, got {type(spec).__name__} {spec!r}.")
     if spec is not None:
         try:
             hardware = _registry.get(spec).hardware
