@@ -111,7 +111,14 @@ def devices(target: str) -> list:
     # A chip's two TensorCores as one device where the kind plans for both (megacore).
     options = {"chip_config_name": "megacore"} if kind.cores == 2 else {}
     name = f"{kind.aot.topology or kind.aot.name}:{what}"
-    return list(topologies.get_topology_desc(name, "tpu", **options).devices)
+    try:
+        return list(topologies.get_topology_desc(name, "tpu", **options).devices)
+    except RuntimeError as e:  # jax.errors.JaxRuntimeError
+        if "Topology" not in str(e):
+            raise
+        reason = str(e).splitlines()[0].split("INVALID_ARGUMENT: ")[-1]
+        raise ValueError(f"{target!r} is not a slice the TPU compiler lays out ({reason}); "
+                         f"e.g. {', '.join(t for t in TARGETS if ':' in t)}.") from None
 
 
 def mesh(target: str, shape: Optional[tuple] = None, axis_names: tuple = ("x",), *,
@@ -125,6 +132,9 @@ def mesh(target: str, shape: Optional[tuple] = None, axis_names: tuple = ("x",),
     import numpy as np
     from jax.sharding import AxisType
 
+    axis_names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+    if len(set(axis_names)) < len(axis_names):
+        raise ValueError(f"mesh: axis_names {axis_names} must be distinct.")
     devs = devices(target)
     shape = (len(devs),) if shape is None else tuple(shape)
     if int(np.prod(shape)) != len(devs) or len(shape) != len(axis_names):
