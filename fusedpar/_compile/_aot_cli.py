@@ -115,6 +115,10 @@ def _parse(argv):
         if args.mesh or args.axes:
             p.error("--compare builds jax.make_mesh's mesh of the program's axes: leave "
                     "out --mesh and --axes")
+    if args.json:  # before the compiles, which take minutes
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            p.error(f"--json: cannot write {args.json!r} (no writable folder {folder!r})")
     return args
 
 
