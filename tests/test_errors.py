@@ -556,6 +556,10 @@ LAYERS = [
         ("ColumnLinear: input of shape (6, 4, 8) (with the mesh axes its layout "
          "P('data', None, None) carries beside the layer's)", "not divisible by 4",
          "('data', 'fsdp')")),
+    Row("layers", "a plan keyed by something other than a path pattern",
+        lambda: fusedpar.parallelize({"up": eqx.nn.Linear(8, 8, key=KEY)}, {1: "column"}),
+        TypeError, ("parallelize: plan's keys must be str patterns on layer paths",
+                    "got 1")),
     Row("layers", "shard with its arguments swapped",
         lambda: fusedpar.shard(mesh((2, 4), ("fsdp", "tp")), _col(8, 8)), TypeError,
         ("shard: mesh must be a jax.sharding.Mesh or AbstractMesh", "got ColumnLinear",
@@ -682,6 +686,13 @@ LAYERS = [
 ]
 
 EMBEDDING = [
+    Row("embedding", "sequence_parallel with no axis",
+        lambda: fusedpar.Embedding(16, 8, key=KEY, axis=None, sequence_parallel=True),
+        ValueError, ("Embedding: sequence_parallel=True scatters the sequence over axis, "
+                     "but axis is None",)),
+    Row("embedding", "an empty vocabulary",
+        lambda: fusedpar.Embedding(0, 8, key=KEY), ValueError,
+        ("Embedding: num_embeddings must be a positive int, got 0",)),
     Row("embedding", "ids not integer",
         lambda: _emb()(jnp.ones(3)), TypeError,
         ("Embedding: x must be integer ids, got dtype float32",)),

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 from . import _context
-from .._core import _folding, _vma
+from .._core import _folding, _validate, _vma
 from .._core._quantized_array import QuantizedArray
 from .._hw import _target
 from .._sharding import _specs, _whole_model
@@ -109,6 +109,15 @@ class Embedding(eqx.Module):
           the ids' batch dimension (dim 0) is sharded over it.
         """
         _specs.check_fsdp_dim("Embedding", fsdp_axis, fsdp_dim)
+        if axis is None and sequence_parallel:
+            raise ValueError("Embedding: sequence_parallel=True scatters the sequence over "
+                             "axis, but axis is None (a replicated table); give the "
+                             "tensor-parallel axis (e.g. axis='tp') or leave "
+                             "sequence_parallel False.")
+        for name, size in (("num_embeddings", num_embeddings),
+                           ("embedding_size", embedding_size)):
+            if weight is None and (not _validate.is_int(size) or size < 1):
+                raise ValueError(f"Embedding: {name} must be a positive int, got {size!r}.")
         styles = [_specs.Row(axis, sequence_parallel) if axis is not None else None]
         if fsdp_axis is not None:
             if fsdp_dim not in (None, 0, 1):

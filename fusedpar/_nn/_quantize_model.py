@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .._core import _validate
 from .._sharding import _specs
 from .._core._quantized_array import QuantizedArray
 from ._layer_checks import check_stored_comm
@@ -52,6 +53,10 @@ def quantize(model, where: Union[None, Mapping, Callable] = None, *, dtype=jnp.i
     if where is not None and not (isinstance(where, Mapping) or callable(where)):
         raise TypeError(f"quantize: where must be None, a plan {{pattern: style}} or a "
                         f"callable (path, layer) -> bool, got {type(where).__name__}.")
+    if isinstance(where, Mapping) and not all(isinstance(p, str) for p in where):
+        raise TypeError(f"quantize: where's keys must be str patterns on layer paths, got "
+                        f"{next(p for p in where if not isinstance(p, str))!r}.")
+    _validate.boolean("quantize", "master", master)
     used = set()
 
     def chosen(path, layer) -> bool:

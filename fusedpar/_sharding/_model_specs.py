@@ -14,6 +14,7 @@ import equinox as eqx
 import jax
 from jax.sharding import PartitionSpec as P
 
+from .._core import _validate
 from .._core._quantized_array import QuantizedArray
 from ._rules import Rule, TableRule
 from ._spec_checks import (check_mesh, check_param_shapes, check_scalar, check_spec,
@@ -186,6 +187,7 @@ def validate(model, mesh, *, relaxed: bool = False) -> tuple[Any, list]:
     called as before), and `dropped` lists each `Drop`.
     """
     check_mesh("validate", mesh)
+    _validate.boolean("validate", "relaxed", relaxed)
     sizes = mesh_sizes(mesh)
     dropped: list = []
     check_ties(model)

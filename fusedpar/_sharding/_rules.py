@@ -277,7 +277,8 @@ def compose(*styles, where: str = "layer") -> Rule:
                             f"{type(s)().axis!r}, got axis={s.axis!r} in {s}.")
         for flag in ("sequence_parallel", "gather_output"):
             _validate.boolean(where, flag, getattr(s, flag, False))
-    if fsdp is not None and fsdp.dim not in (None, 0, 1):
+    if fsdp is not None and fsdp.dim is not None and not (
+            _validate.is_int(fsdp.dim) and fsdp.dim in (0, 1)):  # 1.0 == 1 passed
         raise ValueError(f"{where}: FSDP dim must be None, 0 or 1 (a weight dimension), "
                          f"got {fsdp.dim!r}.")
     if (fsdp is not None and fsdp.grad_comm_dtype is not None and tp is not None
