@@ -21,7 +21,7 @@ def _run(name):
 
 
 @pytest.mark.parametrize("name", ["ops.py", "parallelize.py", "gpt.py", "aot_program.py",
-                                  "checkpoint_orbax.py"])
+                                  "checkpoint_orbax.py", "serve.py"])
 def test_docs_quote_the_example_verbatim(name):
     example = (ROOT / "examples" / name).read_text().strip()
     assert any(example in page.read_text() for page in DOCS), name
@@ -79,3 +79,13 @@ def test_gpt_example_runs():
     assert "shard_map specs: tokens P(None, None), logits P(None, None, 'tp')" in stdout
     local = float(re.search(r"max \|local - dense\| (\S+)", stdout).group(1))
     assert local <= 2e-5 * 10, local  # logits of magnitude ~10 at most
+
+
+@pytest.mark.timeout(300)
+def test_serve_example_runs():
+    """Prefill and greedy decode with a tensor-parallel KV cache give the dense model's
+    tokens, with two traces (prompts, one token) and the cache still laid out by heads."""
+    stdout = _run("serve.py")
+    assert "traced: [(4, 6), (4, 1)]" in stdout, stdout
+    assert "cache: P('data', None, None, 'tp')" in stdout, stdout
+    assert "equal to the dense model's: True" in stdout, stdout
