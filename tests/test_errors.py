@@ -843,7 +843,8 @@ SPECS = [
     Row("specs", "shard_map_specs: the input does not go straight into a fusedpar layer",
         specs_of(*_emb_head()[:1], (4, 8), lambda m, t: _emb_head()[1](m, t + 1)),
         ValueError, ("the input x (shape (4, 8)) does not go into a fusedpar layer as it is",
-                     "the first fusedpar call is 0 (Embedding)",
+                     "none of the fusedpar calls, 0 (Embedding), 1 (ColumnLinear), takes "
+                     "it unchanged",
                      "write the in_spec of x yourself")),
     Row("specs", "shard_map_specs: the layers under jax.checkpoint inside call",
         specs_of(*_emb_head()[:1], (4, 8),

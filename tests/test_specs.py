@@ -284,8 +284,9 @@ def test_shard_map_specs_never_guesses():
     tokens = jax.ShapeDtypeStruct((4, 8), jnp.int32)
     model = Tokens()
     with pytest.raises(ValueError, match=r"the input x \(shape \(4, 8\)\) does not go into a "
-                       r"fusedpar layer as it is \(the first fusedpar call is embed "
-                       r"\(Embedding\)"):
+                       r"fusedpar layer as it is \(none of the fusedpar calls, embed "
+                       r"\(Embedding\), up \(ColumnLinear\), head \(ColumnLinear\), takes it "
+                       r"unchanged\)"):
         fusedpar.shard_map_specs(model, tokens, call=lambda m, t: jax.vmap(m)(t % 16))
     with pytest.raises(ValueError, match=r"the output \(shape \(4, 8, 16\)\) is not what a "
                        r"fusedpar call returned \(the last fusedpar call is head"):

@@ -302,8 +302,9 @@ def _resolve(model, calls, x, out):
         if not uses:
             raise ValueError(
                 f"shard_map_specs: {what} (shape {leaf.shape}) does not go into a fusedpar "
-                f"layer as it is (the first fusedpar call is {names[0]}, on a value "
-                "computed from it), so its layout cannot be derived; write the in_spec "
+                f"layer as it is (none of the fusedpar calls, "
+                f"{', '.join(names[:3]) + (', ...' if len(names) > 3 else '')}, takes it "
+                "unchanged), so its layout cannot be derived; write the in_spec "
                 "of x yourself, with fusedpar.param_specs(model) for the parameters. "
                 + _HIDDEN)
         specs = {s for _, s in uses}
