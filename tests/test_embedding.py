@@ -158,6 +158,8 @@ def test_tied_embedding_and_lm_head(plan):
     table_spec = P("tp", None if plan == "tp" else "fsdp")
     assert fusedpar.param_specs(par).shared.pytree[0].weight == table_spec
     assert fusedpar.param_specs(par).shared.pytree[1].weight is None  # stored once
+    head_row = next(r for r in fusedpar.describe(par).splitlines() if "shared.pytree.1" in r)
+    assert f"weight tied (eqx.nn.Shared) {table_spec}" in head_row, head_row
 
     m = mesh((2, 4), ("fsdp", "tp"))
     with jax.set_mesh(m):

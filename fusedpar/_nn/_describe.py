@@ -37,9 +37,15 @@ def _quantized(w) -> str:
     return f"{np.dtype(w.values.dtype).name} ({per}{master}) "
 
 
-def _params(specs, layer=None) -> str:
+def _params(specs, layer=None, where="") -> str:
     out = []
     for name, spec in specs.items():
+        if spec is None and name == "weight" and layer is not None:
+            # A weight tied by eqx.nn.Shared is a placeholder here, stored where it is
+            # tied to, with the spec its own rule gives it (`check_ties` makes them agree).
+            tied = layer.rule.param_specs(where, getattr(layer, "bias", None) is not None)[
+                "weight"]
+            out.append(f"weight tied (eqx.nn.Shared) {tied}")
         if spec is None:
             continue
         w = getattr(layer, name, None)
@@ -60,7 +66,7 @@ def _row(path, x) -> list:
     if _specs.is_layer(x):
         fwd, bwd = x.collectives()
         return [where, type(x).__name__, _style(x.rule),
-                _params(_param_specs(x, where), x),
+                _params(_param_specs(x, where), x, where),
                 getattr(x, "backend", "-"), "; ".join(fwd) or "-", "; ".join(bwd) or "-"]
     names = ["weight"] + (["bias"] if getattr(x, "bias", None) is not None else [])
     stored = [getattr(x, n) for n in names]
