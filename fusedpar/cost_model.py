@@ -217,6 +217,7 @@ def _families(backends) -> dict:
     """`{name: cost family}` of the backends to estimate, in the order asked (default:
     `auto`'s candidates); registered names the model has no family for are left out, a
     name the registry does not know (or a str for the list) is refused."""
+    backends = backends if backends is None or isinstance(backends, str) else list(backends)
     if isinstance(backends, str):
         raise TypeError(f"cost_model: backends must be a list of backend names, e.g. "
                         f"[{backends!r}], got the str {backends!r}.")
@@ -231,10 +232,7 @@ def _families(backends) -> dict:
 
 def _ring_size(ring_size) -> int:
     """`ring_size` as an int, refused unless a positive integer (8.5 was read as 8)."""
-    if not _validate.is_int(ring_size) or ring_size < 1:
-        raise ValueError(f"cost_model: ring_size must be a positive int (the size of the "
-                         f"mesh axis the op runs over), got {ring_size!r}.")
-    return int(ring_size)
+    return _validate.ring_size("cost_model", ring_size, "ring_size")
 
 
 def _check_contraction(prim, x_shape, w_shape, n) -> None:
@@ -379,7 +377,9 @@ def estimate_call(call, hardware=None, reduce_dtype=None,
 def matmul_seconds(m: int, k: int, n: int, dtype="bfloat16",
                    hardware: Union[str, Hardware, None] = None) -> float:
     """Roofline time of one local (m, k) @ (k, n) matmul with its result in `dtype`."""
-    _shape("(m, k, n)", (m, k, n))
+    if not all(_validate.is_int(d) and d >= 0 for d in (m, k, n)):
+        raise ValueError(f"cost_model.matmul_seconds: m, k and n must be ints >= 0, got "
+                         f"{(m, k, n)}.")
     return _matmul_time(get_hardware(hardware), m, k, n, dtype, _itemsize(dtype))
 
 

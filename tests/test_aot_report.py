@@ -176,6 +176,10 @@ def test_predict_refuses_a_target_of_another_platform():
     assert aot.predict(TPU, "v5e:2x4").seconds > 0
 
 
+def test_a_mesh_of_one_axis_named_by_a_str():
+    assert aot.mesh("h100x4", (4,), "tp").axis_names == ("tp",)  # not ('t', 'p')
+
+
 def test_cpu_program_has_synchronous_transfers():
     m = mesh((4,), ("x",))
     f = jax.jit(jax.shard_map(

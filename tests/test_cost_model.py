@@ -521,3 +521,12 @@ def test_a_backend_runs_the_other_ring_shape_where_only_that_one_fits():
     # A shape asked for is not swapped: the kernel refuses it.
     with pytest.raises(NotImplementedError, match="multiple of 8 rows"):
         fusedpar.explain(MRS, x, w, 8, platform="tpu", backend="pallas", bidirectional=True)
+
+
+def test_backends_any_iterable():
+    """`backends` read once: a generator gave an empty result after the name check."""
+    want = cost_model.breakdown("ag_rows", (16, 512), (512, 256), 8,
+                                backends=["ring", "reference"])
+    got = cost_model.breakdown("ag_rows", (16, 512), (512, 256), 8,
+                               backends=(b for b in ["ring", "reference"]))
+    assert set(got) == {"ring", "reference"} and got == want

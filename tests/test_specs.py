@@ -4,6 +4,7 @@ mode, shard / init_sharded, shard_map specs, and every error message."""
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -300,3 +301,46 @@ def test_shard_map_specs_never_guesses():
         fusedpar.shard_map_specs(model, x, call=lambda m, x: m.up(x) + m.head(x)[..., :8])
     with pytest.raises(TypeError, match=r"x must be the model's input .* got the int 3"):
         fusedpar.shard_map_specs(model, 3)
+
+
+def test_arguments_equinox_and_numpy_users_pass():
+    """Builders Equinox makes Modules (a bound method, an eqx.Partial holding an array),
+    NumPy bools, a tuple of axes to local_size: taken as they were before the checks
+    that refuse a model passed as `make`, a non-bool `relaxed`, a non-int count."""
+    m = mesh((2, 4), ("fsdp", "tp"))
+
+    class Builder(eqx.Module):
+        scale: jax.Array
+
+        def build(self, key):
+            return fusedpar.ColumnLinear(8, 16, key=key)
+
+    builder = Builder(jnp.ones(()))
+    for make in (builder.build, eqx.Partial(lambda s, key: builder.build(key), jnp.ones(()))):
+        made = fusedpar.init_sharded(make, m, jax.random.key(0))
+        assert made.weight.sharding.spec == P("tp", None)
+    placed = fusedpar.shard(fusedpar.ColumnLinear(8, 16, key=jax.random.key(0)), m,
+                            relaxed=np.True_)
+    assert placed.weight.sharding.spec == P("tp", None)
+    sizes = jax.jit(jax.shard_map(
+        lambda x: x * fusedpar.local_size(16, ("fsdp", "tp")), mesh=m, in_specs=P(),
+        out_specs=P()))(jnp.ones(()))
+    assert float(sizes) == 2.0  # 16 over 2 x 4 devices
+
+
+def test_shard_map_specs_names_no_wrong_layer_for_a_second_input():
+    """Two inputs, tokens into the embedding and positions through a plain table into
+    the head: the positions' error lists the calls, it does not blame the embedding
+    (as computed from them), which never sees them."""
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    model = fusedpar.parallelize({"embed": eqx.nn.Embedding(64, 16, key=k1),
+                                  "pos": eqx.nn.Embedding(32, 16, key=k2),
+                                  "head": eqx.nn.Linear(16, 64, key=k3)},
+                                 {"embed": "row", "head": "column"})
+    tokens = jnp.zeros((4, 8), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(8), (4, 8))
+    with pytest.raises(ValueError, match=r"the input x\[1\] \(shape \(4, 8\)\) does not go "
+                       r"into a fusedpar layer as it is \(none of the fusedpar calls, embed "
+                       r"\(Embedding\), head \(ColumnLinear\), takes it unchanged\)"):
+        fusedpar.shard_map_specs(model, (tokens, positions), call=lambda m, a: m["head"](
+            m["embed"](a[0]) + m["pos"].weight[a[1]]))

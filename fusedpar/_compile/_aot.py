@@ -353,7 +353,7 @@ def _text(program, where: str = "overlap") -> str:
     if not isinstance(program, str):
         raise TypeError(f"{where}: program must be a compiled program (jax.jit(f).lower(...)"
                         f".compile()) or its as_text(), got {type(program).__name__}.")
-    if program.lstrip().startswith("module @"):
+    if re.search(r"^module\b", program, re.M) and "HloModule" not in program:
         raise ValueError(f"{where}: program is StableHLO text (a Lowered's as_text()), not "
                          "a compiled program's HLO; pass lowered.compile() or its as_text().")
     return program
@@ -562,6 +562,10 @@ def predict(program, target):
     hardware, and on a TPU slice their coordinates give each transfer's hop count), or a
     `cost_model.Hardware`. Returns a `Prediction` (seconds, compute, communication,
     exposed waits, and the lower bound max(compute, communication)).
+
+    A program compiled for another platform than a named or mesh target's is refused: a
+    compiled program by its devices, a text by its dialect (TPU tiles, GPU streams; a CPU
+    program's text says neither). A `Hardware` target is taken as given.
     """
     from . import _simulate
     from .._hw import _target

@@ -117,8 +117,11 @@ def _parse(argv):
                     "out --mesh and --axes")
     if args.json:  # before the compiles, which take minutes
         folder = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            p.error(f"--json: cannot write {args.json!r} (no writable folder {folder!r})")
+        if (os.path.isdir(args.json) or not os.path.isdir(folder)
+                or not os.access(folder, os.W_OK)):
+            p.error(f"--json: cannot write {args.json!r} (a file's path in a writable "
+                    f"folder; {folder!r} is not one)" if not os.path.isdir(args.json) else
+                    f"--json: {args.json!r} is a folder; give a file's path in it")
     return args
 
 

@@ -81,19 +81,21 @@ _FORWARD_MODE = ("forward-mode autodiff", "unhashable type: 'Unhashable'")
 
 
 @contextlib.contextmanager
-def reverse_mode_only(where: str, why: str):
+def reverse_mode_only(where: str, why: str, hessian: bool = False):
     """Name the function (`where`) and the fix when forward-mode autodiff meets its custom
-    VJP inside (`why`), where JAX's message named neither."""
+    VJP inside (`why`), where JAX's message named neither. `hessian`: jax.hessian fails
+    too (forward mode over a backward that is itself custom). Eager calls only: under
+    `jax.jit` JAX raises while tracing its own jvp of the program, outside this frame."""
     try:
         yield
     except TypeError as e:
         if not any(s in str(e) for s in _FORWARD_MODE):
             raise
+        modes = "jax.jvp, jax.linearize, jax.jacfwd" + (", jax.hessian" if hessian else "")
         raise TypeError(
-            f"{where}: forward-mode differentiation (jax.jvp, jax.linearize, jax.jacfwd, "
-            f"jax.hessian) is not supported: {why}, which JAX runs in reverse mode only. "
-            "Use jax.grad, jax.vjp or jax.jacrev (a Hessian: jax.jacrev(jax.jacrev(f))).") \
-            from e
+            f"{where}: forward-mode differentiation ({modes}) is not supported: {why}, "
+            "which JAX runs in reverse mode only. Use jax.grad, jax.vjp or jax.jacrev"
+            + (" (a Hessian: jax.jacrev(jax.jacrev(f)))" if hessian else "") + ".") from e
 
 
 def is_int(v) -> bool:
@@ -126,7 +128,7 @@ def divisible(op, length, by, what, fix):
 
 def boolean(where, name, value):
     """A True/False option."""
-    if not isinstance(value, bool):
+    if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{where}: {name} must be True or False, got {value!r}.")
 
 
@@ -214,11 +216,17 @@ def _integer_sums(op, dtype, x_dtype):
     return d
 
 
-def ring_size(op, axis_size) -> int:
-    if not is_int(axis_size) or axis_size < 1:
-        raise ValueError(f"{op}: axis_size must be a positive int (the size of the mesh "
-                         f"axis the op runs over), got {axis_size!r}.")
-    return int(axis_size)
+def positive_int(where: str, name: str, value, what: str = "") -> int:
+    """`value` as a Python int, refused unless a positive integer (a NumPy one too);
+    `what` says what it counts, in the message."""
+    if not is_int(value) or value < 1:
+        raise ValueError(f"{where}: {name} must be a positive int{what}, got {value!r}.")
+    return int(value)
+
+
+def ring_size(op, axis_size, name: str = "axis_size") -> int:
+    return positive_int(op, name, axis_size,
+                        " (the size of the mesh axis the op runs over)")
 
 
 def comm_dtypes(op, dtype, **comm) -> None:

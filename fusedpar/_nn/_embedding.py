@@ -114,13 +114,15 @@ class Embedding(eqx.Module):
                              "axis, but axis is None (a replicated table); give the "
                              "tensor-parallel axis (e.g. axis='tp') or leave "
                              "sequence_parallel False.")
-        for name, size in (("num_embeddings", num_embeddings),
-                           ("embedding_size", embedding_size)):
-            if weight is None and (not _validate.is_int(size) or size < 1):
-                raise ValueError(f"Embedding: {name} must be a positive int, got {size!r}.")
+        if weight is None:  # else eqx.nn.Embedding reads the sizes from it
+            num_embeddings = _validate.positive_int("Embedding", "num_embeddings",
+                                                    num_embeddings)
+            embedding_size = _validate.positive_int("Embedding", "embedding_size",
+                                                    embedding_size)
         styles = [_specs.Row(axis, sequence_parallel) if axis is not None else None]
         if fsdp_axis is not None:
-            if fsdp_dim not in (None, 0, 1):
+            if fsdp_dim is not None and not (_validate.is_int(fsdp_dim)
+                                             and fsdp_dim in (0, 1)):
                 raise ValueError(f"Embedding: fsdp_dim must be None, 0 or 1 (a table "
                                  f"dimension), got {fsdp_dim!r}.")
             styles.append(_specs.FSDP(fsdp_axis, None if fsdp_dim is None else 1 - fsdp_dim))

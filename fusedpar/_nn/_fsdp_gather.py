@@ -51,7 +51,8 @@ def gather_fsdp(w, rule: Rule):
         # reduce-scattered (straight through the quantization).
         full = g.dequantize()
         return _gather.straight_through(full, w.master.astype(full.dtype), f.axis, d)
-    # (A grad_comm_dtype is refused here, when the layer's styles are composed.)
+    # `_rules.compose` refuses an FSDP grad_comm_dtype on a sequence-parallel layer: none
+    # reaches this all_gather, whose transpose is JAX's psum_scatter.
     return _gather.gather(w, f.axis, d, f.comm_dtype)
 
 

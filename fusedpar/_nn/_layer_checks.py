@@ -16,9 +16,7 @@ def features(where, name, v):
     refused unless a positive int (a NumPy one too) or "scalar"."""
     if isinstance(v, str) and v == "scalar":
         return v
-    if not _validate.is_int(v) or v < 1:
-        raise ValueError(f"{where}: {name} must be a positive int or 'scalar', got {v!r}.")
-    return int(v)
+    return _validate.positive_int(where, name, v, " or 'scalar'")
 
 
 def param_dtype(where, dtype) -> None:

@@ -61,10 +61,7 @@ def parallelize(model, plan: dict, *, backend: str = "auto"):
     if not isinstance(plan, Mapping):
         raise TypeError(f"parallelize: plan must be a dict {{pattern: style}}, e.g. "
                         f"{{'blocks.*.up': 'column'}}, got {type(plan).__name__}.")
-    bad = [p for p in plan if not isinstance(p, str)]
-    if bad:
-        raise TypeError(f"parallelize: plan's keys must be str patterns on layer paths "
-                        f"(e.g. 'blocks.*.up', 'blocks.0.up'), got {bad[0]!r}.")
+    _specs.check_patterns("parallelize", "plan", plan)
     plan = {p: tuple(_style(p, s) for s in (v if isinstance(v, tuple) else (v,)))
             for p, v in plan.items()}
     used, skipped = set(), []

@@ -53,9 +53,8 @@ def quantize(model, where: Union[None, Mapping, Callable] = None, *, dtype=jnp.i
     if where is not None and not (isinstance(where, Mapping) or callable(where)):
         raise TypeError(f"quantize: where must be None, a plan {{pattern: style}} or a "
                         f"callable (path, layer) -> bool, got {type(where).__name__}.")
-    if isinstance(where, Mapping) and not all(isinstance(p, str) for p in where):
-        raise TypeError(f"quantize: where's keys must be str patterns on layer paths, got "
-                        f"{next(p for p in where if not isinstance(p, str))!r}.")
+    if isinstance(where, Mapping):
+        _specs.check_patterns("quantize", "where", where)
     _validate.boolean("quantize", "master", master)
     used = set()
 

@@ -44,10 +44,13 @@ def deserialise_filter_spec(f, like):
                          f"{value.shape} where the skeleton has {tuple(like.shape)} "
                          f"({like.dtype}); restore it into the model it was saved from.")
     if stored != np.dtype(like.dtype):
+        raw = stored == value.dtype and stored.kind == "V"  # bytes no dtype was read from
+        saved = (f"{stored.itemsize}-byte dtype NumPy does not know (a float8 or int4)"
+                 if raw else stored.name)
         raise ValueError(
-            f"deserialise_filter_spec: the checkpoint holds a {stored} array of shape "
+            f"deserialise_filter_spec: the checkpoint holds a {saved} array of shape "
             f"{value.shape} where the skeleton has {like.dtype}; build the skeleton in "
-            f"{stored} (the dtype it was saved in) and cast the restored model after.")
+            f"the dtype it was saved in and cast the restored model after.")
     return jax.device_put(value.view(stored), sharding)
 
 

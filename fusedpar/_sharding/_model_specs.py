@@ -31,6 +31,15 @@ def is_layer(x) -> bool:
     return isinstance(x, eqx.Module) and isinstance(getattr(x, "rule", None), Rule)
 
 
+def check_patterns(where: str, name: str, patterns) -> None:
+    """Refuse a plan (or `where=` dict) keyed by something other than `fnmatch` patterns
+    on dotted layer paths: fnmatch said only "object of type 'int' has no len()"."""
+    bad = [p for p in patterns if not isinstance(p, str)]
+    if bad:
+        raise TypeError(f"{where}: {name}'s keys must be str patterns on layer paths "
+                        f"(e.g. 'blocks.*.up', 'blocks.0.up'), got {bad[0]!r}.")
+
+
 def path_str(path) -> str:
     """A pytree path as a dotted string (`"blocks.0.mlp.up"`), as plans and errors name it."""
     parts = []

@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 from jax.sharding import NamedSharding
 
+from .._core import _validate
 from . import _specs
 from ._spec_checks import check_mesh
 from .._hw import _target
@@ -43,13 +44,15 @@ def shard(model, mesh, *, relaxed: bool = False):
     using the sharded model, or copy what you still need.
     """
     check_mesh("shard", mesh)
+    _validate.boolean("shard", "relaxed", relaxed)
     model, dropped = _specs.validate(model, mesh, relaxed=relaxed)
     _warn(dropped)
     params, static = eqx.partition(model, _specs.is_param)
     leaves, treedef = jax.tree.flatten(params)
-    if any(eqx.is_array(x) for x in leaves):
+    holds_arrays = any(eqx.is_array(x) for x in leaves)
+    if holds_arrays:
         check_mesh("shard", mesh, concrete=True)
-    if _target.compile_only(mesh) and any(eqx.is_array(x) for x in leaves):
+    if _target.compile_only(mesh) and holds_arrays:
         # JAX's own error is "MakeArraysFromHostBufferShards not available with
         # compile-only client".
         raise ValueError(
@@ -66,6 +69,15 @@ def shard(model, mesh, *, relaxed: bool = False):
     return eqx.combine(jax.tree.unflatten(treedef, leaves), static)
 
 
+def _is_model(make) -> bool:
+    """Whether `make` is a model holding arrays rather than a function that builds one.
+    Equinox makes some functions Modules too, bound methods of a Module and
+    `eqx.Partial`s, which may hold arrays: those are builders."""
+    return (isinstance(make, eqx.Module) and not isinstance(make, eqx.Partial)
+            and not hasattr(make, "__func__")  # a bound method
+            and bool(jax.tree.leaves(eqx.filter(make, eqx.is_array))))
+
+
 def init_sharded(make: Callable, mesh, *args, relaxed: bool = False, **kwargs):
     """`make(*args, **kwargs)` created already sharded on `mesh`.
 
@@ -75,8 +87,8 @@ def init_sharded(make: Callable, mesh, *args, relaxed: bool = False, **kwargs):
     `relaxed` as in `shard`.
     """
     check_mesh("init_sharded", mesh, concrete=True, first="make")
-    if isinstance(make, eqx.Module) and jax.tree.leaves(eqx.filter(make, eqx.is_array)):
-        # Called as make(*args), a layer asked for its input x.
+    _validate.boolean("init_sharded", "relaxed", relaxed)
+    if _is_model(make):  # called as make(*args), a layer asked for its input x
         raise TypeError(f"init_sharded: make must be a function that builds the model "
                         f"(e.g. lambda key: MLP(..., key=key)), got a {type(make).__name__} "
                         "holding arrays; to place a model you have, use "

@@ -28,7 +28,8 @@ parameter specs in `_rules`; the checks against a mesh in `_spec_checks`; whole 
 from ._layouts import (axis_dims as axis_dims, has_data_dim as has_data_dim,
                        layout_axes as layout_axes, with_other_axes as with_other_axes,
                        with_unknown_axes as with_unknown_axes)
-from ._model_specs import (PARAM_RANK as PARAM_RANK, check_ties as check_ties,
+from ._model_specs import (PARAM_RANK as PARAM_RANK, check_patterns as check_patterns,
+                           check_ties as check_ties,
                            is_layer as is_layer, is_param as is_param,
                            is_quantized as is_quantized, layer_name as layer_name,
                            layer_param_specs as layer_param_specs, param_specs as param_specs,

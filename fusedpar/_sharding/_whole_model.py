@@ -299,11 +299,12 @@ def _resolve(model, calls, x, out):
     def input_spec(path, leaf):
         uses = [(names[i], s) for i, c in enumerate(calls) for a, s in c.inputs if a is leaf]
         what = _leaf_name(path, "the input x")
+        seen = list(dict.fromkeys(names))  # a layer called twice is named once
         if not uses:
             raise ValueError(
                 f"shard_map_specs: {what} (shape {leaf.shape}) does not go into a fusedpar "
                 f"layer as it is (none of the fusedpar calls, "
-                f"{', '.join(names[:3]) + (', ...' if len(names) > 3 else '')}, takes it "
+                f"{', '.join(seen[:3]) + (', ...' if len(seen) > 3 else '')}, takes it "
                 "unchanged), so its layout cannot be derived; write the in_spec "
                 "of x yourself, with fusedpar.param_specs(model) for the parameters. "
                 + _HIDDEN)
