@@ -62,8 +62,10 @@ def pytest_terminal_summary(terminalreporter, config):
 
     records = [b.as_dict(include_data=False) for b in session.benchmarks
                if not b.has_error and b.stats]
+    json_path = config.getoption("benchmark_json", None)
     text = summary.render(records, cores=len(os.sched_getaffinity(0))
-                          if hasattr(os, "sched_getaffinity") else os.cpu_count())
+                          if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                          json_path=str(json_path) if json_path else None)
     if text:
         terminalreporter.write_sep("=", "fusedpar benchmark summary")
         for line in text.splitlines():

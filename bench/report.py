@@ -1,7 +1,10 @@
-"""Turn pytest-benchmark JSON into bench/RESULTS.md and a plot.
+"""Turn pytest-benchmark JSON into a Markdown report and a plot.
 
-    pytest bench/ --benchmark-only --benchmark-json=bench/results-cpu.json
-    python bench/report.py bench/results-cpu.json   # -> bench/RESULTS.md, bench/results.png
+    pytest bench/ --benchmark-only --benchmark-json=my-bench.json
+    python bench/report.py my-bench.json --out my-bench.md   # and results.png beside it
+
+Without --out it writes the project's committed bench/RESULTS.md (and bench/results.png),
+with the one-GPU runs committed in bench/ appended (--gpu / --no-gpu say otherwise).
 
 Times are the minimum over the rounds: load from other processes only adds time, so the
 minimum is the estimate least disturbed by it (pytest-benchmark's JSON has the rest). Ratios are to
@@ -339,10 +342,21 @@ def gpu_section() -> list:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json", nargs="+", help="pytest-benchmark --benchmark-json file(s)")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
-    parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), "results.png"))
+    project = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+    parser.add_argument("--out", default=project,
+                        help="the report (default: bench/RESULTS.md, the project's committed "
+                             "one; give your own path to keep it)")
+    parser.add_argument("--plot", default=None,
+                        help="the plot (default: results.png beside --out)")
     parser.add_argument("--note", default="", help="a paragraph to add (e.g. machine load)")
+    parser.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=None,
+                        help="append the one-GPU runs committed in bench/ (default: only "
+                             "when writing bench/RESULTS.md itself)")
     args = parser.parse_args(argv)
+    if args.plot is None:
+        args.plot = os.path.join(os.path.dirname(os.path.abspath(args.out)), "results.png")
+    if args.gpu is None:  # a user's own report is of their run only
+        args.gpu = os.path.abspath(args.out) == project
     data, ops, compile_rows, other = None, [], [], []
     for path in args.json:
         d, o, c, x = load(path)
@@ -379,8 +393,10 @@ def main(argv=None):
                   "expect there.", ""]
     if args.note:
         lines += [args.note, ""]
-    if ops_main or compile_rows:
-        lines += [f"![time vs ring size]({os.path.basename(args.plot)})", ""]
+    wrote_plot = plot(ops_main, compile_rows, args.plot) if ops_main or compile_rows else False
+    if wrote_plot:
+        where = os.path.relpath(args.plot, os.path.dirname(os.path.abspath(args.out)))
+        lines += [f"![time vs ring size]({where})", ""]
     lines += headline(ops_main, "cpu" if on_cpu else None)
     if ops_main:
         lines += ["## Ops: time per call, and ratio to reference in the same row", "",
@@ -395,10 +411,10 @@ def main(argv=None):
         lines += ratio_tables(ops_sim)
     lines += compile_tables(compile_rows)
     lines += other_tables(other)
-    lines += gpu_section()
+    if args.gpu:
+        lines += gpu_section()
     with open(args.out, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
-    wrote_plot = plot(ops_main, compile_rows, args.plot) if ops_main or compile_rows else False
     print(f"wrote {args.out}" + (f" and {args.plot}" if wrote_plot else ""))
 
 

@@ -19,8 +19,9 @@ AOT_RESULTS = "bench/RESULTS-aot.md"
 WIDTH = 100  # no line of the summary is wider
 
 
-def render(benchmarks, *, cores: int | None = None) -> str:
-    """The summary of a run's benchmark records; an empty string when none ran."""
+def render(benchmarks, *, cores: int | None = None, json_path: str | None = None) -> str:
+    """The summary of a run's benchmark records; an empty string when none ran.
+    `json_path`: the run's --benchmark-json file, if it writes one."""
     ops, compile_rows, other = split(benchmarks)
     if not (ops or compile_rows or other):
         return ""
@@ -35,9 +36,11 @@ def render(benchmarks, *, cores: int | None = None) -> str:
     if other:
         lines += [""] + _para(f"{len(other)} other benchmarks (e.g. GPU step kernels): "
                               "their tables are above.")
-    lines += [""] + _para("Every row, and the cost model's prediction beside each ratio: run "
-                          "with --benchmark-json=FILE, then `python bench/report.py FILE` "
-                          "(writes bench/RESULTS.md and bench/results.png).")
+    then = (f"`python bench/report.py {json_path} --out REPORT.md`" if json_path else
+            "run with --benchmark-json=FILE, then `python bench/report.py FILE --out "
+            "REPORT.md`")
+    lines += [""] + _para("Every row, and the cost model's prediction beside each ratio: "
+                          f"{then} (a plot beside it with matplotlib).")
     return "\n".join(lines)
 
 

@@ -63,18 +63,19 @@ def _parser():
                    "the mesh's, 8 for 2x4); at least the mesh's")
     p.add_argument("--mesh", default=None, help="FSDPxTP mesh shape (default 2x4; 1x4 with "
                    "TPU kernels interpreted on CPU)")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8, help="examples per step (default 8)")
+    p.add_argument("--seq", type=int, default=64, help="tokens per example (default 64)")
+    p.add_argument("--dim", type=int, default=64, help="model width (default 64)")
+    p.add_argument("--hidden", type=int, default=256, help="MLP width (default 256)")
     p.add_argument("--blocks", type=int, default=None,
                    help="residual blocks (default 2; 1 with TPU kernels interpreted on CPU)")
     p.add_argument("--steps", type=int, default=None,
                    help="SGD steps (default 8; 4 with TPU kernels interpreted on CPU)")
-    p.add_argument("--lr", type=float, default=0.3)
+    p.add_argument("--lr", type=float, default=0.3, help="SGD step size (default 0.3)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--backends", default="reference,ring",
-                   help="comma-separated backends (reference, ring, pallas, pallas_tpu, ...)")
+                   help="comma-separated backends (default reference,ring; also auto, "
+                   "pallas, pallas_tpu, pallas_gpu)")
     p.add_argument("--profile-dir", default=None,
                    help="write a jax.profiler trace of the timed steps here")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")

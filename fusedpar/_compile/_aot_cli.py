@@ -34,7 +34,7 @@ def _parser():
                     "which transfers have a matmul in flight.")
     p.add_argument("--target", required=True,
                    help=f"what to compile for: {', '.join(aot.TARGETS)} (or another TPU "
-                        "slice, or h100xN, h200xN)")
+                        "slice, tpu7x:<slice> among them, or h100xN, h200xN)")
     p.add_argument("--program", default="mlp",
                    help="ops (the five primitives, forward and backward), mlp (a "
                         "sequence-parallel MLP), block (an FSDP x TP transformer block), "
