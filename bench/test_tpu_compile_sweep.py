@@ -2,9 +2,9 @@
 
 Per device x (1024, 4096) @ w (4096, 4096) bf16 (the `fusedpar.aot` sizes), forward and
 backward, compiled deviceless for v4, v5e, v5p and v6e slices of 8 (libtpu, the `aot`
-extra), uni- and bidirectional: the sweep. tests/test_tpu_mosaic.py keeps one case per
-generation and direction that dispatch picks (v5e both, v5p and v6e bidirectional, one
-v5p unidirectional) and compiles every kernel on every generation at small sizes; this
+extra), uni- and bidirectional: the sweep. tests/test_tpu_mosaic.py keeps the kernels
+dispatch picks on v5e (both directions) and v6e (bidirectional), one v5p unidirectional
+case, and compiles every kernel on every generation at small sizes; this
 file is the rest of the grid, and it times each compile (each is one round: a compile is
 seconds, 2-18 s on 2 shared cores). Every compile must still produce the fused kernel,
 one forward and one or two backward: a failure here is a kernel Mosaic refuses.
