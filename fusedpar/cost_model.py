@@ -134,7 +134,7 @@ def breakdown(prim: str, x_shape, w_shape, ring_size: int, dtype="bfloat16",
     """
     hw = get_hardware(hardware)
     x_shape, w_shape = _shape("x_shape", x_shape), _shape("w_shape", w_shape)
-    n = _ring_size(ring_size)
+    n = _validate.ring_size("cost_model", ring_size, "ring_size")  # 8.5 was read as 8
     if prim in prims.PRIMITIVES:  # an unknown one is refused by `_problem`
         _check_contraction(prim, x_shape, w_shape, n)
     reduce_dtype = np.dtype(_acc_dtype(dtype) if reduce_dtype is None else reduce_dtype)
@@ -228,11 +228,6 @@ def _families(backends) -> dict:
     chosen = _backends.candidates() if backends is None else [
         _backends.TABLE[name] for name in backends]
     return {b.name: b.cost for b in chosen if b.cost is not None}
-
-
-def _ring_size(ring_size) -> int:
-    """`ring_size` as an int, refused unless a positive integer (8.5 was read as 8)."""
-    return _validate.ring_size("cost_model", ring_size, "ring_size")
 
 
 def _check_contraction(prim, x_shape, w_shape, n) -> None:
@@ -389,16 +384,16 @@ def _call(op, x_shape, w_shape, ring_size, dtype, gather, dim, bidirectional, co
 
     x = jax.ShapeDtypeStruct(_shape("x_shape", x_shape), np.dtype(dtype))
     w = jax.ShapeDtypeStruct(_shape("w_shape", w_shape), np.dtype(dtype))
-    return _validate.op_call(op, x, w, _ring_size(ring_size), gather, dim, bidirectional,
-                             comm_dtype, where=f"cost_model: {op}")[1]
+    n = _validate.ring_size("cost_model", ring_size, "ring_size")
+    return _validate.op_call(op, x, w, n, gather, dim, bidirectional, comm_dtype,
+                             where=f"cost_model: {op}")[1]
 
 
 def _shape(name: str, shape) -> tuple:
     """`shape` as a tuple of ints, refused unless every size is an integer >= 0 (a
     `jax.ShapeDtypeStruct` takes a negative one without a word)."""
     sizes = tuple(shape) if isinstance(shape, (tuple, list)) else None
-    if sizes is None or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool)
-                                and d >= 0 for d in sizes):
+    if sizes is None or not all(_validate.is_int(d) and d >= 0 for d in sizes):
         raise ValueError(f"cost_model: {name} must be a tuple of sizes >= 0 (the local "
                          f"shape inside shard_map), got {shape!r}.")
     return tuple(int(d) for d in sizes)
