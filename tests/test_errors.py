@@ -213,6 +213,16 @@ def _restore_other_dtype():
     fusedpar.deserialise_filter_spec(f, skeleton.weight)
 
 
+def _restore_quantized_into_float():
+    """A quantized weight's int8 values read into the float skeleton of the dense model."""
+    f = io.BytesIO()
+    jnp.save(f, jnp.zeros((8, 8), jnp.int8))
+    f.seek(0)
+    skeleton = fusedpar.shard(eqx.filter_eval_shape(lambda: _col(8, 8, dtype=jnp.bfloat16)),
+                              mesh((2, 4), ("fsdp", "tp")))
+    fusedpar.deserialise_filter_spec(f, skeleton.weight)
+
+
 def _emb_head():
     """Token ids -> vocabulary-parallel embedding -> column-parallel head, per example."""
     embed, head = _emb(), _col(8, 16)
@@ -583,6 +593,11 @@ LAYERS = [
         _restore_other_dtype, ValueError,
         ("deserialise_filter_spec: the checkpoint holds a bfloat16 array of shape (8, 8) "
          "where the skeleton has float16", "build the skeleton in the dtype it was saved in")),
+    Row("layers", "quantized checkpoint restored into a float skeleton",
+        _restore_quantized_into_float, ValueError,
+        ("the checkpoint holds an int8 array of shape (8, 8) where the skeleton has "
+         "bfloat16 (a quantized weight's values?)",
+         "fusedpar.quantize(...) of the model inside eqx.filter_eval_shape")),
     Row("layers", "called under the deprecated `with mesh:`",
         lambda: _legacy_mesh_call(), ValueError,
         ("ColumnLinear: called inside `with mesh:`", "{'tp': 4}",
@@ -630,7 +645,7 @@ LAYERS = [
                      "fusedpar.quantize")),
     Row("layers", "layer axis not in the mesh",
         global_call(_col(8, 8, axis="model"), (4, 8)), ValueError,
-        ("ColumnLinear: mesh axis 'model' (Column, axis=) is not in the current mesh",
+        ("ColumnLinear: mesh axis 'model' (Column's axis=) is not in the current mesh",
          "whose axes are ('fsdp', 'tp')", "Name one of them")),
     Row("layers", "shard_map binds only some of the layer's axes",
         lambda: jax.eval_shape(jax.shard_map(
@@ -824,15 +839,15 @@ SPECS = [
          "different axes")),
     Row("specs", "shard: axis not in the mesh",
         lambda: fusedpar.shard(_col(8, 8, axis="model"), mesh((2, 4), ("fsdp", "tp"))),
-        ValueError, ("ColumnLinear: mesh axis 'model' (Column, axis=): not in the mesh",
+        ValueError, ("ColumnLinear: mesh axis 'model' (Column's axis=): not in the mesh",
                      "('fsdp', 'tp')", "Name one of them")),
     Row("specs", "shard: a typo of a mesh axis",
         lambda: fusedpar.shard(_col(8, 8, axis="pt"), mesh((2, 4), ("fsdp", "tp"))),
-        ValueError, ("mesh axis 'pt' (Column, axis=; did you mean 'tp'?)",)),
+        ValueError, ("mesh axis 'pt' (Column's axis=; did you mean 'tp'?)",)),
     Row("specs", "shard: axes not in the mesh, several layers",
         lambda: fusedpar.shard({"up": _col(8, 8, axis="model", fsdp_axis="data"),
                                 "down": _col(8, 8)}, mesh((2, 4), ("fsdp", "tp"))),
-        ValueError, ("up: mesh axis 'model' (Column, axis=), 'data' (FSDP, fsdp_axis=)",
+        ValueError, ("up: mesh axis 'model' (Column's axis=), 'data' (FSDP's axis=, a layer's fsdp_axis=)",
                      "not in the mesh, whose axes are ('fsdp', 'tp')")),
     Row("specs", "shard: dimension not divisible",
         lambda: fusedpar.shard({"up": _col(8, 6)}, mesh((2, 4), ("fsdp", "tp"))), ValueError,
@@ -844,6 +859,14 @@ SPECS = [
     Row("specs", "shard_map_specs of a model without fusedpar layers",
         lambda: fusedpar.shard_map_specs(mlp(), 2), ValueError,
         ("shard_map_specs: the model has no fusedpar layers", "in_specs=P()")),
+    Row("specs", "shard_map_specs: an eqx.nn.MultiheadAttention with column-parallel q/k/v",
+        lambda: fusedpar.shard_map_specs(
+            fusedpar.parallelize(eqx.nn.MultiheadAttention(4, 16, key=KEY),
+                                 {"[qkv]*_proj": "column", "output_proj": "row"}),
+            S((6, 16), jnp.float32), call=lambda m, x: m(x, x, x)), ValueError,
+        ("model is an eqx.nn.MultiheadAttention whose query_proj, key_proj, value_proj "
+         "are column-parallel over 'tp'", "wrong numbers", "jax.set_mesh",
+         "fusedpar.local_size(num_heads, 'tp')")),
     Row("specs", "shard_map_specs given the input's rank (the old signature)",
         lambda: fusedpar.shard_map_specs(_emb(), 2), TypeError,
         ("x must be the model's input (an array or jax.ShapeDtypeStruct", "got the int 2")),
@@ -904,9 +927,15 @@ PARALLELIZE = [
         lambda: fusedpar.parallelize(mlp(), {"layers.5": "column"}), ValueError,
         ("pattern(s) ['layers.5'] matched no eqx.nn.Linear",
          "the model's linear layers are ['layers.0', 'layers.1']")),
+    Row("parallelize", "a plan whose FSDP comm_dtype differs from a stored quantized weight's",
+        lambda: fusedpar.parallelize(fusedpar.quantize(mlp()),
+                                     {"*": fusedpar.FSDP(comm_dtype=jnp.float8_e4m3fn)}),
+        ValueError, ("parallelize: layers.0: the weight is stored quantized as int8",
+                     "FSDP(comm_dtype=float8_e4m3fn) asks for another dtype")),
     Row("parallelize", "two tensor-parallel styles on one layer",
         lambda: fusedpar.parallelize(mlp(), {"*": "column", "layers.1": "row"}), ValueError,
-        ("layers.1: two tensor-parallel styles",)),
+        ("layers.1: two tensor-parallel styles",
+         "patterns ['*', 'layers.1'] all match 'layers.1'")),
     Row("parallelize", "a pattern naming a layer whose 'scalar' features it would shard",
         lambda: fusedpar.parallelize(eqx.nn.Sequential([eqx.nn.Linear(4, "scalar", key=KEY)]),
                                      {"layers.0": "column"}), ValueError,

@@ -97,11 +97,12 @@ def test_error_two_tp_styles():
 
 def test_error_axis_not_in_mesh():
     m = mesh((2, 4), ("fsdp", "model"))
-    with pytest.raises(ValueError, match=r"blocks\.0\.up: mesh axis 'tp' \(Column, axis=\).*"
-                       r"not in the mesh, whose axes are \('fsdp', 'model'\)"):
+    with pytest.raises(ValueError, match=r"blocks\.0\.up: mesh axis 'tp' \(Column's axis=, "
+                       r"default 'tp'\).*not in the mesh, whose axes are \('fsdp', 'model'\)"):
         fusedpar.validate(Model(), m)
-    with pytest.raises(ValueError, match=r"ColumnLinear: mesh axis 'tp' \(Column, axis=\) is not "
-                       r"in the current mesh, whose axes are \('fsdp', 'model'\)"):
+    with pytest.raises(ValueError, match=r"ColumnLinear: mesh axis 'tp' \(Column's axis=, "
+                       r"default 'tp'\) is not in the current mesh, whose axes are "
+                       r"\('fsdp', 'model'\)"):
         with jax.set_mesh(m):
             fusedpar.ColumnLinear(8, 16, key=K)(jnp.ones(8))
 
@@ -213,6 +214,26 @@ def test_shard_and_init_sharded():
             assert a.sharding.is_equivalent_to(NamedSharding(m, s), a.ndim), (a.sharding, s)
             assert (a == r).all()
         assert placed.blocks[0].act is jax.nn.relu
+
+
+def test_shard_warns_of_a_model_never_parallelized():
+    """A dense model (a checkpoint restored and sharded before `parallelize`) would be
+    replicated on every device with no word; a parallelized one, or a tree without
+    linear layers (an optimizer's step count), is not warned about."""
+    import warnings
+
+    m = mesh((2, 4), ("fsdp", "tp"))
+    dense = [eqx.nn.Linear(8, 16, key=K), eqx.nn.Linear(16, 8, key=K)]
+    with pytest.warns(UserWarning, match=r"shard: the model has 2 eqx.nn.Linear or "
+                      r"eqx.nn.Embedding layers and no fusedpar layer.*replicated on the "
+                      r"mesh's 8 devices; parallelize\(model, plan\) first"):
+        placed = fusedpar.shard(dense, m)
+    assert all(a.sharding.is_fully_replicated for a in jax.tree.leaves(placed))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fusedpar.shard(fusedpar.parallelize(dense, {"*": "fsdp"}), m)
+        fusedpar.shard({"count": jnp.zeros((), jnp.int32)}, m)
+        fusedpar.shard(dense, mesh((1,), ("tp",)))
 
 
 def test_shard_map_specs():

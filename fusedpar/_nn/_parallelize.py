@@ -12,6 +12,7 @@ import jax
 
 from .._sharding import _specs
 from ._embedding import Embedding
+from ._layer_checks import check_stored_comm
 from ._layers import ParallelLinear, layer_class
 
 _NAMES = {"column": _specs.Column, "row": _specs.Row, "fsdp": _specs.FSDP}
@@ -82,9 +83,21 @@ def parallelize(model, plan: dict, *, backend: str = "auto"):
                 styles.extend(s)
         if not styles:
             return x
-        rule = _specs.compose(*styles, where=where)
+        try:
+            rule = _specs.compose(*styles, where=where)
+        except ValueError as e:
+            if len(matched) < 2:
+                raise
+            # Every matching pattern contributes (no "most specific wins"): say which.
+            raise ValueError(f"{e} The plan's patterns {matched} all match {where!r} and "
+                             "every match contributes its styles; narrow a glob so that "
+                             "one of them matches it (an fnmatch class such as "
+                             "'[qkv]*_proj' for '*_proj').") from None
         if isinstance(x, (eqx.nn.Embedding, Embedding)):
             return Embedding.from_embedding(x, rule, where)
+        # A weight stored quantized (`fusedpar.quantize` first) travels as it is: refused
+        # here, where the plan is, not at the first call.
+        check_stored_comm(f"parallelize: {where}", x.weight, rule)
         try:
             _specs.check_scalar(f"parallelize: {where}", rule, x.in_features, x.out_features)
         except ValueError:

@@ -45,12 +45,20 @@ def deserialise_filter_spec(f, like):
                          f"({like.dtype}); restore it into the model it was saved from.")
     if stored != np.dtype(like.dtype):
         raw = stored == value.dtype and stored.kind == "V"  # bytes no dtype was read from
-        saved = (f"{stored.itemsize}-byte dtype NumPy does not know (a float8 or int4)"
-                 if raw else stored.name)
+        saved = (f"a {stored.itemsize}-byte dtype NumPy does not know (a float8 or int4)"
+                 if raw else f"{'an' if stored.name[0] in 'aeiou' else 'a'} {stored.name}")
+        # One byte a parameter where the skeleton has a float: the values of a quantized
+        # weight (`fusedpar.quantize`), whose skeleton is quantized too.
+        quantized = (stored.itemsize == 1 and np.dtype(like.dtype).itemsize > 1
+                     and jnp.issubdtype(like.dtype, jnp.floating))
+        fix = ("build the skeleton of the quantized model: fusedpar.quantize(...) of the "
+               "model inside eqx.filter_eval_shape, as it was saved" if quantized else
+               "build the skeleton in the dtype it was saved in and cast the restored "
+               "model after")
         raise ValueError(
-            f"deserialise_filter_spec: the checkpoint holds a {saved} array of shape "
-            f"{value.shape} where the skeleton has {like.dtype}; build the skeleton in "
-            f"the dtype it was saved in and cast the restored model after.")
+            f"deserialise_filter_spec: the checkpoint holds {saved} array of shape "
+            f"{value.shape} where the skeleton has {like.dtype}"
+            + (" (a quantized weight's values?)" if quantized else "") + f"; {fix}.")
     return jax.device_put(value.view(stored), sharding)
 
 

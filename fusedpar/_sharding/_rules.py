@@ -61,15 +61,17 @@ class Rule:
 
     def missing_axes(self, names) -> list:
         """Each axis of this rule not among the mesh axis `names`, with the style that
-        uses it and the layer argument that set it, e.g. `"'fsdp' (FSDP, fsdp_axis=)"`."""
+        uses it and the argument that set it, e.g. `"'tp' (Column's axis=, default 'tp')"`."""
         out = []
         for s in (self.tp, self.fsdp):
             if s is not None and s.axis not in names:
                 # A typo's likely fix: the mesh's closest name ('pt' -> 'tp').
                 close = difflib.get_close_matches(s.axis, [str(n) for n in names], n=1,
                                                   cutoff=0.5)
-                out.append(f"{s.axis!r} ({type(s).__name__}, "
-                           f"{'fsdp_axis=' if isinstance(s, FSDP) else 'axis='}"
+                arg = "axis=, a layer's fsdp_axis=" if isinstance(s, FSDP) else "axis="
+                default = {f.name: f.default for f in dataclasses.fields(s)}["axis"]
+                out.append(f"{s.axis!r} ({type(s).__name__}'s {arg}"
+                           f"{f', default {default!r}' if s.axis == default else ''}"
                            f"{f'; did you mean {close[0]!r}?' if close else ''})")
         return out
 

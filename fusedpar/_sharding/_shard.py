@@ -21,6 +21,25 @@ def _warn(dropped):
                       + "; ".join(str(d) for d in dropped), stacklevel=3)
 
 
+def _warn_unplanned(model, mesh):
+    """Warn where `model` has `eqx.nn.Linear`/`eqx.nn.Embedding` layers and no fusedpar
+    ones on a mesh of several devices: every array is then replicated (what the specs
+    say of a model that was not parallelized), and a forgotten `parallelize` (a dense
+    checkpoint restored and sharded as it is) would otherwise train with no FSDP or
+    tensor parallelism and no word."""
+    def is_linear(x):
+        return isinstance(x, (eqx.nn.Linear, eqx.nn.Embedding)) or _specs.is_layer(x)
+
+    leaves = jax.tree.leaves(model, is_leaf=is_linear)
+    if (mesh.size > 1 and any(is_linear(x) for x in leaves)
+            and not any(_specs.is_layer(x) for x in leaves)):
+        dense = sum(is_linear(x) for x in leaves)
+        warnings.warn(f"shard: the model has {dense} eqx.nn.Linear or eqx.nn.Embedding "
+                      f"layer{'s' if dense > 1 else ''} and no fusedpar layer, so every "
+                      f"array is replicated on the mesh's {mesh.size} devices; "
+                      "parallelize(model, plan) first to shard them.", stacklevel=3)
+
+
 def _shardings(model, mesh):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), _specs.param_specs(model))
 
@@ -36,7 +55,9 @@ def shard(model, mesh, *, relaxed: bool = False):
     Validates first (`fusedpar.validate`): an axis missing from the mesh or a dimension
     that does not divide raises a `ValueError` naming the parameter path, dimension,
     size and axes. With `relaxed=True` such layers lose the style that does not fit
-    (that dimension is replicated) and a warning lists what was dropped.
+    (that dimension is replicated) and a warning lists what was dropped. A model with
+    `eqx.nn.Linear` or `eqx.nn.Embedding` layers and no fusedpar layer (never
+    `parallelize`d) is replicated, with a warning, on a mesh of several devices.
 
     As `jax.device_put`, it may hand back `model`'s own buffers where they are laid out
     already (a replicated bias on the devices it lies on): donating the sharded model
@@ -45,6 +66,7 @@ def shard(model, mesh, *, relaxed: bool = False):
     """
     check_mesh("shard", mesh)
     _validate.boolean("shard", "relaxed", relaxed)
+    _warn_unplanned(model, mesh)
     model, dropped = _specs.validate(model, mesh, relaxed=relaxed)
     _warn(dropped)
     params, static = eqx.partition(model, _specs.is_param)

@@ -158,6 +158,7 @@ def shard_map_specs(model, x, *, call: Optional[Callable] = None,
                jax.tree_util.tree_leaves(model, is_leaf=_specs.is_layer)):
         raise ValueError("shard_map_specs: the model has no fusedpar layers; every array is "
                          "replicated, use in_specs=P() and out_specs=P().")
+    _check_split_heads(model)
     if isinstance(x, int) and not isinstance(x, bool):
         raise TypeError(
             f"shard_map_specs: x must be the model's input (an array or "
@@ -180,6 +181,34 @@ def shard_map_specs(model, x, *, call: Optional[Callable] = None,
     if outputs:
         _check_varying(model, x, call, pspecs, x_spec, out_spec)
     return (pspecs, x_spec), out_spec
+
+
+def _check_split_heads(model) -> None:
+    """Refuse an `eqx.nn.MultiheadAttention` with column-parallel projections: it splits
+    each projection into its `num_heads` heads (`reshape(seq, num_heads, -1)`), which on
+    a device's own columns inside `shard_map` makes `num_heads` heads of a tp-th of the
+    width, not `num_heads / tp` whole ones: wrong numbers, and nothing else fails. On
+    global arrays (`jax.set_mesh`) the projection is whole and the heads are right."""
+    def is_mha(x):
+        return isinstance(x, eqx.nn.MultiheadAttention)
+
+    for path, m in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_mha)[0]:
+        if not is_mha(m):
+            continue
+        split = [n for n in ("query_proj", "key_proj", "value_proj")
+                 if _specs.is_layer(p := getattr(m, n))
+                 and isinstance(p.rule.tp, _specs.Column)]
+        if split:
+            axis = getattr(m, split[0]).rule.tp.axis
+            raise ValueError(
+                f"shard_map_specs: {_specs.path_str(path)} is an eqx.nn.MultiheadAttention "
+                f"whose {', '.join(split)} are column-parallel over {axis!r}: inside "
+                f"jax.shard_map a device's projection holds {m.num_heads} / size of "
+                f"{axis!r} heads, but the module splits it into num_heads={m.num_heads} "
+                "heads of a fraction of the width (wrong numbers, no error). Call the "
+                "model on global arrays under jax.set_mesh (the fusedpar layers run their "
+                "collectives there), or write the attention with "
+                f"fusedpar.local_size(num_heads, {axis!r}) heads per device.")
 
 
 def _check_varying(model, x, call, pspecs, x_spec, out_spec) -> None:
