@@ -203,24 +203,20 @@ def _explicit_data_fsdp_call():
         eqx.filter_jit(lambda l, x: l(x))(layer, x)
 
 
-def _restore_other_dtype():
-    """A bfloat16 checkpoint (raw bytes to NumPy) read into a float16 skeleton."""
-    f = io.BytesIO()
-    jnp.save(f, jnp.zeros((8, 8), jnp.bfloat16))
-    f.seek(0)
-    skeleton = fusedpar.shard(eqx.filter_eval_shape(lambda: _col(8, 8, dtype=jnp.float16)),
-                              mesh((2, 4), ("fsdp", "tp")))
-    fusedpar.deserialise_filter_spec(f, skeleton.weight)
+def _restore(saved, skeleton_dtype):
+    """A checkpoint's (8, 8) array of `saved`'s dtype read into a skeleton of another:
+    bfloat16 (raw bytes to NumPy) into float16; a quantized weight's int8 values into
+    the dense model's bfloat16."""
+    def restore():
+        f = io.BytesIO()
+        jnp.save(f, jnp.zeros((8, 8), saved))
+        f.seek(0)
+        skeleton = fusedpar.shard(
+            eqx.filter_eval_shape(lambda: _col(8, 8, dtype=skeleton_dtype)),
+            mesh((2, 4), ("fsdp", "tp")))
+        fusedpar.deserialise_filter_spec(f, skeleton.weight)
 
-
-def _restore_quantized_into_float():
-    """A quantized weight's int8 values read into the float skeleton of the dense model."""
-    f = io.BytesIO()
-    jnp.save(f, jnp.zeros((8, 8), jnp.int8))
-    f.seek(0)
-    skeleton = fusedpar.shard(eqx.filter_eval_shape(lambda: _col(8, 8, dtype=jnp.bfloat16)),
-                              mesh((2, 4), ("fsdp", "tp")))
-    fusedpar.deserialise_filter_spec(f, skeleton.weight)
+    return restore
 
 
 def _emb_head():
@@ -590,11 +586,11 @@ LAYERS = [
         ValueError, ("shard: an AbstractMesh has no devices to build arrays on",
                      "eqx.filter_eval_shape")),
     Row("layers", "checkpoint restored into a skeleton of another dtype",
-        _restore_other_dtype, ValueError,
+        _restore(jnp.bfloat16, jnp.float16), ValueError,
         ("deserialise_filter_spec: the checkpoint holds a bfloat16 array of shape (8, 8) "
          "where the skeleton has float16", "build the skeleton in the dtype it was saved in")),
     Row("layers", "quantized checkpoint restored into a float skeleton",
-        _restore_quantized_into_float, ValueError,
+        _restore(jnp.int8, jnp.bfloat16), ValueError,
         ("the checkpoint holds an int8 array of shape (8, 8) where the skeleton has "
          "bfloat16 (a quantized weight's values?)",
          "fusedpar.quantize(...) of the model inside eqx.filter_eval_shape")),

@@ -159,6 +159,51 @@ def test_protocol_clean_megacore(prim, n, capfd):
     _assert_clean(prim, n, True, capfd, [("on_wait", 1)], vmem=False, chip="v5p", block_m=8)
 
 
+def _partnered(n, bidirectional, params, transposed=False, **options):
+    """(kernel, definition) of an ag_rows with a partner (an rs_rows's backward: the
+    cotangent gathered for x's gradient, `x.T @ gathered` for w's in the same kernel;
+    `transposed`: written in memory as its transpose, a layer's `(out, in)` weight's)."""
+    cfg = Prim.Config("pallas_tpu", "x", n, bidirectional, True, np.dtype(jnp.float32),
+                      np.dtype(jnp.float32),
+                      options=tuple(sorted({"interpret_params": params, **options}.items())))
+
+    def kernel(x, w, p):
+        done = pallas_tpu._run_partnered("ag_rows", cfg, x, w, p, jnp.float32, transposed)
+        assert done is not None, "the partnered kernel cannot run this call"
+        return done
+
+    def definition(x, w, p):
+        g = jax.lax.all_gather(x, "x", tiled=True)
+        return g @ w, p.T @ g
+
+    def wrap(f):
+        return jax.jit(jax.shard_map(f, mesh=mesh((n,), ("x",)), in_specs=(P("x"),) * 3,
+                                     out_specs=(P("x"), P("x")), check_vma=False))
+
+    return wrap(kernel), wrap(definition)
+
+
+# The partner's product at a ring of 4 both ways in VMEM, one way on the tiled HBM path
+# (its f32 sum resident, its left operand read transposed in (bk, bm) tiles; the product
+# written transposed, the piece then the transposed operand), and split between two
+# TensorCores (v5p).
+@pytest.mark.parametrize("n,bidirectional,options", [
+    (4, True, {}), (4, False, {"vmem": False, "block_m": 8}),
+    (4, False, {"vmem": False, "block_m": 8, "transposed": True}),
+    (2, True, {"vmem": False, "chip": "v5p", "block_m": 8})],
+    ids=["vmem", "tiled", "tiled-transposed", "megacore"])
+def test_protocol_clean_with_a_partner(n, bidirectional, options, capfd):
+    args = (normal(0, (n * R, K), jnp.float32), normal(1, (n * K, C), jnp.float32),
+            normal(2, (n * n * R, 128), jnp.float32))
+    params = pltpu.InterpretParams(dma_execution_mode="on_wait", detect_races=True)
+    f, definition = _partnered(n, bidirectional, params, **options)
+    want = definition(*args)
+    got, races, text = _run_checked(f, args, capfd)
+    assert not races and "RACE DETECTED" not in text, text[:2000]
+    assert "non-zero count" not in text, text[:2000]
+    assert_close(got, want, jnp.float32, f"partner n={n} {options}")
+
+
 def _layout(prim, n, **options):
     """The StepLayout `pallas_tpu` plans for `prim` on this file's shapes."""
     module, params = pallas_tpu._params(

@@ -50,15 +50,18 @@ def _widen(a, b):
 # `a @ b.T` for a `b` held as (cols, contraction): the MXU takes a transposed right
 # operand as it loads it, so a weight kept in (out, in) order is read in place.
 _NT = (((1,), (1,)), ((), ()))
+# `a.T @ b` for an `a` held as (contraction, rows): a weight gradient's `x.T @ dy` on the
+# rows of x that match a block of dy, read in place (Mosaic transposes the tile in VMEM).
+_TN = (((0,), (0,)), ((), ()))
 
 
-def _product(a, b, scale, precision, b_transposed=False):
-    """`a @ b` (`a @ b.T` with `b_transposed`) in f32 (operands widened), times `scale`
-    (broadcast) if given."""
+def _product(a, b, scale, precision, b_transposed=False, a_transposed=False):
+    """`a @ b` (`a @ b.T` with `b_transposed`, `a.T @ b` with `a_transposed`) in f32
+    (operands widened), times `scale` (broadcast) if given."""
     a, b = _widen(a, b)
-    if b_transposed:
-        y = lax.dot_general(a, b, _NT, preferred_element_type=jnp.float32,
-                            precision=precision)
+    if b_transposed or a_transposed:
+        y = lax.dot_general(a, b, _NT if b_transposed else _TN,
+                            preferred_element_type=jnp.float32, precision=precision)
     else:
         y = jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
     return y if scale is None else y * scale
@@ -72,29 +75,35 @@ def _column(row):
 
 
 def matmul(a, b, o, tiles, *, prev=None, scale=None, scale_rows=False, precision=None,
-           cores=1, enforce=None, b_transposed=False):
+           cores=1, enforce=None, b_transposed=False, a_transposed=False):
     """`o = (a @ b) * scale (+ prev)` with f32 accumulation: whole VMEM refs (`tiles`
     None), or refs tiled by `tiles = (bm, bk, bn)`. `enforce`: the `Chip` built for (check
     tiles against Mosaic's layout), or None. `b_transposed`: `b` holds the right operand
-    transposed, `(cols, contraction)`, and is tiled `(bn, bk)`.
+    transposed, `(cols, contraction)`, and is tiled `(bn, bk)`; `a_transposed`: `a` holds
+    the left one transposed, `(contraction, rows)`, tiled `(bk, bm)` (not with a scale).
 
     `scale` (float32, optional) is a quantized operand's scales, `(1, rows)` with
     `scale_rows` (one per row of the product, laid along lanes) or `(1, cols)` (one per
     column): the step multiplies the 8-bit values (widened in VMEM, exactly) and scales
     the f32 product once, before adding `prev`."""
+    if a_transposed and scale is not None:
+        raise ValueError("matmul: a_transposed takes no scale (a weight gradient's step)")
     if tiles is None:
         s = None if scale is None else scale[...]
         y = _product(a[...], b[...], _column(s) if s is not None and scale_rows else s,
-                     precision, b_transposed)
+                     precision, b_transposed, a_transposed)
         if prev is not None:
             y = y + prev[...].astype(jnp.float32)
         o[...] = y.astype(o.dtype)
         return
-    (rows, contraction), cols = a.shape, b.shape[0 if b_transposed else 1]
+    rows, contraction = a.shape[::-1] if a_transposed else a.shape
+    cols = b.shape[0 if b_transposed else 1]
     bm, bk, bn = tiles
+    a_block = (bk, bm) if a_transposed else (bm, bk)
     b_block = (bn, bk) if b_transposed else (bk, bn)
     if cores == 1 and (bm, bk, bn) == (rows, contraction, cols):
-        return _whole(a, b, o, prev, scale, scale_rows, precision, b_transposed)
+        return _whole(a, b, o, prev, scale, scale_rows, precision, b_transposed,
+                      a_transposed)
     if scale is not None and scale_rows:  # the pipeline takes (bm, 1) blocks of a column
         def with_column(row, column):
             pltpu.sync_copy(scale, row)
@@ -108,7 +117,7 @@ def matmul(a, b, o, tiles, *, prev=None, scale=None, scale_rows=False, precision
     nk = contraction // bk
     # A (rows, 1) column here is per-row scales (the VMEM column made above).
     per_row = scale is not None and tuple(scale.shape) == (rows, 1) and rows > 1
-    checks = [("the step's left operand", a, (bm, bk)),
+    checks = [("the step's left operand", a, a_block),
               ("the step's right operand", b, b_block),
               ("the step's result", o, (bm, bn))]
     if scale is not None:
@@ -129,7 +138,8 @@ def matmul(a, b, o, tiles, *, prev=None, scale=None, scale_rows=False, precision
             else:
                 acc[...] = prev_t[...].astype(jnp.float32)
 
-        acc[...] += _product(a_t[...], b_t[...], None, precision, b_transposed)
+        acc[...] += _product(a_t[...], b_t[...], None, precision, b_transposed,
+                             a_transposed)
 
         @pl.when(k == nk - 1)
         def _():
@@ -140,7 +150,8 @@ def matmul(a, b, o, tiles, *, prev=None, scale=None, scale_rows=False, precision
                     y = y + prev_t[...].astype(jnp.float32)
             o_t[...] = y.astype(o_t.dtype)
 
-    in_specs = [pl.BlockSpec((bm, bk), lambda i, j, k: (i, k)),
+    in_specs = [pl.BlockSpec(a_block, (lambda i, j, k: (k, i)) if a_transposed
+                             else (lambda i, j, k: (i, k))),
                 pl.BlockSpec(b_block, (lambda i, j, k: (j, k)) if b_transposed
                              else (lambda i, j, k: (k, j)))]
     args = [a, b]
@@ -162,7 +173,8 @@ def matmul(a, b, o, tiles, *, prev=None, scale=None, scale_rows=False, precision
     pl.run_scoped(scoped, pltpu.VMEM((bm, bn), jnp.float32))
 
 
-def _whole(a, b, o, prev, scale, scale_rows, precision, b_transposed=False):
+def _whole(a, b, o, prev, scale, scale_rows, precision, b_transposed=False,
+           a_transposed=False):
     """One tile: copy the operands into VMEM, multiply, copy the result out."""
     extra = [r for r in (prev, scale) if r is not None]
     refs = [a, b] + extra
@@ -173,7 +185,7 @@ def _whole(a, b, o, prev, scale, scale_rows, precision, b_transposed=False):
             pltpu.sync_copy(src, dst)
         s = None if scale is None else ins[-1][...]
         y = _product(ins[0][...], ins[1][...], _column(s) if s is not None and scale_rows else s,
-                     precision, b_transposed)
+                     precision, b_transposed, a_transposed)
         if prev is not None:
             y = y + ins[2][...].astype(jnp.float32)
         o_v[...] = y.astype(o_v.dtype)

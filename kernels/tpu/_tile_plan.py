@@ -45,12 +45,15 @@ class StepLayout:
     - `tiles`: `(bm, bk, bn)` of the tiled HBM path (None in VMEM).
     - `resident`: names of the buffers kept in VMEM on the tiled path.
     - `cores`: TensorCores that share each step's tiles (megacore: 2).
+    - `partner_tiles`: `(bm, bk, bn)` of a gather's partner product on the tiled path
+      (its left operand read transposed, `(bk, bm)` tiles).
     """
 
     in_vmem: bool
     tiles: Optional[tuple] = None
     resident: frozenset = frozenset()
     cores: int = 1
+    partner_tiles: Optional[tuple] = None
 
 
 def nbytes(shape, dtype) -> int:
@@ -67,16 +70,18 @@ def pick(dim: int, target: int, align: int) -> Optional[int]:
     return None
 
 
-def tiles(dims, in_dtype, out_dtype, targets):
+def tiles(dims, in_dtype, out_dtype, targets, a_transposed=False):
     """`(bm, bk, bn)` for a `(rows, contraction) x (contraction, cols)` step, or a reason.
 
     Rows are cut in the left operand, the result and the f32 accumulator, so `bm` follows
     the largest of their sublane tiles (a quantized operand's 8-bit rows have the same 8);
-    `bk` and `bn` cut lanes (and the right operand's rows, whose tile divides 128).
+    `bk` and `bn` cut lanes (and the right operand's rows, whose tile divides 128). A left
+    operand held transposed (`a_transposed`, `(bk, bm)` tiles) has its rows on lanes:
+    `bm` is then a multiple of 128 too.
     """
     rows_dtype = max((in_dtype, out_dtype, np.float32),
                      key=sublane_tile)  # the dtype with the tallest tile
-    rows_align = sublane_tile(rows_dtype)
+    rows_align = LANES if a_transposed else sublane_tile(rows_dtype)
     aligns = (rows_align, LANES, LANES)
     got = tuple(pick(d, t, a) for d, t, a in zip(dims, targets, aligns))
     for t, name, dim, target, align in zip(got, "mkn", dims, targets, aligns):
@@ -99,7 +104,8 @@ def tile_bytes(t, in_dtype, out_dtype, accumulates=False) -> int:
     return 2 * (bm * bk + bk * bn) * in_size + 2 * bm * bn * out_size + prior + bm * bn * 4
 
 
-def plan(launch, dims, in_dtype, out_dtype, buffers, candidates, accumulates=False):
+def plan(launch, dims, in_dtype, out_dtype, buffers, candidates, accumulates=False,
+         partner=None):
     """A `(StepLayout, None)`, or `(None, reason)` when no tiling fits.
 
     - `launch`: the kernel's `_launch.RingLaunch` (its chip, and the `vmem` and
@@ -111,6 +117,9 @@ def plan(launch, dims, in_dtype, out_dtype, buffers, candidates, accumulates=Fal
     - `candidates`: `(name, shape, dtype)` of buffers that may stay resident, most reused
       first.
     - `accumulates`: each step adds the prior f32 sum (all-gather-contract).
+    - `partner`: the `(rows, contraction, cols)` of a second product each step runs after
+      the first, its left operand transposed, adding to its own f32 sum (a gather's
+      partner); its pipeline runs after the step's, so the larger of the two counts.
     A quantized (8-bit) operand's tiles are counted at `in_dtype`'s size, which also
     covers its widened copy.
     """
@@ -124,6 +133,15 @@ def plan(launch, dims, in_dtype, out_dtype, buffers, candidates, accumulates=Fal
     if t is None:
         return None, why
     need = tile_bytes(t, in_dtype, out_dtype, accumulates)
+    partner_tiles = None
+    if partner is not None:
+        # Its rows are lanes of its transposed left operand: at least one lane tile.
+        bm, bk, bn = targets
+        partner_tiles, why = tiles(partner, in_dtype, np.float32, (max(bm, LANES), bk, bn),
+                                   a_transposed=True)
+        if partner_tiles is None:
+            return None, f"the partner product: {why}"
+        need = max(need, tile_bytes(partner_tiles, in_dtype, np.float32, True))
     free = chip.budget_bytes - need
     if free < 0:
         return None, (f"tiles {t} need {need / 2**20:.1f} MiB "
@@ -135,4 +153,4 @@ def plan(launch, dims, in_dtype, out_dtype, buffers, candidates, accumulates=Fal
         if nbytes(shape, dtype) <= free:
             resident.add(name)
             free -= nbytes(shape, dtype)
-    return StepLayout(False, t, frozenset(resident), chip.cores), None
+    return StepLayout(False, t, frozenset(resident), chip.cores, partner_tiles), None

@@ -23,7 +23,13 @@ block. Buffers are all in VMEM for small problems (ring slots and the f32 sum as
 and in HBM otherwise, each step's matmul tiled by `emit_pipeline` (`_tile_plan`), with
 the stationary operand (w for `ROWS`, x otherwise) and the f32 sum kept in VMEM when they
 fit. `return_gathered` also copies every piece into the gathered operand with a local DMA
-that runs beside the matmul.
+that runs beside the matmul. A *partner* (`ROWS`, `partner_dtype`) is a second
+stationary operand `p` whose rows match the gathered rows: each step also adds
+`p[seg rows].T @ piece` (or its transpose, `partner_transposed`) into an f32 sum, kept
+in VMEM where it fits, with Mosaic reading `p`'s rows transposed in place. That is an
+rs_rows's backward (`fusedpar._core._autodiff`): the cotangent gathered for x's gradient
+and the weight gradient `x.T @ gathered` in one kernel, without the gathered cotangent
+ever written to HBM whole.
 
 Quantized payloads (`scales` given): the travelling operand is 8-bit values (int8 or
 float8_e4m3fn) with float32 scales (`fusedpar._core._quantize`: one per row of x for `ROWS`,
@@ -66,6 +72,13 @@ class AllGatherMatmulParams:
     - `return_gathered`: also return the gathered travelling operand.
     - `launch`: the ring, chip and compilation settings (`_launch.RingLaunch`).
     - `w_transposed` (`ROWS` only): the kernel is given w's transpose, `(n, K)`.
+    - `partner_dtype` (`ROWS` only): with a partner operand `p` `(N * m, k2)`, whose rows
+      match the gathered rows, the kernel also returns `p.T @ all_gather(x)` `(k2, K)` in
+      this dtype (None: no partner): a weight gradient (`x.T @ dy` of an rs_rows whose
+      cotangent `dy` this gathers), summed in float32 over the pieces as they arrive, so
+      the gathered operand is never written whole. `partner_transposed`: return that
+      product transposed, `all_gather(x).T @ p` `(K, k2)` (a weight gradient in the
+      layout of a weight held as `(out, in)`).
     """
 
     gather: str
@@ -73,12 +86,17 @@ class AllGatherMatmulParams:
     return_gathered: bool
     launch: _launch.RingLaunch
     w_transposed: bool = False
+    partner_dtype: Any = None
+    partner_transposed: bool = False
 
     def __post_init__(self):
         _launch.one_of("gather", self.gather, GATHERS)
         if self.w_transposed and self.gather != ROWS:
             raise ValueError(f"w_transposed: only gather={ROWS!r} reads w in place (its w "
                              f"is stationary); gather={self.gather!r} sends w's blocks")
+        if self.partner_dtype is not None and self.gather != ROWS:
+            raise ValueError(f"partner_dtype: only gather={ROWS!r} multiplies a partner "
+                             f"by the pieces it gathers, not gather={self.gather!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +150,8 @@ def _kernel(refs, *, params, geometry, layout, quantized):
     # Built for Mosaic: every window is checked against its tiles, naming the chip.
     enforce, tiles = launch.chip if launch.for_mosaic else None, layout.tiles
     w, out, acc, outbox = (refs.get(k) for k in ("w", "out", "acc", "outbox"))
+    partner, partner_out, partner_acc = (refs.get(k) for k in
+                                         ("partner", "partner_out", "partner_acc"))
     stationary = _launch.operand(refs, geometry.stationary)
     travelling = refs[geometry.travelling]
     scales = refs.get("scales")
@@ -162,6 +182,13 @@ def _kernel(refs, *, params, geometry, layout, quantized):
         if params.gather == ROWS:
             _step_compute.matmul(piece, stationary, cut(out, seg, 0, "out"), tiles,
                                  b_transposed=params.w_transposed, **how)
+            if partner is not None:  # its f32 sum in `partner_acc`; the last writes out
+                rows = cut(partner, seg, 0, "the partner")
+                a, b = (piece, rows) if params.partner_transposed else (rows, piece)
+                _step_compute.matmul(
+                    a, b, partner_out if last else partner_acc, layout.partner_tiles,
+                    prev=None if first else partner_acc, a_transposed=True,
+                    precision=launch.precision, cores=layout.cores, enforce=enforce)
         elif params.gather == COLUMNS:
             _step_compute.matmul(stationary, piece, cut(out, seg, 1, "out"), tiles, **how)
         else:  # the f32 sum over segments lives in `acc`; the last one writes `out`
@@ -233,10 +260,10 @@ def _kernel(refs, *, params, geometry, layout, quantized):
     _protocol.run_ring(link, cores, n, step)
 
 
-def windows(params: AllGatherMatmulParams, x, w, scales=None) -> list:
+def windows(params: AllGatherMatmulParams, x, w, scales=None, partner=None) -> list:
     """Every ring-segment window the kernel cuts (`_layout.Window`s), for the layout check
     before it is built (its pipeline tiles are chosen aligned, and checked as built).
-    `scales`: the travelling operand's, when it is quantized."""
+    `scales`: the travelling operand's, when it is quantized; `partner`: the partner's."""
     geometry = shapes(params, x.shape, w.shape)
     length = geometry.piece[geometry.axis]
     travelling = x if geometry.travelling == "x" else w
@@ -245,7 +272,9 @@ def windows(params: AllGatherMatmulParams, x, w, scales=None) -> list:
         cut.append(("x", x.shape, x.dtype, 1))
     else:
         cut.append(("out", geometry.out, params.out_dtype, geometry.axis))
-    outputs = _outputs(params, geometry, travelling, scales)
+    outputs = _outputs(params, geometry, travelling, scales, partner)
+    if partner is not None:
+        cut.append(("the partner", partner.shape, partner.dtype, 0))
     if params.return_gathered:
         g = outputs["gathered"]
         cut.append(("the gathered operand", g.shape, g.dtype, geometry.axis))
@@ -257,12 +286,15 @@ def windows(params: AllGatherMatmulParams, x, w, scales=None) -> list:
     return _layout.segments(cut, length)
 
 
-def _outputs(params, geometry, travelling, scales=None):
+def _outputs(params, geometry, travelling, scales=None, partner=None):
     """The kernel's results (the product, and the gathered operand, and its scales when
     quantized, if asked for: `(N * directions, 1, half)` for `ROWS`, a piece's row per
     leading index; `(1, N * n)` for `COLUMNS`; `(N, 1, n)` for `CONTRACTION`, a block's
-    scales per leading index)."""
+    scales per leading index; the partner's product `(k2, K)`)."""
     out = {"out": jax.ShapeDtypeStruct(geometry.out, params.out_dtype)}
+    if partner is not None:
+        out["partner_out"] = jax.ShapeDtypeStruct(_partner_out(params, geometry, partner),
+                                                  params.partner_dtype)
     if params.return_gathered:
         n = params.launch.ring.size
         g = list(travelling.shape)
@@ -277,9 +309,36 @@ def _outputs(params, geometry, travelling, scales=None):
     return out
 
 
-def _ring_buffers(params, geometry, travelling, scales=None):
+def _partner_out(params, geometry, partner) -> tuple:
+    """`p.T @ gathered`'s shape, the partner's columns by the travelling piece's (or its
+    transpose's)."""
+    shape = (partner.shape[1], geometry.piece[1])
+    return shape[::-1] if params.partner_transposed else shape
+
+
+def _partner_step(params, geometry, partner) -> tuple:
+    """`(rows, contraction, cols)` of one piece's partner product."""
+    rows, cols = _partner_out(params, geometry, partner)
+    return (rows, geometry.piece[0], cols)
+
+
+def _check_partner(params, geometry, partner, scales) -> None:
+    """A partner comes with `partner_dtype`, and its rows are the gathered rows."""
+    if (partner is None) != (params.partner_dtype is None):
+        raise ValueError("a partner operand and partner_dtype come together")
+    if partner is None:
+        return
+    if scales is not None or params.return_gathered:
+        raise ValueError("a partner is multiplied by unquantized pieces, with nothing "
+                         "gathered returned")
+    if len(partner.shape) != 2 or partner.shape[0] != geometry.out[0]:
+        raise ValueError(f"the partner must be (gathered rows {geometry.out[0]}, k2), got "
+                         f"{tuple(partner.shape)}")
+
+
+def _ring_buffers(params, geometry, travelling, scales=None, partner=None):
     """Receive slots (and, quantized, slots for the scales); the outbox of a
-    bidirectional COLUMNS ring; the f32 running sum."""
+    bidirectional COLUMNS ring; the f32 running sums (CONTRACTION's, a partner's)."""
     ring = params.launch.ring
     buffers = {"slots": ((ring.num_directions, 2, *geometry.piece), travelling.dtype)}
     if scales is not None:
@@ -289,6 +348,8 @@ def _ring_buffers(params, geometry, travelling, scales=None):
         buffers["outbox"] = ((ring.num_directions, *geometry.piece), travelling.dtype)
     if params.gather == CONTRACTION and ring.num_segments > 1:
         buffers["acc"] = (geometry.out, jnp.float32)
+    if partner is not None and ring.num_segments > 1:
+        buffers["partner_acc"] = (_partner_out(params, geometry, partner), jnp.float32)
     return buffers
 
 
@@ -309,36 +370,43 @@ def _check_scales(geometry, travelling, stationary, scales):
             f"{tuple(scales.shape)} {scales.dtype}, {geometry.stationary} {stationary.dtype}")
 
 
-def plan(params: AllGatherMatmulParams, x, w, scales=None):
+def plan(params: AllGatherMatmulParams, x, w, scales=None, partner=None):
     """`(geometry, StepLayout, reason)`: how the kernel would run on `x`, `w` (arrays or
-    `ShapeDtypeStruct`s; `scales` those of a quantized travelling operand); the layout is
-    None (with the reason) when no tiling fits."""
+    `ShapeDtypeStruct`s; `scales` those of a quantized travelling operand, `partner` the
+    partner's); the layout is None (with the reason) when no tiling fits."""
     geometry = shapes(params, x.shape, w.shape)
     operands = {"x": x, "w": w}
     travelling, stationary = operands[geometry.travelling], operands[geometry.stationary]
     _check_scales(geometry, travelling, stationary, scales)
-    extra = [] if scales is None else [scales]
-    outputs = _outputs(params, geometry, travelling, scales)
+    _check_partner(params, geometry, partner, scales)
+    extra = [a for a in (scales, partner) if a is not None]
+    outputs = _outputs(params, geometry, travelling, scales, partner)
     buffers = [(a.shape, a.dtype) for a in (x, w, *extra, *outputs.values())]
-    buffers += list(_ring_buffers(params, geometry, travelling, scales).values())
+    ring_buffers = _ring_buffers(params, geometry, travelling, scales, partner)
+    buffers += list(ring_buffers.values())
     candidates = [(geometry.stationary + "_resident", stationary.shape, stationary.dtype)]
     if params.gather == CONTRACTION:
         candidates.append(("acc", geometry.out, jnp.float32))
+    if "partner_acc" in ring_buffers:
+        candidates.append(("partner_acc",) + ring_buffers["partner_acc"])
     # The steps multiply in the stationary operand's dtype (a quantized piece is widened).
     layout, why = _tile_plan.plan(
         params.launch, geometry.step, stationary.dtype, params.out_dtype, buffers,
-        candidates, accumulates=params.gather == CONTRACTION)
+        candidates, accumulates=params.gather == CONTRACTION,
+        partner=None if partner is None else _partner_step(params, geometry, partner))
     return geometry, layout, why
 
 
-def all_gather_matmul(x, w, params: AllGatherMatmulParams, scales=None):
+def all_gather_matmul(x, w, params: AllGatherMatmulParams, scales=None, partner=None):
     """The fused kernel on local operands `x`, `w` (see the module docstring): the product,
     and with `params.return_gathered` also the gathered travelling operand.
 
     `scales`: the travelling operand is quantized (8-bit values), these are its float32
     scales ((m, 1) for `ROWS`, (1, n) otherwise); the gathered operand is then returned
-    as `(values, scales)` (scales (N*m, 1), (1, N*n), or (N, 1, n) for `CONTRACTION`)."""
-    geometry, layout, why = plan(params, x, w, scales)
+    as `(values, scales)` (scales (N*m, 1), (1, N*n), or (N, 1, n) for `CONTRACTION`).
+    `partner` (`ROWS`, with `params.partner_dtype`): `(N*m, k2)`; the result is then
+    `(product, partner.T @ gathered x)` (its transpose with `params.partner_transposed`)."""
+    geometry, layout, why = plan(params, x, w, scales, partner)
     if layout is None:
         raise _tile_plan.PlanError(why)
     operands = {"x": x, "w": w}
@@ -347,20 +415,27 @@ def all_gather_matmul(x, w, params: AllGatherMatmulParams, scales=None):
         # Per-row scales travel lane-dense, each direction's half a row of its own.
         operands["scales"] = (scales.reshape(params.launch.ring.num_directions, 1, -1)
                               if geometry.scale_cut == "leading" else scales)
-    results, scratch = _launch.place(layout, operands,
-                                     _ring_buffers(params, geometry, travelling, scales),
-                                     params.launch.ring)
-    outputs = {**_outputs(params, geometry, travelling, scales), **results}
+    if partner is not None:
+        operands["partner"] = partner
+    results, scratch = _launch.place(
+        layout, operands, _ring_buffers(params, geometry, travelling, scales, partner),
+        params.launch.ring)
+    outputs = {**_outputs(params, geometry, travelling, scales, partner), **results}
     ring = params.launch.ring
     (rows, cols), k = geometry.out, x.shape[1]  # x's columns: K, or all k_l blocks of it
     sent = travelling.size * travelling.dtype.itemsize + (0 if scales is None else scales.size * 4)
-    cost = matmul_cost([(rows, cols, k)], operands[geometry.stationary].dtype,
+    products = [(rows, cols, k)]
+    if partner is not None:  # (k2, K) summed over the N*m gathered rows
+        products.append((partner.shape[1], geometry.piece[1], rows))
+    cost = matmul_cost(products, operands[geometry.stationary].dtype,
                        params.out_dtype, remote_bytes=sent * (ring.size - 1))
     results = _launch.call(
         f"all_gather_matmul_{params.gather}",
         functools.partial(_kernel, params=params, geometry=geometry, layout=layout,
                           quantized=scales is not None),
         params.launch, layout, operands, outputs, scratch, cost)
+    if partner is not None:
+        return results["out"], results["partner_out"]
     if params.return_gathered:
         if scales is not None:
             gathered_scales = results["gathered_scales"]
@@ -371,10 +446,11 @@ def all_gather_matmul(x, w, params: AllGatherMatmulParams, scales=None):
     return results["out"]
 
 
-def reference(x, w, params: AllGatherMatmulParams, scales=None):
+def reference(x, w, params: AllGatherMatmulParams, scales=None, partner=None):
     """What the kernel computes, in lax (inside `shard_map` over `params.launch.axis_name`).
     With `scales` the travelling operand is dequantized (in the stationary operand's dtype)
-    before it is gathered, and the gathered operand returned dequantized."""
+    before it is gathered, and the gathered operand returned dequantized; with `partner`,
+    `(product, partner.T @ gathered)`."""
     axis = params.launch.axis_name
     if scales is not None:
         if params.gather == ROWS:
@@ -390,4 +466,8 @@ def reference(x, w, params: AllGatherMatmulParams, scales=None):
                                   tiled=True)
         out = jnp.dot(x, gathered, preferred_element_type=jnp.float32)
     out = out.astype(params.out_dtype)
+    if partner is not None:
+        a, b = (gathered, partner) if params.partner_transposed else (partner, gathered)
+        return out, jnp.dot(a.T, b, preferred_element_type=jnp.float32
+                            ).astype(params.partner_dtype)
     return (out, gathered) if params.return_gathered else out

@@ -64,6 +64,11 @@ class Backend:
     - `run_adding(prim, cfg, x, w, addend)`: a reduce-scatter primitive with `addend`
       (each device's partial sums, the product's shape) summed in its own reduce-scatter,
       or None (`_autodiff.run` then reduce-scatters it apart).
+    - `run_partnered(prim, cfg, x, w, partner, dtype, transposed)`: an ag_rows returning
+      `(its product, partner.T @ the gathered x)` (in `dtype`; `transposed`: written in
+      memory as its transpose) without the gathered x written whole, or None where it
+      cannot run that call; the attribute None where the backend has no such run
+      (`_autodiff` then keeps the gathered x and multiplies it).
     """
 
     name: str
@@ -79,6 +84,7 @@ class Backend:
     interprets: Callable = _interprets_nothing
     fused_kernels: Optional[Callable] = None
     run_adding: Optional[Callable] = None
+    run_partnered: Optional[Callable] = None
 
 
 # Name -> Backend, in the order error messages list them (registration order).

@@ -36,10 +36,15 @@ def interprets(target, options) -> bool:
     return for_platform(target.platform).interprets(target, options)
 
 
+def run_partnered(prim, cfg, x, w, partner, dtype, transposed=False):
+    fn = for_platform(cfg.on.platform).run_partnered
+    return None if fn is None else fn(prim, cfg, x, w, partner, dtype, transposed)
+
+
 BACKEND = Backend(
     name="pallas",
     description=("the Pallas kernels for the target's platform: pallas_gpu on GPU, "
                  "pallas_tpu on TPU and CPU"),
     run=run, unavailable=unavailable, options=options, kernels=kernels,
     check_vma=pallas_gpu.BACKEND.check_vma and pallas_tpu.BACKEND.check_vma,
-    cost="kernel", candidate=True, interprets=interprets)
+    cost="kernel", candidate=True, interprets=interprets, run_partnered=run_partnered)

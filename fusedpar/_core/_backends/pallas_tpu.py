@@ -145,10 +145,11 @@ def _collective_id(kernel_name, axis_name, broken):
 
 def _params(prim, *, axis_name, axis_size, bidirectional, out_dtype, reduce_dtype,
             return_gathered, target, get=lambda name, default=None: default,
-            w_transposed=False):
+            w_transposed=False, partner_dtype=None, partner_transposed=False):
     """The kernel parameters of primitive `prim`; `get(name, default)` reads an option;
-    `w_transposed`: the kernel is given w's transpose (`_in_place`). Without `axis_name`
-    (a dispatch check, outside any shard_map) there is no collective id."""
+    `w_transposed`: the kernel is given w's transpose (`_in_place`); `partner_dtype`,
+    `partner_transposed`: an ag_rows's partner product's (`_run_partnered`). Without
+    `axis_name` (a dispatch check, outside any shard_map) there is no collective id."""
     tpu = _kernels()
     module, kernel_name, layout = _kernel_of(prim)
     # The ring follows the slice's wires when the mesh's devices are known (`ring_for`).
@@ -173,7 +174,8 @@ def _params(prim, *, axis_name, axis_size, bidirectional, out_dtype, reduce_dtyp
         vmem=get("vmem"), tile_targets=targets, precision=get("precision"), broken=broken)
     if module is tpu.all_gather_matmul:
         return module, module.AllGatherMatmulParams(layout, out_dtype, return_gathered, launch,
-                                                    w_transposed)
+                                                    w_transposed, partner_dtype,
+                                                    partner_transposed)
     return module, module.MatmulReduceScatterParams(layout, out_dtype, reduce_dtype, launch,
                                                     w_transposed)
 
@@ -199,10 +201,11 @@ def _in_place(prim, w_transposed: bool, w_resident: bool = False) -> bool:
                                      else _READS_W_IN_PLACE)
 
 
-def _misaligned(module, params, x, w, scales=None):
+def _misaligned(module, params, x, w, scales=None, partner=None):
     """Why Mosaic would refuse a window the kernel cuts (None if every one is aligned)."""
-    for window in (module.windows(params, x, w, scales) if scales is not None
-                   else module.windows(params, x, w)):
+    extra = {} if partner is None else {"partner": partner}
+    for window in (module.windows(params, x, w, scales, **extra) if scales is not None
+                   else module.windows(params, x, w, **extra)):
         why = window.problem(params.launch.chip)
         if why is not None:
             ring = params.launch.ring
@@ -294,11 +297,25 @@ def _gathered(prim, gathered, dtype):
     return _quantize.dequantize(_quantize.Quantized(values, scales), dtype)
 
 
+def _built(prim, cfg, w, **extra):
+    """`(kernel module, its parameters, w as the kernel is given it)` for running `prim`
+    with `cfg`; `extra`: more of `_params`' arguments."""
+    if cfg.option("_broken") not in _kernels().BROKEN:
+        raise ValueError(f"unknown _broken option {cfg.option('_broken')!r}")
+    in_place = _in_place(prim, cfg.w_transposed, cfg.w_resident)
+    if in_place:  # the array in memory: XLA folds the two transposes away
+        w = w.T
+    module, params = _params(
+        prim, axis_name=cfg.axis_name, axis_size=cfg.axis_size,
+        bidirectional=cfg.bidirectional, out_dtype=cfg.out_dtype,
+        reduce_dtype=cfg.reduce_dtype, target=cfg.on,
+        get=dict(cfg.options, precision=cfg.precision).get, w_transposed=in_place, **extra)
+    return module, params, w
+
+
 def _run(prim, cfg, x, w, return_gathered=False):
     """Run primitive `prim` as a fused TPU kernel; see `_primitives.py` for shapes."""
     tpu = _kernels()
-    if cfg.option("_broken") not in tpu.BROKEN:
-        raise ValueError(f"unknown _broken option {cfg.option('_broken')!r}")
     scales = None
     if cfg.comm_dtype is not None:
         if prim not in prims.GATHERS:
@@ -311,15 +328,7 @@ def _run(prim, cfg, x, w, return_gathered=False):
             x, scales = _quantize.quantize(x, cfg.comm_dtype, p.scale_axis)
         else:  # a weight stored quantized travels as it is (scales (1, n): scale_axis 0)
             w, scales = _quantize.quantized(w, cfg.comm_dtype, p.scale_axis)
-    get = dict(cfg.options, precision=cfg.precision).get
-    in_place = _in_place(prim, cfg.w_transposed, cfg.w_resident)
-    if in_place:  # the array in memory: XLA folds the two transposes away
-        w = w.T
-    module, params = _params(
-        prim, axis_name=cfg.axis_name, axis_size=cfg.axis_size,
-        bidirectional=cfg.bidirectional, out_dtype=cfg.out_dtype,
-        reduce_dtype=cfg.reduce_dtype, return_gathered=return_gathered, target=cfg.on,
-        get=get, w_transposed=in_place)
+    module, params, w = _built(prim, cfg, w, return_gathered=return_gathered)
     if params.launch.for_mosaic:  # forward and backward calls alike, before lowering
         why = _misaligned(module, params, x, w, scales)
         if why is not None:
@@ -340,6 +349,63 @@ def _run(prim, cfg, x, w, return_gathered=False):
         if "vma" in str(e):
             raise type(e)(f"{e}\n\n{tpu.CHECK_VMA_HINT}") from e
         raise
+
+
+def _run_partnered(prim, cfg, x, w, partner, partner_dtype, transposed=False):
+    """An ag_rows that also returns `partner.T @ all_gather(x)` (`partner` `(N*m, k2)`,
+    rows matching the gathered rows) from the same kernel, each piece multiplied into an
+    f32 sum as it arrives: the backward of an rs_rows (`_autodiff`), whose cotangent this
+    gathers for x's gradient and whose weight gradient is `x.T @ gathered dy`, without
+    the gathered cotangent ever written whole (a sequence-parallel MLP's is 64 MiB a
+    device at 8,192 tokens of width 4,096 in bfloat16). None where the kernel cannot run
+    it (a quantized or reduce-scatter call, a partner whose tiles do not fit or align):
+    the caller keeps the gathered operand and multiplies it apart. `transposed`: the
+    product is wanted transposed in memory (a weight held `(out, in)`): the kernel
+    writes it so, and the transpose returned here is one XLA folds away."""
+    if prim != prims.AG_ROWS or cfg.comm_dtype is not None:
+        return None
+    module, params, w = _built(prim, cfg, w, return_gathered=False,
+                               partner_dtype=partner_dtype, partner_transposed=transposed)
+    try:
+        layout = module.plan(params, x, w, partner=partner)[1]
+    except ValueError:
+        return None
+    if layout is None or (params.launch.for_mosaic
+                          and _misaligned(module, params, x, w, partner=partner)):
+        return None
+    # Its f32 sum is in VMEM, or else in HBM but smaller than the gathered x it replaces
+    # (an FSDP x TP block's MLP on v6e: a 64 MiB sum in HBM against 32 MiB of gathered
+    # cotangent, and 1,005 -> 1,411 MiB of temporaries for the step).
+    sums = partner.shape[1] * x.shape[1] * 4
+    gathered = cfg.axis_size * x.shape[0] * x.shape[1] * x.dtype.itemsize
+    if not (layout.in_vmem or "partner_acc" in layout.resident or sums < gathered):
+        return None
+    # A small problem stays whole in VMEM without the partner: it is not moved to HBM
+    # tiles for it (nothing there is big enough to save).
+    plain = dataclasses.replace(params, partner_dtype=None, partner_transposed=False,
+                                return_gathered=True)
+    if not layout.in_vmem and (module.plan(plain, x, w)[1] or layout).in_vmem:
+        return None
+    out, product = _partnered_vmappable(module, params, x, w, partner)
+    return out, (product.T if transposed else product)
+
+
+def _partnered_vmappable(module, params, x, w, partner):
+    """The partnered kernel, which `jax.vmap` runs once per example (`lax.map`): its
+    partner product cannot fold a batch into rows as `_batching` folds the others."""
+    from jax.custom_batching import custom_vmap
+
+    @custom_vmap
+    def call(x, w, partner):
+        return module.all_gather_matmul(x, w, params, partner=partner)
+
+    @call.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = [a if b else jax.numpy.broadcast_to(a, (axis_size, *a.shape))
+                for a, b in zip(args, in_batched)]
+        return jax.lax.map(lambda a: call(*a), args), (True, True)
+
+    return call(x, w, partner)
 
 
 def kernels(call) -> str:
@@ -385,4 +451,5 @@ BACKEND = Backend(
     name="pallas_tpu",
     description="one fused Pallas TPU kernel per op: the ring runs inside it with remote DMAs",
     run=run, unavailable=unavailable, options=options, check_vma=False, kernels=kernels,
-    cost="kernel", interprets=interprets, fused_kernels=kernel_names)
+    cost="kernel", interprets=interprets, fused_kernels=kernel_names,
+    run_partnered=_run_partnered)
