@@ -325,6 +325,52 @@ def test_w_transposed_kernels_read_the_weight_in_place(n, bidirectional, vmem):
     assert _kernel_w_shapes(run("pallas_tpu"), *args) == [(cols, k)] * 4
 
 
+@pytest.mark.parametrize("dtype,opts,batch", [
+    (F32, None, None), (BF16, {"vmem": False, "block_m": 8}, None), (F32, None, 2)],
+    ids=["f32-vmem", "bf16-tiled", "f32-vmapped"])
+def test_rs_rows_backward_sums_its_weight_gradient_in_the_gather(dtype, opts, batch):
+    """An rs_rows's backward: the kernel that gathers the cotangent for x's gradient also
+    returns w's (its partner, `x.T @ gathered dy`), and no gathered cotangent is made
+    ((N*16, cols) nowhere among the kernels' results); under jax.vmap the gather stays
+    one kernel for the batch, which keeps the gathered cotangent (the partner is per
+    example: no per-example loop of rings). Values and gradients as the reference's."""
+    n, rows, k, cols = 2, 16, 128, 256  # per device: x (n*rows, k), y (rows, cols)
+    mm = mesh((n,), ("x",))
+    lead = () if batch is None else (batch,)
+    x = normal(0, (*lead, n * n * rows, k), dtype)
+    w = normal(1, (n * k, cols), dtype)  # each device its own w
+    ct = normal(2, (*lead, n * rows, cols), jnp.float32)
+    spec = P("x") if batch is None else P(None, "x")
+
+    def local(x, w, ct, backend):
+        kw = {} if backend == "reference" else dict(backend=backend, bidirectional=True,
+                                                     options=opts)
+
+        def op(x):
+            return fusedpar.matmul_reduce_scatter(x, w, "x", **kw)
+
+        def loss(x, w):
+            y = op(x) if batch is None else jax.vmap(op)(x)
+            return jnp.sum(y.astype(jnp.float32) * ct)
+
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    def run(backend):
+        return jax.jit(jax.shard_map(lambda *a: local(*a, backend), mesh=mm,
+                                     in_specs=(spec, P("x"), spec), out_specs=(spec, P("x")),
+                                     check_vma=False))
+
+    args = (x, w, ct)
+    assert_close(run("pallas_tpu")(*args), run("reference")(*args), dtype, "gradients")
+    eqns = list(equations(jax.make_jaxpr(run("pallas_tpu"))(*args)))
+    results = [tuple(v.aval.shape) for e in eqns if e.primitive.name == "pallas_call"
+               for v in e.outvars]
+    assert not any(e.primitive.name in ("scan", "while") for e in eqns)
+    if batch is None:
+        assert (k, cols) in results, results  # the weight gradient, from the gather kernel
+        assert (n * rows, cols) not in results, results  # no gathered cotangent
+
+
 def test_a_row_layer_gives_its_kernel_a_weight_not_gathered_in_place():
     """A sequence-parallel RowLinear with no FSDP axis (its weight is not gathered in
     the step: `w_resident`) gives both kernels of its training step, rs_rows forward

@@ -14,7 +14,7 @@ again (a second ring, less memory). A reduce-scatter's backward gathers the cota
 once and, with `keep_gathered`, reuses it; an rs_rows's weight gradient `x.T @ gathered
 dy` is computed inside that gather where its backend can (`Backend.run_partnered`: the
 fused TPU kernel adds each arriving piece's product into an f32 sum), so the gathered
-cotangent is never written whole (a sequence-parallel MLP's step on v5e:2x4: 240 -> 216
+cotangent is never written whole (a sequence-parallel MLP's step on v5e:2x4: 240 -> 217
 MiB of temporaries).
 
 An ag_rows that `auto` runs product first (a w JAX proves replicated: `_product_first`)

@@ -30,6 +30,23 @@ def _style(pattern, s):
     return s
 
 
+def _compose(styles, matched, plan, where):
+    """The rule of the styles the patterns `matched` give `where`. Where they conflict
+    only together, the message names the patterns: every match contributes (no "most
+    specific wins"), which a user of other frameworks may not expect."""
+    try:
+        return _specs.compose(*styles, where=where)
+    except ValueError as e:
+        if len(matched) < 2:
+            raise
+        for p in matched:  # one pattern's own styles conflict: its error alone
+            _specs.compose(*plan[p], where=where)
+        raise ValueError(f"{e} The plan's patterns {matched} all match {where!r} and every "
+                         "match contributes its styles; narrow a glob so that one of them "
+                         "matches it (an fnmatch class such as '[qkv]*_proj' for "
+                         "'*_proj').") from None
+
+
 def parallelize(model, plan: dict, *, backend: str = "auto"):
     """`model` with its `eqx.nn.Linear` and `eqx.nn.Embedding` leaves replaced by fusedpar
     layers per `plan`.
@@ -83,21 +100,9 @@ def parallelize(model, plan: dict, *, backend: str = "auto"):
                 styles.extend(s)
         if not styles:
             return x
-        try:
-            rule = _specs.compose(*styles, where=where)
-        except ValueError as e:
-            if len(matched) < 2:
-                raise
-            # Every matching pattern contributes (no "most specific wins"): say which.
-            raise ValueError(f"{e} The plan's patterns {matched} all match {where!r} and "
-                             "every match contributes its styles; narrow a glob so that "
-                             "one of them matches it (an fnmatch class such as "
-                             "'[qkv]*_proj' for '*_proj').") from None
+        rule = _compose(styles, matched, plan, where)
         if isinstance(x, (eqx.nn.Embedding, Embedding)):
             return Embedding.from_embedding(x, rule, where)
-        # A weight stored quantized (`fusedpar.quantize` first) travels as it is: refused
-        # here, where the plan is, not at the first call.
-        check_stored_comm(f"parallelize: {where}", x.weight, rule)
         try:
             _specs.check_scalar(f"parallelize: {where}", rule, x.in_features, x.out_features)
         except ValueError:
@@ -107,6 +112,9 @@ def parallelize(model, plan: dict, *, backend: str = "auto"):
                 raise
             skipped.append(where)
             return x
+        # A weight stored quantized (`fusedpar.quantize` first) travels as it is: refused
+        # here, where the plan is, not at the first call.
+        check_stored_comm(f"parallelize: {where}", x.weight, rule)
         return layer_class(rule).from_linear(x, rule, backend)
 
     out = jax.tree_util.tree_map_with_path(one, model, is_leaf=is_target)

@@ -86,12 +86,14 @@ def tiles(dims, in_dtype, out_dtype, targets, a_transposed=False):
     got = tuple(pick(d, t, a) for d, t, a in zip(dims, targets, aligns))
     for t, name, dim, target, align in zip(got, "mkn", dims, targets, aligns):
         if t is None:
+            why = (f"its rows are the lanes of its transposed left operand: multiples of "
+                   f"{LANES}" if a_transposed and name == "m" else
+                   f"Mosaic's tile for {np.dtype(rows_dtype)} is "
+                   f"({sublane_tile(rows_dtype)}, {LANES})")
             return None, (
                 f"no tile of at most block_{name}={target} divides the dimension of "
-                f"length {dim} in steps of {align} (Mosaic's tile for "
-                f"{np.dtype(rows_dtype)} is ({sublane_tile(rows_dtype)}, {LANES})); pass "
-                f"options={{'block_{name}': ...}} with a divisor of {dim}, or pad the "
-                f"operands")
+                f"length {dim} in steps of {align} ({why}); pass options={{'block_{name}': "
+                f"...}} with a divisor of {dim}, or pad the operands")
     return got, None
 
 

@@ -364,14 +364,16 @@ def _run_partnered(prim, cfg, x, w, partner, partner_dtype, transposed=False):
     writes it so, and the transpose returned here is one XLA folds away."""
     if prim != prims.AG_ROWS or cfg.comm_dtype is not None:
         return None
-    module, params, w = _built(prim, cfg, w, return_gathered=False,
-                               partner_dtype=partner_dtype, partner_transposed=transposed)
-    try:
-        layout = module.plan(params, x, w, partner=partner)[1]
+    module, params, w_kernel = _built(prim, cfg, w, return_gathered=False,
+                                      partner_dtype=partner_dtype,
+                                      partner_transposed=transposed)
+    try:  # a block the ring cannot halve: the caller's run says so
+        module.shapes(params, x.shape, w_kernel.shape)
     except ValueError:
         return None
+    layout = module.plan(params, x, w_kernel, partner=partner)[1]
     if layout is None or (params.launch.for_mosaic
-                          and _misaligned(module, params, x, w, partner=partner)):
+                          and _misaligned(module, params, x, w_kernel, partner=partner)):
         return None
     # Its f32 sum is in VMEM, or else in HBM but smaller than the gathered x it replaces
     # (an FSDP x TP block's MLP on v6e: a 64 MiB sum in HBM against 32 MiB of gathered
@@ -384,28 +386,30 @@ def _run_partnered(prim, cfg, x, w, partner, partner_dtype, transposed=False):
     # tiles for it (nothing there is big enough to save).
     plain = dataclasses.replace(params, partner_dtype=None, partner_transposed=False,
                                 return_gathered=True)
-    if not layout.in_vmem and (module.plan(plain, x, w)[1] or layout).in_vmem:
+    if not layout.in_vmem and (module.plan(plain, x, w_kernel)[1] or layout).in_vmem:
         return None
-    out, product = _partnered_vmappable(module, params, x, w, partner)
-    return out, (product.T if transposed else product)
 
-
-def _partnered_vmappable(module, params, x, w, partner):
-    """The partnered kernel, which `jax.vmap` runs once per example (`lax.map`): its
-    partner product cannot fold a batch into rows as `_batching` folds the others."""
     from jax.custom_batching import custom_vmap
 
     @custom_vmap
     def call(x, w, partner):
-        return module.all_gather_matmul(x, w, params, partner=partner)
+        return module.all_gather_matmul(x, w.T if params.w_transposed else w, params,
+                                        partner=partner)
 
     @call.def_vmap
-    def rule(axis_size, in_batched, *args):
-        args = [a if b else jax.numpy.broadcast_to(a, (axis_size, *a.shape))
-                for a, b in zip(args, in_batched)]
-        return jax.lax.map(lambda a: call(*a), args), (True, True)
+    def batched(axis_size, in_batched, x, w, partner):
+        """Under `jax.vmap`: the gather folded into one kernel for the batch (`run`, as
+        without a partner) and the partner's product a batched matmul beside it; a
+        kernel per example would run the batch's rings one after another."""
+        axes = tuple(0 if b else None for b in in_batched)
+        out, g = jax.vmap(lambda x, w: run(prim, cfg, x, w, True), in_axes=axes[:2])(x, w)
+        product = jax.vmap(lambda p, g: jax.numpy.dot(
+            g.T if transposed else p.T, p if transposed else g,
+            preferred_element_type=jax.numpy.float32), in_axes=(axes[2], 0))(partner, g)
+        return (out, product.astype(partner_dtype)), (True, True)
 
-    return call(x, w, partner)
+    out, product = call(x, w, partner)
+    return out, (product.T if transposed else product)
 
 
 def kernels(call) -> str:
