@@ -77,7 +77,11 @@ def run(prim, cfg, x, w, return_gathered=False, addend=None):
             return _product_first.forward(cfg, x, w, return_gathered)
         if cfg.rearranged == prims.OPERANDS_FIRST:
             return _operands_first.forward(cfg, x, w)
-        return _backends.get(cfg.backend).run(prim, cfg, x, w, return_gathered)
+        backend = _backends.get(cfg.backend)
+        if backend.cost == "kernel":  # its kernels have no derivative (`_first_order`)
+            return _first_order(cfg.backend, lambda x, w: backend.run(
+                prim, cfg, x, w, return_gathered), x, w)
+        return backend.run(prim, cfg, x, w, return_gathered)
 
 
 def scattered(addend, prim, cfg):
@@ -152,10 +156,7 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None, add
             return reference.run_beside(prim, cfg, x, w, sibling, addend,
                                         lambda: jax.named_scope(scope(prim, cfg)))
         x, w = _regathering(prim, cfg, x, w, again)
-        done = _partnered(prim, cfg, x, w, partner)
-        if done is not None:
-            return done
-        return _with_sibling(run(prim, cfg, x, w, return_gathered, addend), sibling)
+        return _dual(prim, cfg, x, w, return_gathered, addend, partner, sibling)
     x, w = _regathering(prim, cfg, x, w, again)
     why = _backends.get(cfg.backend).unavailable(call)
     if why is not None:
@@ -163,23 +164,57 @@ def _run_dual(fwd_prim, prim, cfg, x, w, return_gathered=False, beside=None, add
             f"{op}: the backward pass of {fwd_prim} runs {prim} on local x{call.x_shape} "
             f"w{call.w_shape} ({call.dtype}), which backend {cfg.backend!r} cannot run: "
             f"{why} (the forward pass alone runs on it; backend='ring' runs both).")
+    return _dual(prim, cfg, x, w, return_gathered, addend, partner, sibling)
+
+
+def _dual(prim, cfg, x, w, return_gathered, addend, partner, sibling):
+    """The dual's run on `cfg.backend`: partnered where that backend takes the partner
+    (`_partnered`: the result then ends in True), else `run` and the sibling matmul."""
     done = _partnered(prim, cfg, x, w, partner)
     if done is not None:
-        return done
+        return (*done, True)
     return _with_sibling(run(prim, cfg, x, w, return_gathered, addend), sibling)
 
 
+def _first_order(backend, fn, *args):
+    """`fn(*args)`, refusing to be differentiated: a fused kernel of the backward pass has
+    no derivative, and second-order differentiation (a gradient of a gradient,
+    `jax.hessian`) differentiates the backward. JAX's own error there is a bare
+    AssertionError from `pallas_call`'s JVP rule."""
+    @jax.custom_jvp
+    def first(*args):
+        return fn(*args)
+
+    @first.defjvp
+    def _(primals, tangents):
+        raise NotImplementedError(
+            f"backend {backend!r}: second-order differentiation (a gradient of a gradient, "
+            "jax.hessian) differentiates the backward pass, whose fused kernels have no "
+            "derivative; run it on backend='ring' (grad of grad, jax.jacrev(jax.jacrev(f))) "
+            "or 'reference' (also jax.hessian).")
+
+    return first(*args)
+
+
 def _partnered(prim, cfg, x, w, partner):
-    """`(product, partner.T @ gathered, True)` from the backend's own run
-    (`Backend.run_partnered`), or None where it has none or cannot run this call."""
+    """`(product, partner.T @ gathered)` from the backend's own run
+    (`Backend.run_partnered`, a kernel: first-order only), or None where it has none or
+    cannot run this call."""
     if partner is None or cfg.rearranged or cfg.product_first:
         return None
     fn = _backends.get(cfg.backend).run_partnered
     if fn is None:
         return None
+    taken = []
+
+    def partnered(x, w, p):
+        done = fn(prim, cfg, x, w, p, *partner[1:])
+        taken.append(done is not None)
+        return done if done is not None else ()
+
     with jax.named_scope(scope(prim, cfg)):
-        done = fn(prim, cfg, x, w, *partner)
-    return None if done is None else (*done, True)
+        done = _first_order(cfg.backend, partnered, x, w, partner[0])
+    return done if taken[-1] else None
 
 
 def _regathering(prim, cfg, x, w, again):

@@ -82,7 +82,7 @@ def check_threads(op: str, backend: str, options, target) -> None:
         return
     have = (f"{var}={os.environ[var]}" if var else
             f"neither PJRT_NPROC nor NPROC is set, so it has {threads} threads (the cores)")
-    raise RuntimeError(
+    raise NotImplementedError(
         f"{op}: backend {backend!r} runs the TPU kernels in interpret mode here, where each "
         f"of the {devices} simulated devices blocks a thread of the CPU client's pool, which "
         f"needs at least {devices + 1} threads ({have}); the kernel would hang. Set "
@@ -107,7 +107,7 @@ def check_fsdp_beside(where: str, backend: str, fsdp_axis: str, tp_axis: str, ta
     # "auto" chooses among the backends that compile here: never an interpreted kernel.
     if backend not in _backends.TABLE or not _backends.get(backend).interprets(target, {}):
         return
-    raise RuntimeError(
+    raise NotImplementedError(
         f"{where}: backend {backend!r} runs the TPU kernels in interpret mode here "
         f"(simulated CPU devices), and this layer's FSDP axis {fsdp_axis!r} puts XLA "
         f"collectives beside them (the FSDP weight gather, or the {tp_axis!r} psum where "

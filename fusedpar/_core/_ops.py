@@ -260,7 +260,7 @@ def _run_here(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unrol
                 "axes.") from e
         raise _PerBlock(explicit, out_dtype) from e
     with _validate.reverse_mode_only(op, "the op's gradient is a custom VJP (its dual "
-                                         "ring)", hessian=True):
+                                         "ring)"):
         if gathered is None:
             return c.restore(_autodiff.apply(c.prim, cfg, c.x, c.w))
         assert c.prim == prims.AG_ROWS, c.prim  # a gather of x's rows (`_autodiff`)

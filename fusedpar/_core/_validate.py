@@ -81,21 +81,19 @@ _FORWARD_MODE = ("forward-mode autodiff", "unhashable type: 'Unhashable'")
 
 
 @contextlib.contextmanager
-def reverse_mode_only(where: str, why: str, hessian: bool = False):
+def reverse_mode_only(where: str, why: str):
     """Name the function (`where`) and the fix when forward-mode autodiff meets its custom
-    VJP inside (`why`), where JAX's message named neither. `hessian`: jax.hessian fails
-    too (forward mode over a backward that is itself custom). Eager calls only: under
+    VJP inside (`why`), where JAX's message named neither. Eager calls only: under
     `jax.jit` JAX raises while tracing its own jvp of the program, outside this frame."""
     try:
         yield
     except TypeError as e:
         if not any(s in str(e) for s in _FORWARD_MODE):
             raise
-        modes = "jax.jvp, jax.linearize, jax.jacfwd" + (", jax.hessian" if hessian else "")
         raise TypeError(
-            f"{where}: forward-mode differentiation ({modes}) is not supported: {why}, "
-            "which JAX runs in reverse mode only. Use jax.grad, jax.vjp or jax.jacrev"
-            + (" (a Hessian: jax.jacrev(jax.jacrev(f)))" if hessian else "") + ".") from e
+            f"{where}: forward-mode differentiation (jax.jvp, jax.linearize, jax.jacfwd) is "
+            f"not supported: {why}, which JAX runs in reverse mode only. Use jax.grad, "
+            "jax.vjp or jax.jacrev.") from e
 
 
 def is_int(v) -> bool:
