@@ -188,7 +188,8 @@ def _check_split_heads(model) -> None:
     each projection into its `num_heads` heads (`reshape(seq, num_heads, -1)`), which on
     a device's own columns inside `shard_map` makes `num_heads` heads of a tp-th of the
     width, not `num_heads / tp` whole ones: wrong numbers, and nothing else fails. On
-    global arrays (`jax.set_mesh`) the projection is whole and the heads are right."""
+    global arrays (`jax.set_mesh`) the projection is whole and the heads are right, as
+    they are over an axis of one device of the mesh set."""
     def is_mha(x):
         return isinstance(x, eqx.nn.MultiheadAttention)
 
@@ -198,8 +199,10 @@ def _check_split_heads(model) -> None:
         split = [n for n in ("query_proj", "key_proj", "value_proj")
                  if _specs.is_layer(p := getattr(m, n))
                  and isinstance(p.rule.tp, _specs.Column)]
-        if split:
-            axis = getattr(m, split[0]).rule.tp.axis
+        mesh = jax.sharding.get_abstract_mesh()
+        axis = getattr(m, split[0]).rule.tp.axis if split else None
+        if split and not (not mesh.empty and dict(mesh.shape).get(axis) == 1):
+            # (an axis of one device, in the mesh set, leaves every projection whole)
             raise ValueError(
                 f"shard_map_specs: {_specs.path_str(path)} is an eqx.nn.MultiheadAttention "
                 f"whose {', '.join(split)} are column-parallel over {axis!r}: inside "
