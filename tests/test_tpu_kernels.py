@@ -369,6 +369,8 @@ def test_rs_rows_backward_sums_its_weight_gradient_in_the_gather(dtype, opts, ba
     if batch is None:
         assert (k, cols) in results, results  # the weight gradient, from the gather kernel
         assert (n * rows, cols) not in results, results  # no gathered cotangent
+    else:  # one gather for the batch, its gathered cotangent kept
+        assert (batch * n * rows, cols) in results, results
 
 
 def test_a_row_layer_gives_its_kernel_a_weight_not_gathered_in_place():

@@ -177,10 +177,11 @@ def _dual(prim, cfg, x, w, return_gathered, addend, partner, sibling):
 
 
 def _first_order(backend, fn, *args):
-    """`fn(*args)`, refusing to be differentiated: a fused kernel of the backward pass has
-    no derivative, and second-order differentiation (a gradient of a gradient,
-    `jax.hessian`) differentiates the backward. JAX's own error there is a bare
-    AssertionError from `pallas_call`'s JVP rule."""
+    """`fn(*args)` (a kernel backend's run), refusing to be differentiated: a fused kernel
+    has no derivative, and second-order differentiation (a gradient of a gradient,
+    `jax.hessian`) differentiates the custom VJP's forward and backward passes, kernels
+    and all. JAX's own error there is a bare AssertionError from `pallas_call`'s JVP
+    rule."""
     @jax.custom_jvp
     def first(*args):
         return fn(*args)
@@ -205,16 +206,12 @@ def _partnered(prim, cfg, x, w, partner):
     fn = _backends.get(cfg.backend).run_partnered
     if fn is None:
         return None
-    taken = []
-
-    def partnered(x, w, p):
-        done = fn(prim, cfg, x, w, p, *partner[1:])
-        taken.append(done is not None)
-        return done if done is not None else ()
+    def partnered(x, w, p):  # () where the backend does not take it
+        return fn(prim, cfg, x, w, p, *partner[1:]) or ()
 
     with jax.named_scope(scope(prim, cfg)):
         done = _first_order(cfg.backend, partnered, x, w, partner[0])
-    return done if taken[-1] else None
+    return done or None
 
 
 def _regathering(prim, cfg, x, w, again):

@@ -400,7 +400,13 @@ def _run_partnered(prim, cfg, x, w, partner, partner_dtype, transposed=False):
     def batched(axis_size, in_batched, x, w, partner):
         """Under `jax.vmap`: the gather folded into one kernel for the batch (`run`, as
         without a partner) and the partner's product a batched matmul beside it; a
-        kernel per example would run the batch's rings one after another."""
+        kernel per example would run the batch's rings one after another. With w
+        batched too (a weight per example) `run` cannot fold either and loops: then
+        the partnered kernel per example, which keeps no gathered cotangent."""
+        if in_batched[0] and in_batched[1]:
+            args = [a if b else jax.numpy.broadcast_to(a, (axis_size, *a.shape))
+                    for a, b in zip((x, w, partner), in_batched)]
+            return jax.lax.map(lambda a: call(*a), args), (True, True)
         axes = tuple(0 if b else None for b in in_batched)
         out, g = jax.vmap(lambda x, w: run(prim, cfg, x, w, True), in_axes=axes[:2])(x, w)
         product = jax.vmap(lambda p, g: jax.numpy.dot(
