@@ -342,7 +342,7 @@ def _grads(prim, c, env, grads, dtypes, addend=None):
         partner = None
         if (g.keeps and g.prim == prims.AG_ROWS and other is not None
                 and other.prim is None and (other.lhs, other.rhs) == ("x.T", "g")
-                and not other.transposed and addend is None):
+                and not other.transposed):
             # Wanted transposed in memory where the op's w is a weight's transpose.
             partner = (env["x"], dtypes[other.of], c.w_transposed)
         r = _run_dual(prim, g.prim, dual, lhs, rhs, return_gathered=g.keeps, beside=beside,
