@@ -42,6 +42,23 @@ def test_quantize_error_and_layout(dtype, block_size):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_a_non_finite_value_dequantizes_to_nan_in_its_slice(dtype):
+    # An int8 value cannot hold a NaN: the scale carries it, so a diverged weight or
+    # activation stays visible (it once came back as 0 with scale 1). Other slices keep
+    # their values; NumPy integers are taken for axis and block_size.
+    w = normal(0, (4, 8), jnp.float32).at[1, 3].set(jnp.nan).at[2, 5].set(jnp.inf)
+    q = QuantizedArray.quantize(w, dtype, axis=np.int64(1), block_size=np.int64(4))
+    d = np.asarray(q.dequantize())
+    assert np.isnan(d[1, :4]).all() and np.isnan(d[2, 4:]).all()
+    ok = np.ones_like(d, bool)
+    ok[1, :4] = ok[2, 4:] = False
+    assert np.isfinite(d[ok]).all()
+    top = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(w), w, 0))))
+    step = 0.5 / 127 if dtype == jnp.int8 else 2.0 ** -4  # as test_quantize_error_and_layout
+    np.testing.assert_allclose(d[ok], np.asarray(w)[ok], rtol=0, atol=step * top)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [None, 8])
 def test_matmul_forms_match_dequantized(dtype, block_size):
     w = normal(0, (16, 32), jnp.float32)

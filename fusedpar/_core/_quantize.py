@@ -72,7 +72,10 @@ def quantize(a, dtype, axis: int) -> Quantized:
     dtype = np.dtype(dtype)
     a32 = a.astype(jnp.float32)
     amax = jnp.max(jnp.abs(a32), axis=axis, keepdims=True)
-    scales = jnp.where(amax > 0, amax / qmax(dtype), 1.0).astype(jnp.float32)
+    # An all-zero slice gets scale 1; a NaN or inf in the slice makes its scale NaN or
+    # inf, so the slice dequantizes to NaN (an int8 value cannot hold one): a diverged
+    # run stays visible instead of its NaN becoming 0.
+    scales = jnp.where(amax == 0, 1.0, amax / qmax(dtype)).astype(jnp.float32)
     scaled = a32 / scales
     if jnp.issubdtype(dtype, jnp.integer):
         values = jnp.clip(jnp.round(scaled), -qmax(dtype), qmax(dtype)).astype(dtype)

@@ -41,6 +41,7 @@ and it costs nothing more than the master copy training keeps anyway.
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Optional
 
 import equinox as eqx
@@ -59,14 +60,14 @@ def _block_count(where, shape, axis, block_size) -> int:
     n = shape[axis]
     if block_size is None:
         return 1
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+    if not _is_int(block_size) or block_size < 1:
         raise ValueError(f"{where}: block_size must be None (one scale per whole axis) or a "
                          f"positive int, got {block_size!r}.")
     if n % block_size:
         raise ValueError(f"{where}: dimension {axis % len(shape)} of shape {shape} (size {n}) "
                          f"does not split into blocks of block_size={block_size}; pass a "
                          f"block_size that divides {n}, or None for one scale per row.")
-    return n // block_size
+    return n // int(block_size)
 
 
 # An eqx.nn.Linear holding a QuantizedArray, called plainly, gets Python's "unsupported
@@ -223,9 +224,15 @@ def _narrow(where, name, dtype):
 
 
 def _negative_axis(where, axis, ndim) -> int:
-    if isinstance(axis, bool) or not isinstance(axis, int) or not -ndim <= axis < ndim:
+    if not _is_int(axis) or not -ndim <= axis < ndim:
         raise ValueError(f"{where}: axis must be an int in [{-ndim}, {ndim}), got {axis!r}.")
+    axis = int(axis)
     return axis - ndim if axis >= 0 else axis
+
+
+def _is_int(v) -> bool:
+    """A Python or NumPy integer (what `a.ndim - 1` or `np.argmax` hand you), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
 def _split_axis(a, axis, g):
