@@ -116,3 +116,43 @@ def check_fsdp_beside(where: str, backend: str, fsdp_axis: str, tp_axis: str, ta
         "rendezvous times out). Use backend='ring' (the same ring in lax), or a mesh with "
         f"only {tp_axis!r} (no fsdp_axis), or run on a TPU, where the kernels are "
         "compiled.")
+
+
+def check_remat(where: str, backend: str, target) -> None:
+    """Raise before tracing a layer, called under `jax.checkpoint`, whose ops would run
+    interpreted TPU kernels: the interpreter moves its blocks in Python callbacks (effects),
+    and JAX's remat refuses effects when it differentiates ("Effects not supported in
+    partial-eval of `checkpoint`/`remat`"), naming neither the layer nor what to do.
+
+    Seen from the layer only (the traces it is called in: a `shard_map` body starts a
+    trace of its own, so an op inside your own `shard_map` under `jax.checkpoint` still
+    gets JAX's message); a checkpointed forward that is never differentiated would have
+    run, and is refused too."""
+    from . import _backends
+
+    if backend not in _backends.TABLE or not _backends.get(backend).interprets(target, {}):
+        return
+    if not _under_remat():
+        return
+    raise NotImplementedError(
+        f"{where}: backend {backend!r} runs the TPU kernels in interpret mode here "
+        "(simulated CPU devices), and the layer is called under jax.checkpoint (remat): "
+        "the interpreter moves blocks in Python callbacks, whose effects JAX cannot "
+        "differentiate inside a checkpoint. Use backend='ring' (the same ring in lax) to "
+        "check a rematerialised model on CPU, or call it without the checkpoint, or run on "
+        "a TPU, where the kernels are compiled.")
+
+
+def _under_remat() -> bool:
+    """Whether a trace JAX is tracing in now (or one around it) is a `jax.checkpoint`'s."""
+    try:
+        from jax._src.core import trace_ctx
+    except ImportError:  # pragma: no cover - a JAX without it: JAX's own error stays
+        return False
+    trace, seen = getattr(trace_ctx, "trace", None), 0
+    while trace is not None and seen < 64:
+        info = getattr(getattr(trace, "frame", None), "debug_info", None)
+        if str(getattr(info, "traced_for", "")).startswith("checkpoint"):
+            return True
+        trace, seen = getattr(trace, "parent_trace", None), seen + 1
+    return False

@@ -177,6 +177,9 @@ class ParallelLinear(eqx.Module):
                 and dict(mesh.shape).get(f.axis, 1) > 1):  # before a hang
             _interpret.check_fsdp_beside(where, self._ops_backend, f.axis, tp.axis,
                                          _target.current(x, array_of(self.weight)))
+        if kind == _context.GLOBAL:  # a checkpoint around a shard_map is not seen inside
+            _interpret.check_remat(where, self._ops_backend,
+                                   _target.current(x, array_of(self.weight)))
         if kind != _context.LOCAL:
             _specs.check_param_shapes(where, self)
         if kind == _context.LOCAL:

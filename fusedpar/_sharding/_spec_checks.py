@@ -106,10 +106,12 @@ def check_spec(path: str, shape, spec: P, sizes: dict, what="parameter",
         n = axes_product(axes, sizes)
         if axes and shape[d] % n:
             sz = ", ".join(f"{a}={sizes[a]}" for a in axes)
-            fix = ("change the size, the mesh, or use relaxed=True to replicate this "
-                   "dimension" if what == "parameter" else "change the size or the mesh")
+            relaxed = ("fusedpar.shard(model, mesh, relaxed=True) (or fusedpar.validate) "
+                       "to replicate")
+            fix = (f"change the size, the mesh, or use {relaxed} this dimension"
+                   if what == "parameter" else "change the size or the mesh")
             if d == vocab_dim:
-                fix = pad_vocab_hint(shape[d], n) + ", or use relaxed=True to replicate it"
+                fix = pad_vocab_hint(shape[d], n) + f", or use {relaxed} it"
             fix = (fixes or {}).get(d, fix)
             raise ValueError(
                 f"{path}: {what} dim {d} has size {shape[d]}, not divisible by {n}, the "
