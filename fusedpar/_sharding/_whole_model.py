@@ -144,9 +144,11 @@ def shard_map_specs(model, x, *, call: Optional[Callable] = None,
 
     **Returns:** `((param_specs(model), x_spec), out_spec)`: the in_specs for the
     arguments `(eqx.filter(model, eqx.is_array), x)` and the out_specs. `x_spec` is the
-    layout of the fusedpar layers `x` goes into as it is; `out_spec` the layout of the
-    fusedpar call that returns the output, with the axes its input had beyond the
-    call's own. Each is read from a trace of `call(model, x)` with `jax.eval_shape`; the
+    layout of the fusedpar layers `x` goes into as it is (their axes only: a
+    data-parallel mesh axis that no layer uses goes on the batch dimension by hand,
+    e.g. `P(("data", "fsdp"), None)`, in in_specs and out_specs alike); `out_spec`
+    the layout of the fusedpar call that returns the output, with the axes its input
+    had beyond the call's own. Each is read from a trace of `call(model, x)` with `jax.eval_shape`; the
     out_specs are checked against JAX's varying-axes types in a second trace inside a
     `shard_map` over the same axes (all of size 1). An input that does not go straight
     into a fusedpar layer, an output that no fusedpar call returns or that varies over
