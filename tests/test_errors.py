@@ -87,6 +87,16 @@ def global_call(layer, x_shape, mesh_shape=(2, 4), names=("fsdp", "tp"), dtype=j
     return call
 
 
+def _grad_through_checkpoint(layer, differentiate=True):
+    """`grad(checkpoint(sum(layer(x))))` (or the checkpoint alone), of a fresh function at
+    each call: JAX caches a checkpoint's trace by function, and a cached one is not traced,
+    so not checked, again."""
+    def call(x):
+        f = jax.checkpoint(lambda x: jnp.sum(layer(x)))
+        return (jax.grad(f) if differentiate else f)(x)
+    return call
+
+
 def local_call(layer, x_spec, x_shape, dtype=jnp.float32, vmaps=0):
     """Trace `layer` inside shard_map, its parameters passed with `param_specs` (applied
     under `vmaps` nested jax.vmaps)."""
@@ -640,12 +650,12 @@ LAYERS = [
                          backend="pallas_tpu"), (2, 4, 8)), RuntimeError,
         ("ColumnLinear: backend 'pallas_tpu' runs the TPU kernels in interpret mode",
          "FSDP axis 'fsdp' puts XLA collectives beside them", "can deadlock", "backend='ring'")),
-    Row("layers", "TPU kernels interpreted on CPU under jax.checkpoint",
-        global_call(jax.checkpoint(lambda x, layer=_col(8, 8, sequence_parallel=True,
-                                                        backend="pallas_tpu"): layer(x)),
-                    (2, 4, 8)), NotImplementedError,
-        ("ColumnLinear: backend 'pallas_tpu' runs the TPU kernels in interpret mode",
-         "called under jax.checkpoint (remat)", "Use backend='ring'")),
+    Row("layers", "TPU kernels interpreted on CPU, differentiated through jax.checkpoint",
+        global_call(_grad_through_checkpoint(_col(8, 8, sequence_parallel=True,
+                                                  backend="pallas_tpu")), (2, 4, 8)),
+        NotImplementedError,
+        ("all_gather_matmul: backend 'pallas_tpu' runs the TPU kernels in interpret mode",
+         "differentiated through a jax.checkpoint (remat)", "Use backend='ring'")),
     Row("layers", "batch not divisible by the FSDP axis",
         global_call(fusedpar.FSDPLinear(8, 8, key=KEY), (3, 5, 8)), ValueError,
         ("FSDPLinear: x of shape (3, 5, 8): input dim 0 has size 3, not divisible by 2",
@@ -1201,6 +1211,14 @@ def test_error(row):
     message = str(info.value)
     for fragment in row.fragments:
         assert fragment in message, f"{fragment!r} not in the message: {message}"
+
+
+def test_a_checkpoint_refuses_only_an_interpreted_kernel_it_differentiates():
+    # The refusal's other side: what JAX runs is not refused (an undifferentiated
+    # checkpoint; a layer whose ops run no kernel: a Column without sequence parallelism).
+    sp, plain = (_col(8, 8, sequence_parallel=s, backend="pallas_tpu") for s in (True, False))
+    global_call(_grad_through_checkpoint(sp, differentiate=False), (2, 4, 8))()
+    global_call(_grad_through_checkpoint(plain), (2, 4, 8))()
 
 
 def test_docs_table_is_the_raised_messages():

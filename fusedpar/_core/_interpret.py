@@ -14,6 +14,8 @@ the environment variable `PJRT_NPROC` or `NPROC` (else the number of cores).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import re
 
@@ -118,41 +120,61 @@ def check_fsdp_beside(where: str, backend: str, fsdp_axis: str, tp_axis: str, ta
         "compiled.")
 
 
-def check_remat(where: str, backend: str, target) -> None:
-    """Raise before tracing a layer, called under `jax.checkpoint`, whose ops would run
-    interpreted TPU kernels: the interpreter moves its blocks in Python callbacks (effects),
-    and JAX's remat refuses effects when it differentiates ("Effects not supported in
-    partial-eval of `checkpoint`/`remat`"), naming neither the layer nor what to do.
+# Whether the layer whose shard_map is being traced was called differentiated through a
+# jax.checkpoint: the shard_map body is traced apart (its trace has no parents), so the
+# ops inside cannot see it themselves (`remat_seen`).
+_LAYER_REMAT = contextvars.ContextVar("fusedpar_layer_under_remat", default=False)
 
-    Seen from the layer only (the traces it is called in: a `shard_map` body starts a
-    trace of its own, so an op inside your own `shard_map` under `jax.checkpoint` still
-    gets JAX's message); a checkpointed forward that is never differentiated would have
-    run, and is refused too."""
+
+@contextlib.contextmanager
+def remat_seen():
+    """Within it, the ops know whether the caller (a layer, outside its `shard_map`) is
+    differentiated through a `jax.checkpoint` (`check_remat`)."""
+    token = _LAYER_REMAT.set(_LAYER_REMAT.get() or _differentiated_through_remat())
+    try:
+        yield
+    finally:
+        _LAYER_REMAT.reset(token)
+
+
+def check_remat(op: str, backend: str, options, target) -> None:
+    """Raise before tracing an interpreted TPU kernel that is differentiated through a
+    `jax.checkpoint` around it: the interpreter moves its blocks in Python callbacks
+    (effects), and JAX's remat refuses effects when it differentiates ("Effects not
+    supported in partial-eval of `checkpoint`/`remat`"), naming neither the op nor what
+    to do. Seen where the checkpoint is in the traces the op is called in, or around a
+    layer (`remat_seen`); an op inside your own `shard_map` under a checkpoint gets JAX's
+    message (the `shard_map` body is traced apart). A checkpointed forward that is not
+    differentiated runs."""
     from . import _backends
 
-    if backend not in _backends.TABLE or not _backends.get(backend).interprets(target, {}):
+    if not _backends.get(backend).interprets(target, options):
         return
-    if not _under_remat():
+    if not (_LAYER_REMAT.get() or _differentiated_through_remat()):
         return
     raise NotImplementedError(
-        f"{where}: backend {backend!r} runs the TPU kernels in interpret mode here "
-        "(simulated CPU devices), and the layer is called under jax.checkpoint (remat): "
-        "the interpreter moves blocks in Python callbacks, whose effects JAX cannot "
+        f"{op}: backend {backend!r} runs the TPU kernels in interpret mode here (simulated "
+        "CPU devices), and it is differentiated through a jax.checkpoint (remat) around "
+        "it: the interpreter moves blocks in Python callbacks, whose effects JAX cannot "
         "differentiate inside a checkpoint. Use backend='ring' (the same ring in lax) to "
-        "check a rematerialised model on CPU, or call it without the checkpoint, or run on "
-        "a TPU, where the kernels are compiled.")
+        "check a rematerialised model on CPU, or differentiate it without the checkpoint, "
+        "or run on a TPU, where the kernels are compiled.")
 
 
-def _under_remat() -> bool:
-    """Whether a trace JAX is tracing in now (or one around it) is a `jax.checkpoint`'s."""
+def _differentiated_through_remat() -> bool:
+    """Whether JAX is tracing a `jax.checkpoint`'s function now (in that trace or one it
+    holds) with a differentiation (a JVP or linearize trace) around the checkpoint."""
     try:
         from jax._src.core import trace_ctx
     except ImportError:  # pragma: no cover - a JAX without it: JAX's own error stays
         return False
-    trace, seen = getattr(trace_ctx, "trace", None), 0
-    while trace is not None and seen < 64:
+    trace, remat = getattr(trace_ctx, "trace", None), False
+    for _ in range(64):
+        if trace is None:
+            return False
         info = getattr(getattr(trace, "frame", None), "debug_info", None)
-        if str(getattr(info, "traced_for", "")).startswith("checkpoint"):
+        remat = remat or str(getattr(info, "traced_for", "")).startswith("checkpoint")
+        if remat and type(trace).__name__ in ("JVPTrace", "LinearizeTrace"):
             return True
-        trace, seen = getattr(trace, "parent_trace", None), seen + 1
+        trace = getattr(trace, "parent_trace", None)
     return False

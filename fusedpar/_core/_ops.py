@@ -232,6 +232,7 @@ def _run_here(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unrol
                                reduce_dtype=None if reduce_dtype is None else reduce_dtype.name)
     choice = _choose(call, backend, unroll, precision, options, target)
     _interpret.check_threads(op, choice.backend, options, target)  # before a hang
+    _interpret.check_remat(op, choice.backend, options, target)
     cfg = Config(
         backend=choice.backend, axis_name=axis_name, axis_size=n,
         bidirectional=choice.bidirectional, unroll=choice.unroll,

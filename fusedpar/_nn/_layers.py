@@ -177,9 +177,6 @@ class ParallelLinear(eqx.Module):
                 and dict(mesh.shape).get(f.axis, 1) > 1):  # before a hang
             _interpret.check_fsdp_beside(where, self._ops_backend, f.axis, tp.axis,
                                          _target.current(x, array_of(self.weight)))
-        if kind == _context.GLOBAL:  # a checkpoint around a shard_map is not seen inside
-            _interpret.check_remat(where, self._ops_backend,
-                                   _target.current(x, array_of(self.weight)))
         if kind != _context.LOCAL:
             _specs.check_param_shapes(where, self)
         if kind == _context.LOCAL:
@@ -190,7 +187,8 @@ class ParallelLinear(eqx.Module):
         elif kind == _context.DENSE:
             y = self._dense(x)
         else:
-            y = self._global(x, mesh)
+            with _interpret.remat_seen():  # the ops inside its shard_map cannot see it
+                y = self._global(x, mesh)
         rule = self.rule
         x_spec, y_spec = rule.activation_specs(x.ndim, _specs.has_data_dim(rule, x.ndim))
         _whole_model.record(where, self.weight, [(x, x_spec)], (y, y_spec),

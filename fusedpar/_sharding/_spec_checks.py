@@ -106,8 +106,8 @@ def check_spec(path: str, shape, spec: P, sizes: dict, what="parameter",
         n = axes_product(axes, sizes)
         if axes and shape[d] % n:
             sz = ", ".join(f"{a}={sizes[a]}" for a in axes)
-            relaxed = ("fusedpar.shard(model, mesh, relaxed=True) (or fusedpar.validate) "
-                       "to replicate")
+            relaxed = ("relaxed=True (an argument of fusedpar.shard, init_sharded and "
+                       "validate) to replicate")
             fix = (f"change the size, the mesh, or use {relaxed} this dimension"
                    if what == "parameter" else "change the size or the mesh")
             if d == vocab_dim:
