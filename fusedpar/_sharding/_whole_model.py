@@ -148,13 +148,13 @@ def shard_map_specs(model, x, *, call: Optional[Callable] = None,
     data-parallel mesh axis that no layer uses goes on the batch dimension by hand,
     e.g. `P(("data", "fsdp"), None)`, in in_specs and out_specs alike); `out_spec`
     the layout of the fusedpar call that returns the output, with the axes its input
-    had beyond the call's own. Each is read from a trace of `call(model, x)` with `jax.eval_shape`; the
-    out_specs are checked against JAX's varying-axes types in a second trace inside a
-    `shard_map` over the same axes (all of size 1). An input that does not go straight
-    into a fusedpar layer, an output that no fusedpar call returns or that varies over
-    axes its spec does not name, a layer given another's output in a layout it does not
-    take, or an input two layers want in different layouts raises a `ValueError` — then
-    write that spec yourself.
+    had beyond the call's own. Each is read from a trace of `call(model, x)` with
+    `jax.eval_shape`; the out_specs are checked against JAX's varying-axes types in a
+    second trace inside a `shard_map` over the same axes (all of size 1). An input that
+    does not go straight into a fusedpar layer, an output that no fusedpar call returns
+    or that varies over axes its spec does not name, a layer given another's output in a
+    layout it does not take, or an input two layers want in different layouts raises a
+    `ValueError` — then write that spec yourself.
     """
     if not any(_specs.is_layer(leaf) for leaf in
                jax.tree_util.tree_leaves(model, is_leaf=_specs.is_layer)):
