@@ -126,7 +126,7 @@ def _memory(rows, by) -> tuple:
 def summary(cache) -> str:
     """Where auto stands against the best xla row, and where XLA's own collective matmul
     of the reference (the peer `auto` could pick) beats fusedpar's decompositions."""
-    behind, peer, floors, n = [], [], [], 0
+    behind, behind_keys, peer, floors, n = [], [], [], [], 0
     for key in sorted(cache, key=_order):
         by = {(r["backend"], r["settings"]): r for r in cache[key] if not r["error"]}
         auto = by.get(("auto", _aot_compare.DEFAULT))
@@ -138,6 +138,7 @@ def summary(cache) -> str:
         n += 1
         if auto["speedup"] < 0.98:
             behind.append(f"{key.replace('|', ' ')} {auto['speedup']:.2f}x")
+            behind_keys.append(key)
         cm = by.get(("reference", _aot_compare.CM))
         ours = [by[(b, _aot_compare.DEFAULT)]["seconds"] for b in ("ring", "pallas")
                 if (b, _aot_compare.DEFAULT) in by
@@ -147,12 +148,36 @@ def summary(cache) -> str:
             peer.append(key.replace("|", " "))
     return (f"auto is within 2% of the best xla row (or faster) on {n - len(behind)} of "
             f"{n} programs" + (f"; behind on {', '.join(behind)}" if behind else "") + ". "
+            + _level_with_bfloat16_sums(cache, behind_keys)
             + (f"On {', '.join(floors)} auto runs fused TPU kernels: its time is a floor, "
                "so no verdict. " if floors else "")
             + "XLA's collective matmul of the reference (the reference under the "
             "collective-matmul settings, faster than without them) is predicted faster than "
             "fusedpar's ring and (replayable) kernels on "
             + (", ".join(peer) if peer else "none of them") + ".")
+
+
+def _level_with_bfloat16_sums(cache, keys) -> str:
+    """Which of the programs `keys` (auto behind the best xla row) `bench/aot_reduce_dtype.py`
+    found within 2% of it with bfloat16 sums, XLA's own: the float32 sums' bytes."""
+    import aot_reduce_dtype
+
+    sums = (json.loads(aot_reduce_dtype.CACHE.read_text())
+            if aot_reduce_dtype.CACHE.exists() else {})
+    level = []
+    for key in keys:
+        xla = [r["seconds"] for r in cache[key] if r["backend"] == "xla" and not r["error"]]
+        bf16 = sums.get(key, {})
+        if xla and bf16.get("seconds") and not bf16.get("error") \
+                and min(xla) / bf16["seconds"] >= 0.98:
+            level.append(key.replace("|", " "))
+    if not level:
+        return ""
+    return (f"With bfloat16 partial sums, as XLA's reduce-scatters sum (the table further "
+            f"down), auto is within 2% or faster on {len(level)} of these "
+            f"{len(keys)}: {', '.join(level)}: what stands between there is the cost of "
+            "fusedpar's default float32 sums (docs/ops.md weighs the error against the "
+            "time). ")
 
 
 # What fusedpar aims for in each layer program, per target: auto at least this much faster
@@ -238,7 +263,11 @@ def markdown(cache) -> str:
         "The layer programs above against what fusedpar aims for: auto faster than the "
         "best xla row by the goal's factor, the lax ring's compute (the replay's compute "
         "stream) at most 1.10x the reference's, auto's temporary memory at most 1.05x the "
-        "best xla row's ('-': not recorded for that row).", "",
+        "best xla row's ('-': not recorded for that row). On TPU the temporary bytes are "
+        "where the compiler's buffer packer ends its heap, and its seed alone moves them: "
+        "XLA's own block on v5p from 786 to 1,282 MiB, auto's from 842 to 1,274 "
+        "(`bench/aot_memory_packing.py`, docs/measurements.md); the column is the "
+        "default seed's.", "",
         goals(cache), "", _bfloat16_sums(), _kept_nothing(), END, ""])
 
 
