@@ -55,8 +55,8 @@ def _gathered_widths(f, x, w):
             if e.primitive.name == "all_gather"]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n, dtype", [(2, jnp.float32), (4, jnp.bfloat16)],
+                         ids=["2-f32", "4-bf16"])
 def test_product_first_matches_definition(n, dtype):
     x, w = normal(0, (4 * n, K), dtype), normal(1, (K, N), dtype)
     oracle, ours = _programs(n, check_vma=True)
