@@ -72,10 +72,7 @@ def check_threads(op: str, backend: str, options, target) -> None:
     """
     import jax
 
-    # Imported here: this module runs when fusedpar is imported, before anything else.
-    from . import _backends
-
-    if not _backends.get(backend).interprets(target, options):
+    if not _interprets(backend, target, options):
         return
     mesh = jax.sharding.get_abstract_mesh()
     devices = mesh.size if not mesh.empty else jax.device_count()
@@ -104,10 +101,7 @@ def check_fsdp_beside(where: str, backend: str, fsdp_axis: str, tp_axis: str, ta
     enter the FSDP gradient's reduce-scatter while its FSDP partner waits in a kernel for
     it, and both wait until XLA's rendezvous timeout aborts the process (the demo's 2x4
     run: 8 of 22 tries; a TP-only mesh: 27 of 27 finished)."""
-    from . import _backends
-
-    # "auto" chooses among the backends that compile here: never an interpreted kernel.
-    if backend not in _backends.TABLE or not _backends.get(backend).interprets(target, {}):
+    if not _interprets(backend, target):
         return
     raise NotImplementedError(
         f"{where}: backend {backend!r} runs the TPU kernels in interpret mode here "
@@ -127,10 +121,12 @@ _LAYER_REMAT = contextvars.ContextVar("fusedpar_layer_under_remat", default=Fals
 
 
 @contextlib.contextmanager
-def remat_seen():
-    """Within it, the ops know whether the caller (a layer, outside its `shard_map`) is
-    differentiated through a `jax.checkpoint` (`check_remat`)."""
-    token = _LAYER_REMAT.set(_LAYER_REMAT.get() or _differentiated_through_remat())
+def remat_seen(backend: str, target):
+    """Within it, the ops know whether the caller (a layer, outside its `shard_map`,
+    whose ops run on `backend`) is differentiated through a `jax.checkpoint`
+    (`check_remat`); asked only where the backend interprets kernels here."""
+    token = _LAYER_REMAT.set(_LAYER_REMAT.get() or (
+        _interprets(backend, target) and _differentiated_through_remat()))
     try:
         yield
     finally:
@@ -146,9 +142,7 @@ def check_remat(op: str, backend: str, options, target) -> None:
     layer (`remat_seen`); an op inside your own `shard_map` under a checkpoint gets JAX's
     message (the `shard_map` body is traced apart). A checkpointed forward that is not
     differentiated runs."""
-    from . import _backends
-
-    if not _backends.get(backend).interprets(target, options):
+    if not _interprets(backend, target, options):
         return
     if not (_LAYER_REMAT.get() or _differentiated_through_remat()):
         return
@@ -159,6 +153,16 @@ def check_remat(op: str, backend: str, options, target) -> None:
         "differentiate inside a checkpoint. Use backend='ring' (the same ring in lax) to "
         "check a rematerialised model on CPU, or differentiate it without the checkpoint, "
         "or run on a TPU, where the kernels are compiled.")
+
+
+def _interprets(backend: str, target, options=None) -> bool:
+    """Whether `backend` runs collective TPU kernels in interpret mode for `target` (with
+    the op's `options`): its own to say (`_backends.Backend.interprets`). "auto" (not a
+    backend of the table) chooses among those that compile here: never one that does."""
+    # Imported here: this module runs when fusedpar is imported, before anything else.
+    from . import _backends
+
+    return backend in _backends.TABLE and _backends.get(backend).interprets(target, options)
 
 
 def _differentiated_through_remat() -> bool:

@@ -187,7 +187,8 @@ class ParallelLinear(eqx.Module):
         elif kind == _context.DENSE:
             y = self._dense(x)
         else:
-            with _interpret.remat_seen():  # the ops inside its shard_map cannot see it
+            with _interpret.remat_seen(  # the ops inside its shard_map cannot see it
+                    self._ops_backend, _target.current(x, array_of(self.weight))):
                 y = self._global(x, mesh)
         rule = self.rule
         x_spec, y_spec = rule.activation_specs(x.ndim, _specs.has_data_dim(rule, x.ndim))
