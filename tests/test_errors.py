@@ -694,8 +694,9 @@ LAYERS = [
          "got x of shape (8,)")),
     Row("layers", "sequence-parallel layer vmapped over the sequence inside shard_map",
         local_call(_col(8, 8, sequence_parallel=True), P(None, "tp"), (2, 8, 8), vmaps=2),
-        ValueError, ("ColumnLinear: under jax.vmap the mapped axis (size 2)",
-                     "dim 0 has 8", "gathers or scatters the sequence over 'tp'",
+        ValueError, ("ColumnLinear: under jax.vmap the mapped axis (size 2) changes "
+                     "length through the layer (its output has length 8 there)",
+                     "gathers or scatters the sequence over 'tp'",
                      "vmap over the batch only")),
     Row("layers", "sequence-sharded input into a ColumnLinear inside shard_map",
         local_call(_col(8, 8), P(None, "tp"), (4, 8, 8)), ValueError,

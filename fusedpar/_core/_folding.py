@@ -89,11 +89,11 @@ def fold(fn: Callable, args: Sequence, params=None, *, where: str, hint: str = "
         finally:
             _FOLDED.reset(token)
         if out.ndim == 0 or out.shape[0] != axis_size:
+            got = "no such axis" if out.ndim == 0 else f"length {out.shape[0]} there"
             raise ValueError(
-                f"{where}: under jax.vmap the mapped axis (size {axis_size}) is dim 0 of "
-                f"the input, and the layer gives an output whose dim 0 has "
-                f"{'no length' if out.ndim == 0 else out.shape[0]}, so it cannot be "
-                f"vmapped over that axis{'; ' + hint if hint else ''}.")
+                f"{where}: under jax.vmap the mapped axis (size {axis_size}) changes "
+                f"length through the layer (its output has {got}), so the layer cannot "
+                f"be vmapped over that axis{'; ' + hint if hint else ''}.")
         return out, True
 
     return call(*args)
