@@ -127,7 +127,10 @@ def test_gpu_overlap_flags():
     flags = fusedpar.gpu_overlap_flags()
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags.split()
     assert "--xla_gpu_experimental_parallel_collective_overlap_limit=2" in flags.split()
-    assert "overlap_limit" not in fusedpar.gpu_overlap_flags(bidirectional=False)
+    assert ("--xla_gpu_experimental_collective_start_as_early_as_possible=true"
+            in flags.split())
+    one_way = fusedpar.gpu_overlap_flags(bidirectional=False).split()
+    assert one_way == [f for f in flags.split() if "overlap_limit" not in f]
 
 
 def test_set_gpu_overlap_flags_keeps_the_users_flags(monkeypatch):
@@ -137,7 +140,9 @@ def test_set_gpu_overlap_flags_keeps_the_users_flags(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=false --foo=1")
     flags = fusedpar.set_gpu_overlap_flags()
     assert flags.split() == ["--xla_gpu_enable_latency_hiding_scheduler=false", "--foo=1",
-                             "--xla_gpu_experimental_parallel_collective_overlap_limit=2"]
+                             "--xla_gpu_experimental_parallel_collective_overlap_limit=2",
+                             "--xla_gpu_experimental_collective_start_as_early_as_possible"
+                             "=true"]
     assert fusedpar.set_gpu_overlap_flags() == flags  # idempotent
 
 

@@ -153,7 +153,8 @@ def _missing_flags(platform: str, choice: Choice) -> str:
     process's environment lacks on `platform`, or ""."""
     if platform == "gpu" and choice.runs_ring:
         missing = _xla_flags.missing_overlap_flags("gpu", choice.bidirectional)
-        why = "which a GPU ring needs for its transfers to overlap"
+        why = ("which a GPU ring needs for its transfers, and XLA's own collectives "
+               "beside it (an FSDP weight gather), to overlap the matmuls")
     elif platform == "tpu":
         missing = _xla_flags.missing_overlap_flags("tpu")
         why = ("which XLA's own all-gathers beside this op (an FSDP weight gather) need to "
