@@ -235,15 +235,10 @@ def markdown(rows) -> str:
                 "matmul in flight / those the program has a matmul for that neither feeds "
                 "them nor waits for them (`Transfer.hideable`: a schedule could hide them) / "
                 "all. On TPU the flags make XLA run its FSDP weight gathers in steps inside "
-                "the matmuls beside them (the block's ring hides 55 of 66 transfers on v6e, "
-                "49 of 60 on v5p; v5e's compiler leaves the program as it was); the weight "
-                "gradients' reduce-scatters stay synchronous. The replay reads the TPU "
-                "compiler's fused reduce-scatter (an all-reduce and the kept slice, in one "
-                "fusion) as the transfer it is: it had cost the reference's gradient "
-                "reduce-scatters nothing on the links. `auto` is predicted faster than the "
-                "reference for the MLP on every target (1.07x on H100, 1.10x on v5e, "
-                "1.32x on v5p, 1.46x on v6e) and at 1.01x (H100), 0.96x (v5e), 1.12x (v5p) "
-                "and 0.99x (v6e) for the block.", "",
+                "the matmuls beside them, or on the SparseCores (docs/measurements.md). The "
+                "replay reads the TPU compiler's fused reduce-scatter (an all-reduce and the "
+                "kept slice, in one fusion) as the transfer it is. " + _auto_over_reference(
+                    layers), "",
                 "| target | program | backend | compiled (s) | hidden / hideable / transfers | "
                 "predicted (us) | bound (us) |", "|---|---|---|---:|---:|---:|---:|"]
         for r in layers:
@@ -270,6 +265,21 @@ def markdown(rows) -> str:
                        f"{r['predicted_us'] / PUBLISHED_US[n]:.2f} |")
         out.append("")
     return "\n".join(out)
+
+
+def _auto_over_reference(layers) -> str:
+    """One sentence: the reference's predicted time over auto's, per program and target."""
+    by = {(r["target"], r["program"], r["backend"]): r["predicted_us"]
+          for r in layers if r["compiled"]}
+    parts = []
+    for program in ("mlp", "block"):
+        ratios = [f"{by[t, program, 'reference'] / by[t, program, 'auto']:.2f}x ({t})"
+                  for t in dict.fromkeys(r["target"] for r in layers)
+                  if (t, program, "reference") in by and (t, program, "auto") in by]
+        if ratios:
+            parts.append(f"the {program} {', '.join(ratios)}")
+    return ("The reference's predicted time over `auto`'s: " + "; ".join(parts) + "."
+            if parts else "")
 
 
 COMM_SECTION = "## Quantized transfers"

@@ -2,11 +2,10 @@
 
 Per device x (1024, 4096) @ w (4096, 4096) bf16 (the `fusedpar.aot` sizes), forward and
 backward, compiled deviceless for v4, v5e, v5p and v6e slices of 8 (libtpu, the `aot`
-extra), uni- and bidirectional: the sweep. tests/test_tpu_mosaic.py keeps the kernels
-dispatch picks on v5e (both directions) and v6e (bidirectional), one v5p unidirectional
-case, and compiles every kernel on every generation at small sizes; this
-file is the rest of the grid, and it times each compile (each is one round: a compile is
-seconds, 2-18 s on 2 shared cores). Every compile must still produce the fused kernel,
+extra), uni- and bidirectional: the whole grid, which it times (each compile is one
+round: seconds, 2-18 s on 2 shared cores). tests/test_tpu_mosaic.py keeps one kernel
+per generation at this size (v5e's bidirectional rs_rows, v6e's ag_contract, v5p's
+unidirectional rs_cols) and small sizes of the rest. Every compile must still produce the fused kernel,
 one forward and one or two backward: a failure here is a kernel Mosaic refuses.
 
     pytest bench/test_tpu_compile_sweep.py --benchmark-only

@@ -54,8 +54,9 @@ def _compile(target, program, args):
 # the fused TPU kernels per generation at a larger size in tests/test_tpu_mosaic.py; all
 # variants side by side are bench/aot_results.py's sweep. Here: the reference and "auto"
 # (the target's cost preset decides). "pallas" by name becomes the TPU kernels, never the
-# interpreter, in test_layer_programs_compile (both directions by name, every kernel:
-# test_tpu_mosaic.py). The TPUs compile 256 rows per device (the compile time grows with
+# interpreter, in test_layer_programs_compile (every kernel, both directions, on every
+# generation: bench/test_tpu_compile_sweep.py; a kernel per generation and the small
+# sizes: test_tpu_mosaic.py). The TPUs compile 256 rows per device (the compile time grows with
 # the size: v5e's ag_rows 12 -> 5 s, v6e's reference alone 16 -> 8 s); the 2048 columns
 # keep a bidirectional ring's halves whole lanes.
 OP_VARIANTS = (("reference", None), ("auto", None))

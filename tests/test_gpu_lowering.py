@@ -133,6 +133,20 @@ def test_gpu_overlap_flags():
     assert one_way == [f for f in flags.split() if "overlap_limit" not in f]
 
 
+def test_the_early_start_flag_needs_a_jaxlib_that_knows_it(monkeypatch):
+    """XLA aborts the process on a flag it does not know: jaxlib 0.10.0 and 0.10.1 lack
+    the early start, so neither the environment nor the AOT compile options get it."""
+    from fusedpar._compile import _aot
+    from fusedpar._hw import _xla_flags
+
+    early = "xla_gpu_experimental_collective_start_as_early_as_possible"
+    for version, present in (((0, 10, 1), False), ((0, 10, 2), True), ((0, 11, 0), True)):
+        monkeypatch.setattr(_xla_flags, "_jaxlib_version", lambda v=version: v)
+        assert (early in fusedpar.gpu_overlap_flags()) is present, version
+        assert (early in _aot.gpu_compiler_options()) is present, version
+        assert "overlap_limit=2" in fusedpar.gpu_overlap_flags(), version
+
+
 def test_set_gpu_overlap_flags_keeps_the_users_flags(monkeypatch):
     from fusedpar._hw import _xla_flags
 

@@ -73,9 +73,10 @@ def _realistic_cases():
     ag_rows with the weight gradient's partner), v6e's bidirectional ag_contract (the
     lane kernels' ring, summing travelling row blocks of w), v5p's unidirectional
     rs_cols (a unidirectional kernel split between two TensorCores). The whole grid of
-    generations, primitives and directions (50-150 s a generation on 2 shared cores) is
-    bench/test_tpu_compile_sweep.py; the default run also compiles every kernel on every
-    generation at small sizes (the tests below)."""
+    generations (v4 too), primitives and directions (50-150 s a generation on 2 shared
+    cores) is bench/test_tpu_compile_sweep.py, outside the default run; that run also
+    compiles every kernel's forward on every generation at small sizes, and the row
+    kernels' forward and backward, both directions on v5e (the tests below)."""
     for generation, prim, bidirectional in (("v5e", "rs_rows", True),
                                             ("v6e", "ag_contract", True),
                                             ("v5p", "rs_cols", False)):
@@ -137,15 +138,18 @@ def test_smallest_accepted_windows_compile(generation, dtype, vmem):
         assert _window(prim) in {w.length for w in windows}, (prim, windows)
 
 
-@pytest.mark.parametrize("generation", list(TARGETS))
-def test_pipeline_blocks_of_eight_bf16_rows_compile(generation):
+@pytest.mark.parametrize("generation,bidirectional",
+                         [(g, True) for g in TARGETS] + [("v5e", False)],
+                         ids=[*TARGETS, "v5e-uni"])
+def test_pipeline_blocks_of_eight_bf16_rows_compile(generation, bidirectional):
     """The tiled path cuts bf16 steps into 8-row blocks (block_m=8) inside 24-row ring
     halves — neither a multiple of 16 — forward and backward (v4, v5p: split between two
-    TensorCores)."""
+    TensorCores); and v5e's unidirectional row kernels (48-row segments), which dispatch
+    picks where a bidirectional ring does not pay."""
     options = {"vmem": False, "block_m": 8, "block_k": 256, "block_n": 256}
     for prim in ("ag_rows", "rs_rows"):
         with _layout.recording() as windows:
-            text = _compile(_program(generation, prim, True, options=options,
+            text = _compile(_program(generation, prim, bidirectional, options=options,
                                      **_sizes(prim, 24, 1024)))
         assert text.count("tpu_custom_call") >= 2, prim
         lengths = {(w.name, w.length) for w in windows}

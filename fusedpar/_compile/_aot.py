@@ -152,9 +152,9 @@ def gpu_compiler_options(cublas: bool = False) -> dict:
     """The `compiler_options` this package compiles GPU programs with: the XLA flags a
     ring needs to overlap (`fusedpar.gpu_overlap_flags`), and cuBLAS instead of Triton
     GEMMs with `cublas=True` (a real H100 may pick either)."""
-    from .._hw._xla_flags import _GPU_FLAGS
+    from .._hw._xla_flags import gpu_flag_pairs
 
-    options = _options(_GPU_FLAGS)
+    options = _options(gpu_flag_pairs())
     if cublas:
         options["xla_gpu_enable_triton_gemm"] = False
     return options

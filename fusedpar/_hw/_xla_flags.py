@@ -32,11 +32,15 @@ _GPU_OVERLAP_LIMIT = ("xla_gpu_experimental_parallel_collective_overlap_limit", 
 # XLA's own collectives started at the earliest point the program allows: the FSDP x TP
 # block's weight gathers, which the scheduler left synchronous between the rings'
 # transfers (8 x H100, replayed: block 3,298 -> 3,241 us, prefill 3,160 -> 3,094; XLA's
-# own programs do not move; docs/measurements.md).
+# own programs do not move; docs/measurements.md). XLA aborts the process on a flag it
+# does not know, and jaxlib 0.10.0 and 0.10.1 do not know this one: it is set from
+# jaxlib 0.10.2 on (`_EARLY_START_SINCE`).
+_GPU_EARLY_START = ("xla_gpu_experimental_collective_start_as_early_as_possible", "true")
+_EARLY_START_SINCE = (0, 10, 2)
 _GPU_FLAGS = (
     ("xla_gpu_enable_latency_hiding_scheduler", "true"),
     _GPU_OVERLAP_LIMIT,
-    ("xla_gpu_experimental_collective_start_as_early_as_possible", "true"),
+    _GPU_EARLY_START,
 )
 # The "continuation fusion" of XLA's all-gathers, as MaxText sets it for TPU training: it
 # hides the forward FSDP weight gathers (not on v5e, whose compiler ignores it). The same
@@ -87,7 +91,28 @@ def gpu_overlap_flags(bidirectional: bool = True) -> str:
     - `bidirectional`: include the collective overlap limit of 2 that a bidirectional
       ring needs (both directions' transfers in flight at once).
     """
-    return _join(f for f in _GPU_FLAGS if bidirectional or f != _GPU_OVERLAP_LIMIT)
+    return _join(gpu_flag_pairs(bidirectional))
+
+
+def gpu_flag_pairs(bidirectional: bool = True) -> tuple:
+    """`gpu_overlap_flags(bidirectional)` as `(name, value)` pairs (compiler options):
+    those the installed jaxlib knows."""
+    early = _jaxlib_version() >= _EARLY_START_SINCE
+    return tuple(f for f in _GPU_FLAGS
+                 if (bidirectional or f != _GPU_OVERLAP_LIMIT)
+                 and (early or f != _GPU_EARLY_START))
+
+
+def _jaxlib_version() -> tuple:
+    """The installed jaxlib's (major, minor, patch), read without importing it (this
+    module runs before JAX starts); a version it cannot read counts as new."""
+    from importlib import metadata
+
+    try:
+        parts = metadata.version("jaxlib").split(".")[:3]
+        return tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in parts)
+    except (metadata.PackageNotFoundError, ValueError):  # pragma: no cover
+        return (1 << 30,)
 
 
 def tpu_overlap_flags(generation: Optional[str] = None) -> str:
