@@ -336,6 +336,9 @@ ENTRY %main (x: f16[1024,1024]) -> f16[8192,1024] {{
     ("mesh['a'=8] {'a':(1)2}", [[0, 4], [1, 5], [2, 6], [3, 7]]),  # a sub-axis
     ("mesh['x'=2,'y'=4], device_ids=([[0,2,4,6],[1,3,5,7]]) {'y'}",
      [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    # the device list as an iota (an fsdp x tp mesh's tp groups, as GPU programs print it)
+    ("mesh['axis_0'=1,'axis_1'=4,'axis_2'=1,'axis_3'=2], device_ids=([2,4]T(1,0)) "
+     "{'axis_1'}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
 ])
 def test_every_replica_group_syntax(groups, expected):
     module = _hlo.parse(_all_gather(groups))

@@ -15,7 +15,9 @@ _PAIRS = re.compile(r"(?:_xla_send_recv_)?source_target_pairs=\"?\{((?:\{\d+,\d+
 _GROUPS_LISTED = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
-                          r"(?:,\s*device_ids=\(([^)]*)\))?\s*\{([^{}]*)\}")
+                          r"(?:,\s*device_ids=\(((?:[^()]|\([^()]*\))*)\))?\s*\{([^{}]*)\}")
+# A mesh's device list given as an iota (`device_ids=([2,4]T(1,0))`).
+_IOTA = re.compile(r"\[([\d,]+)\](?:T\(([\d,]+)\))?")
 
 
 def source_target_pairs(i: Instruction) -> Optional[list]:
@@ -59,13 +61,26 @@ def replica_groups(i: Instruction, devices: int) -> Optional[list]:
     return None
 
 
+def _device_ids(text: str, total: int) -> list:
+    """A mesh-form device list: listed (`[[0,2,4,6],[1,3,5,7]]`, every device once) or an
+    iota (`[2,4]T(1,0)`: the device ids counted up, reshaped, transposed, read out in
+    order)."""
+    listed = [int(d) for d in re.findall(r"\d+", text)]
+    m = _IOTA.fullmatch(text.strip())
+    if not m or (not m.group(2) and sorted(listed) == list(range(total))):
+        return listed
+    dims = [int(d) for d in m.group(1).split(",")]
+    perm = [int(d) for d in m.group(2).split(",")] if m.group(2) else range(len(dims))
+    return np.arange(int(np.prod(dims))).reshape(dims).transpose(list(perm)).ravel().tolist()
+
+
 def _mesh_groups(axes_text: str, ids_text: Optional[str], grouped_text: str) -> list:
     """The groups of a mesh-form device list (`xla/hlo/ir/replica_group.cc`): the mesh's
     device array reshaped so that each named (sub-)axis is a dimension of its own, those
     dimensions moved last in the order named, then cut into groups."""
     axes = [(name, int(size)) for name, size in re.findall(r"'?([^',=\s]+)'?=(\d+)", axes_text)]
     total = int(np.prod([size for _, size in axes]))
-    ids = ([int(d) for d in re.findall(r"\d+", ids_text)] if ids_text else list(range(total)))
+    ids = _device_ids(ids_text, total) if ids_text else list(range(total))
     grouped = [(name, int(pre) if pre else None, int(size) if size else None)
                for name, pre, size in re.findall(r"'?([^',:\s]+)'?(?::\((\d+)\)(\d+))?",
                                                  grouped_text)]
