@@ -101,6 +101,10 @@ def concrete(mesh, backend):
     return jax.device_put(1.0, mesh.devices.flat[0])
 
 not_fn = 3
+
+def args_not_tuple(mesh, backend):
+    import jax
+    return jax.jit(lambda x: x), jax.ShapeDtypeStruct((8,), "float32")
 '''
 
 
@@ -112,6 +116,7 @@ not_fn = 3
     ("concrete", "made arrays on the target's compile-only devices"),
     ("missing", "has no function 'missing'"),
     ("not_fn", "has 'not_fn', which is not callable (a int)"),
+    ("args_not_tuple", "returned (jitted, ShapeDtypeStruct): the arguments must be a tuple"),
 ])
 def test_a_program_of_your_own_that_breaks_the_contract_exits_2(tmp_path, name, message,
                                                                  capsys):
@@ -172,3 +177,79 @@ def test_a_program_whose_layers_do_not_fit_the_mesh_exits_2(tmp_path, capsys):
     assert e.value.code == 2
     assert ("cannot run on the mesh {'fsdp': 2, 'tp': 4}: ColumnLinear.weight: parameter "
             "dim 0 has size 6, not divisible by 4") in capsys.readouterr().err
+
+
+ELSEWHERE = """
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from fusedpar import aot
+
+def _arg(mesh):
+    return jax.ShapeDtypeStruct((8, 8), "float32", sharding=NamedSharding(mesh, P("fsdp")))
+
+def other_target(mesh, backend):
+    return jax.jit(lambda x: x * 2), (_arg(aot.mesh("h200x8", (2, 4), ("fsdp", "tp"))),)
+
+def other_shape(mesh, backend):
+    devices = np.array(mesh.devices).reshape(4, 2)
+    return jax.jit(lambda x: x * 2), (_arg(Mesh(devices, ("fsdp", "tp"))),)
+
+def one_device(mesh, backend):
+    sharding = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
+    return jax.jit(lambda x: x * 2), (jax.ShapeDtypeStruct((8, 8), "float32",
+                                                           sharding=sharding),)
+"""
+
+
+@pytest.mark.aot
+@needs_aot
+@pytest.mark.parametrize("name, message", [
+    ("other_target", "argument [0] is laid out on devices that are not the mesh's "
+                     "(8 x NVIDIA H200"),
+    ("other_shape", "argument [0] is laid out on the mesh {'fsdp': 4, 'tp': 2}, not the "
+                    "one it is given {'fsdp': 2, 'tp': 4}"),
+    ("one_device", "argument [0] is on one device"),
+])
+def test_arguments_laid_out_off_the_mesh_exit_2(tmp_path, name, message, capsys):
+    """Arguments built on another target's devices, another mesh shape or one device:
+    said before JAX's own message (which names neither mesh)."""
+    path = tmp_path / "elsewhere.py"
+    path.write_text(ELSEWHERE)
+    with pytest.raises(SystemExit) as e:
+        _aot_cli.main(["--target", "h100x8", "--program", f"{path}:{name}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "the mesh" in err, err
+
+
+@pytest.mark.aot
+@needs_aot
+def test_a_backend_that_cannot_run_a_program_exits_2(capsys):
+    """decode's 4 rows a device have no Mosaic GPU tile: the backend's reason, no
+    traceback."""
+    with pytest.raises(SystemExit) as e:
+        _aot_cli.main(["--target", "h100x8", "--program", "decode", "--backend", "pallas"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--backend: decode cannot run with backend 'pallas'" in err, err
+    assert "no Mosaic GPU tile fits" in err, err
+
+
+@pytest.mark.parametrize("extra", [["--backend", "ring"], ["--breakdown"]])
+def test_compare_refuses_what_it_would_ignore(extra, capsys):
+    with pytest.raises(SystemExit) as e:
+        _aot_cli._parse(["--target", "h100x8", "--program", "mlp", "--compare"] + extra)
+    assert e.value.code == 2
+    assert "--compare compiles every backend and prints one table: leave out " + extra[0] \
+        in capsys.readouterr().err
+
+
+def test_breakdown_sums_the_waits_it_does_not_list():
+    """Past its `top` rows the waited-for table says how many more and how long."""
+    from types import SimpleNamespace as T
+
+    waits = [T(name=f"cp{i}", kind="collective-permute", bytes=100, waited=(i + 1) * 1e-6)
+             for i in range(15)]
+    text = _aot_cli.breakdown(T(kernels=[], transfers=waits), top=12)
+    assert "| cp14 | collective-permute | 100 | 15.0 |" in text
+    assert "| 3 others | | 300 | 6.0 |" in text  # cp0-cp2: 1 + 2 + 3 us

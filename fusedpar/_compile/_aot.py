@@ -136,7 +136,8 @@ def mesh(target: str, shape: Optional[tuple] = None, axis_names: tuple = ("x",),
     if len(set(axis_names)) < len(axis_names):
         raise ValueError(f"mesh: axis_names {axis_names} must be distinct.")
     devs = devices(target)
-    shape = (len(devs),) if shape is None else tuple(shape)
+    shape = (len(devs),) if shape is None else (
+        (shape,) if isinstance(shape, int) else tuple(shape))
     if int(np.prod(shape)) != len(devs) or len(shape) != len(axis_names):
         raise ValueError(f"mesh: target {target!r} has {len(devs)} devices; shape {shape} "
                          f"with axis_names {tuple(axis_names)} must use all of them, one "
@@ -356,6 +357,11 @@ def _text(program, where: str = "overlap") -> str:
     if re.search(r"^module\b", program, re.M) and "HloModule" not in program:
         raise ValueError(f"{where}: program is StableHLO text (a Lowered's as_text()), not "
                          "a compiled program's HLO; pass lowered.compile() or its as_text().")
+    if "HloModule" not in program[:4096]:
+        raise ValueError(f"{where}: program must be a compiled program or its as_text() "
+                         "(HLO text, which starts with 'HloModule'); got a str of "
+                         f"{len(program)} characters starting {program[:60]!r} (a file's "
+                         "path? pass its contents).")
     return program
 
 
@@ -561,7 +567,8 @@ def predict(program, target):
     `target`: a target name (`TARGETS`), a `jax.sharding.Mesh` (its devices say which
     hardware, and on a TPU slice their coordinates give each transfer's hop count), or a
     `cost_model.Hardware`. Returns a `Prediction` (seconds, compute, communication,
-    exposed waits, and the lower bound max(compute, communication)).
+    exposed waits, and the lower bound max(compute, min_comm_s): the compute stream, or
+    the program's collective bytes over every link of the device, whichever is longer).
 
     A program compiled for another platform than a named or mesh target's is refused: a
     compiled program by its devices, a text by its dialect (TPU tiles, GPU streams; a CPU
@@ -575,8 +582,13 @@ def predict(program, target):
     if isinstance(target, cost_model.Hardware):
         hardware = target
     else:
+        import jax
+
         if isinstance(target, str):
             target = mesh(target)
+        if not isinstance(target, jax.sharding.Mesh):
+            raise TypeError(f"predict: target must be a target name, a Mesh of devices or "
+                            f"a cost_model.Hardware, got {type(target).__name__} {target!r}.")
         found = _target.of_mesh(target)
         if found is None:
             raise ValueError(f"predict: target must be a target name, a Mesh of devices or "
@@ -592,6 +604,12 @@ def predict(program, target):
                 "replay it with the target it was compiled for.")
         hardware = cost_model.get_hardware(found.cost_preset)
         devices = list(target.devices.flat)
+        partitions = re.search(r"\bnum_partitions=(\d+)", text[:4096])
+        if partitions and int(partitions.group(1)) not in (1, len(devices)):
+            raise ValueError(
+                f"predict: the program was compiled for {partitions.group(1)} devices, but "
+                f"the target has {len(devices)}: replay it with the target it was "
+                "compiled for.")
         # Hops count on a TPU torus; GPUs reach every peer in one hop through NVSwitch
         # (their topology coordinates are not a wiring).
         if found.platform == "tpu" and all(getattr(d, "coords", None) is not None

@@ -84,6 +84,10 @@ def breakdown(predicted, top: int = 12) -> str:
     lines += ["", "| waited for: transfer | kind | bytes | us waited |", "|---|---|---:|---:|"]
     lines += [f"| {t.name} | {t.kind} | {t.bytes:,} | {t.waited * 1e6:,.1f} |"
               for t in waited[:top]]
+    if waited[top:]:
+        lines.append(f"| {len(waited) - top} others | | "
+                     f"{sum(t.bytes for t in waited[top:]):,} | "
+                     f"{sum(t.waited for t in waited[top:]) * 1e6:,.1f} |")
     if not waited:
         lines.append("| (none) | | | |")
     return "\n".join(lines)
@@ -115,6 +119,10 @@ def _parse(argv):
         if args.mesh or args.axes:
             p.error("--compare builds jax.make_mesh's mesh of the program's axes: leave "
                     "out --mesh and --axes")
+        if args.backend != "auto" or args.breakdown:
+            p.error("--compare compiles every backend and prints one table: leave out "
+                    f"{'--backend' if args.backend != 'auto' else '--breakdown'} (run "
+                    "without --compare for one backend's report and --breakdown)")
     if args.json:  # before the compiles, which take minutes
         folder = os.path.dirname(os.path.abspath(args.json))
         if (os.path.isdir(args.json) or not os.path.isdir(folder)
@@ -226,8 +234,12 @@ def _built(spec, fn, mesh, backend):
             raise
         _parser().error(f"--program: {spec} made arrays on the target's compile-only "
                         f"devices, which hold none; it must be {_CONTRACT}.")
-    if not (isinstance(built, tuple) and len(built) == 2 and hasattr(built[0], "lower")
-            and isinstance(built[1], (tuple, list))):
+    if (isinstance(built, tuple) and len(built) == 2 and hasattr(built[0], "lower")
+            and not isinstance(built[1], (tuple, list))):
+        _parser().error(f"--program: {spec} returned (jitted, {type(built[1]).__name__}): "
+                        "the arguments must be a tuple or list of them, (jitted, (x,)) for "
+                        f"one; it must be {_CONTRACT}.")
+    if not (isinstance(built, tuple) and len(built) == 2 and hasattr(built[0], "lower")):
         _parser().error(f"--program: {spec} returned {type(built).__name__} "
                         f"{str(built)[:80]!r}; it must be {_CONTRACT}.")
     return built
@@ -263,8 +275,14 @@ def _compiled(args, label, mesh, fn, arguments, options):
     does not fit the mesh: an axis the mesh lacks, or arguments that leave it on one
     device (arrays or shapes without a sharding: the program then compiles for one
     device and its report would not be the mesh's)."""
+    _arguments_on(label, mesh, arguments)
     try:
         compiled = fn.lower(*arguments).compile(compiler_options=options or None)
+    except NotImplementedError as e:
+        if not _raised_by_fusedpar(e):
+            raise
+        # A backend asked for by name that cannot run one of the program's calls.
+        _parser().error(f"--backend: {label} cannot run with backend {args.backend!r}: {e}")
     except ValueError as e:
         _missing_axis(label, mesh, e)
         if _raised_by_fusedpar(e):  # a layer's or op's check: what the program must change
@@ -278,6 +296,38 @@ def _compiled(args, label, mesh, fn, arguments, options):
                         "NamedSharding on the mesh it is given (or the jitted function "
                         "in_shardings on it), not arrays or unsharded shapes.")
     return compiled
+
+
+def _arguments_on(label, mesh, arguments):
+    """A bad-argument exit where an argument of the program is laid out on other devices
+    than `mesh`'s (a mesh of another target or shape, or one device), before JAX says it
+    in its own words."""
+    import jax
+
+    want = {(d.platform, d.device_kind, d.id) for d in mesh.devices.flat}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(list(arguments))[0]:
+        sharding = getattr(leaf, "sharding", None)
+        try:
+            have = {(d.platform, d.device_kind, d.id) for d in sharding.device_set}
+        except Exception:  # noqa: BLE001 - no sharding, or one of an abstract mesh
+            continue
+        where = f"{label}'s argument {jax.tree_util.keystr(path)}"
+        other = getattr(sharding, "mesh", None)
+        if not have <= want:
+            kinds = sorted({kind for _, kind, _ in have})
+            _parser().error(f"--program: {where} is laid out on devices that are not the "
+                            f"mesh's ({len(have)} x {', '.join(kinds)}, against "
+                            f"{mesh.size} x {next(iter(want))[1]}): build the arguments on "
+                            "the mesh fn(mesh, backend) is given.")
+        if len(have) == 1 and mesh.size > 1:
+            _parser().error(f"--program: {where} is on one device: the program would "
+                            f"compile for one device, not the mesh's {mesh.size}; give it a "
+                            "NamedSharding on the mesh it is given.")
+        if hasattr(other, "devices") and dict(other.shape) != dict(mesh.shape):
+            _parser().error(f"--program: {where} is laid out on the mesh "
+                            f"{dict(other.shape)}, not the one it is given "
+                            f"{dict(mesh.shape)}: build the arguments on the mesh "
+                            "fn(mesh, backend) is given.")
 
 
 def _mesh(args):
