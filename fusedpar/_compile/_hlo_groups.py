@@ -51,10 +51,7 @@ def replica_groups(i: Instruction, devices: int) -> Optional[list]:
     m = _GROUPS_IOTA.search(i.line)
     if m:
         count, size = int(m.group(1)), int(m.group(2))
-        dims = [int(d) for d in m.group(3).split(",")]
-        perm = [int(d) for d in m.group(4).split(",")] if m.group(4) else range(len(dims))
-        ids = np.arange(int(np.prod(dims))).reshape(dims).transpose(list(perm))
-        return ids.reshape(count, size).tolist()
+        return _iota(m.group(3), m.group(4)).reshape(count, size).tolist()
     m = _GROUPS_MESH.search(i.line)
     if m:
         return _mesh_groups(m.group(1), m.group(2), m.group(3))
@@ -69,9 +66,15 @@ def _device_ids(text: str, total: int) -> list:
     m = _IOTA.fullmatch(text.strip())
     if not m or (not m.group(2) and sorted(listed) == list(range(total))):
         return listed
-    dims = [int(d) for d in m.group(1).split(",")]
-    perm = [int(d) for d in m.group(2).split(",")] if m.group(2) else range(len(dims))
-    return np.arange(int(np.prod(dims))).reshape(dims).transpose(list(perm)).ravel().tolist()
+    return _iota(m.group(1), m.group(2)).ravel().tolist()
+
+
+def _iota(dims_text: str, perm_text: Optional[str]):
+    """Device ids counted up, reshaped to `dims_text` (`2,4`) and transposed by
+    `perm_text` (`1,0`, or None): XLA's iota tile assignment."""
+    dims = [int(d) for d in dims_text.split(",")]
+    perm = [int(d) for d in perm_text.split(",")] if perm_text else range(len(dims))
+    return np.arange(int(np.prod(dims))).reshape(dims).transpose(list(perm))
 
 
 def _mesh_groups(axes_text: str, ids_text: Optional[str], grouped_text: str) -> list:
