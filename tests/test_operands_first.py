@@ -99,6 +99,22 @@ def test_auto_moves_operands_where_the_sums_outweigh_them():
     assert not _dispatch.operands_first(dataclasses.replace(call, adding=True), "pallas")
 
 
+def test_w_counts_beyond_one_matmul_of_work_before_the_call():
+    """w goes to N - 1 devices: over 16 TPU v5e chips a sequence-parallel MLP's row layer
+    (per device x (16384, 1024) @ w (1024, 4096)) would send 120 MiB of w, more than the
+    work before the call hides (counted as one matmul of the call's FLOPs). Counted
+    free, `auto` moved the operands, and the compiled step replayed slower than on the
+    fused kernel it would otherwise run."""
+    call = prims.Call("matmul_reduce_scatter", prims.RS_ROWS, (16384, 1024), (1024, 4096),
+                      "bfloat16", 16, "tpu")
+    hw = fusedpar.cost_model.get_hardware(None, call.target)
+    est = fusedpar.cost_model.operands_first(call, hw)
+    local = est.compute_step
+    alone = fusedpar.cost_model.operands_first(dataclasses.replace(call, w_ahead=False), hw)
+    assert est.seconds == pytest.approx(alone.seconds - local)  # one matmul of w hidden
+    assert not _dispatch.operands_first(call, "pallas")
+
+
 def test_a_reference_hidden_beside_other_work_stays():
     """A backward's rs_rows beside the other gradient's matmul (on 8 x H100's preset, x
     (8192, 2048) @ w (2048, 4096) over 2): the reference's reduce-scatter hides behind

@@ -169,7 +169,7 @@ _HOPPER_KIND = dict(platform=GPU, compute_capability=(9, 0), cores=132, smem_byt
                     families=(MOSAIC, TRITON))
 register(Kind(
     "h100_sxm", words=("H100", "H800", "GH200"), aliases=("h100",), default=True,
-    # Calibrated on an H100 SXM (2026-11-26, 23 programs within 2.6%).
+    # Calibrated on an H100 SXM (2026-11-26, 23 programs within 2.7%).
     hardware=_nvswitch("H100 SXM", _HOPPER, 3.35 * _T, 450 * _G, (0.80, 0.82, 4.5e-6)),
     aot=Aot("h100", example="h100x8", target_config="h100_sxm.txtpb"), **_HOPPER_KIND))
 # H200 SXM: H100's compute, 141 GB of HBM3e at 4.8 TB/s (NVIDIA H200 datasheet).
