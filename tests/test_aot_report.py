@@ -180,6 +180,15 @@ def test_a_mesh_of_one_axis_named_by_a_str():
     assert aot.mesh("h100x4", (4,), "tp").axis_names == ("tp",)  # not ('t', 'p')
 
 
+def test_a_user_s_mesh_may_split_the_slice_s_axes():
+    """`--compare`'s FSDP x TP mesh of 16 chips is 2 x 8, which `jax.make_mesh` cannot lay
+    on a 4x4 slice (it raised NotImplementedError); built as JAX's message says a user
+    would, with the slice's axes split, every device once."""
+    m = aot.mesh("v6e:4x4", (2, 8), ("fsdp", "tp"), make_mesh=True)
+    assert dict(m.shape) == {"fsdp": 2, "tp": 8}
+    assert sorted(d.id for d in m.devices.flat) == sorted(d.id for d in aot.devices("v6e:4x4"))
+
+
 def test_cpu_program_has_synchronous_transfers():
     m = mesh((4,), ("x",))
     f = jax.jit(jax.shard_map(

@@ -127,7 +127,10 @@ def mesh(target: str, shape: Optional[tuple] = None, axis_names: tuple = ("x",),
 
     `shape` defaults to all devices on one axis. Devices are taken in the topology's
     order, or with `make_mesh` in `jax.make_mesh`'s (the mesh a user without fusedpar
-    builds: on a TPU slice it lays the mesh's axes along the torus)."""
+    builds: on a TPU slice it lays the mesh's axes along the torus). Where an axis is no
+    product of the slice's own axes (8 devices of a 4x4 slice), `jax.make_mesh` refuses
+    it and names JAX's way round, which a user takes: `mesh_utils.create_device_mesh`
+    with `allow_split_physical_axes=True`."""
     import jax
     import numpy as np
     from jax.sharding import AxisType
@@ -144,7 +147,13 @@ def mesh(target: str, shape: Optional[tuple] = None, axis_names: tuple = ("x",),
                          "name per axis.")
     types = (AxisType.Auto,) * len(shape)
     if make_mesh:
-        return jax.make_mesh(shape, tuple(axis_names), devices=devs, axis_types=types)
+        try:
+            return jax.make_mesh(shape, tuple(axis_names), devices=devs, axis_types=types)
+        except NotImplementedError:  # an axis across the slice's own axes
+            from jax.experimental import mesh_utils
+
+            grid = mesh_utils.create_device_mesh(shape, devs, allow_split_physical_axes=True)
+            return jax.sharding.Mesh(grid, tuple(axis_names), axis_types=types)
     return jax.sharding.Mesh(np.array(devs).reshape(shape), tuple(axis_names),
                              axis_types=types)
 
