@@ -227,6 +227,31 @@ def test_layer_sends_the_stored_payload(kind, backend):
     assert any(moved in line and "xi8>" in line for line in text.splitlines()), text[:2000]
 
 
+def test_block_quantized_weight_is_gathered_whole_over_fsdp():
+    """A weight quantized in blocks of its input features has a scale per block of a row,
+    which no ring payload carries (the forward raised ValueError): the FSDP layer
+    gathers its int8 values and scales first and multiplies. Values and x's gradient
+    equal the dequantized layer's; `describe` says so."""
+    layer = fusedpar.FSDPLinear(32, 16, key=jax.random.key(0), backend="ring")
+    q = fusedpar.quantize(layer, block_size=8)
+    d = eqx.tree_at(lambda l: l.weight, layer, q.weight.dequantize())
+    x = normal(1, (4, 8, 32), jnp.float32)
+
+    def loss(x, m):
+        return jnp.sum(jnp.tanh(m(x)))
+
+    m = mesh((2, 4), ("fsdp", "tp"), AxisType.Explicit)
+    with jax.set_mesh(m):
+        qs, xs = fusedpar.shard(q, m), jax.device_put(x, NamedSharding(m, P("fsdp")))
+        got = eqx.filter_jit(lambda m, x: m(x))(qs, xs)
+        dx = eqx.filter_jit(jax.grad(loss))(xs, qs)
+        text = jax.jit(lambda m, x: m(x)).lower(qs, xs).as_text()
+    assert_close(got, d(x), jnp.float32, "sharded")
+    assert_close(dx, jax.grad(loss)(x, d), jnp.float32, "dx")
+    assert any("all_gather" in line and "xi8>" in line for line in text.splitlines())
+    assert "all_gather W over fsdp in int8" in fusedpar.describe(q)
+
+
 def test_bad_input():
     w = jnp.ones((6, 10))
     with pytest.raises(ValueError, match=r"dimension 1 of shape \(6, 10\) \(size 10\).*"

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from .._core._quantized_array import QuantizedArray
 from .._sharding._styles import FSDP, Row
+from ._fsdp_gather import gathered_whole
 
 
 def _in(layer, style, name) -> str:
@@ -58,6 +59,14 @@ def _by_activations(layer, tp_fwd, tp_bwd) -> tuple[list, list]:
     return [c for c in fwd if c], [c for c in bwd if c]  # (None: no tp collective)
 
 
+def _weight_gather(layer, fw) -> str:
+    """The FSDP gather of the weight beside a matmul (`fsdp_matmul`): overlapped with it,
+    or, for a weight it gathers whole first (`gathered_whole`), before it."""
+    f = layer.rule.fsdp
+    op = "all_gather" if gathered_whole(layer.weight) else "all_gather_matmul"
+    return f"{op} W over {f.axis}{fw}"
+
+
 def _gathered_again(name, layer, tp) -> str:
     """The second gather of a `keep_gathered=False` style: the weight gradient's ring
     over `name` (the op's backward without the kept operand)."""
@@ -84,7 +93,7 @@ def column(layer) -> tuple[list, list]:
         bwd += [] if tp.keep_gathered else [_gathered_again("x", layer, tp)]
         bwd += [f"reduce_scatter dW over {f.axis}"] if f else []
     else:
-        fwd += [f"all_gather_matmul W over {f.axis}{fw}"] if f else []
+        fwd += [_weight_gather(layer, fw)] if f else []
         bwd += [f"matmul_reduce_scatter dW over {f.axis}{fg}"] if f else []
         bwd.append(f"psum dx over {tp.axis}")
     fwd += [f"all_gather y over {tp.axis}"] if tp.gather_output else []
@@ -108,8 +117,7 @@ def row(layer) -> tuple[list, list]:
             [] if tp.keep_gathered else [_gathered_again("dy", layer, tp)]) + (
             [f"reduce_scatter dW over {f.axis}"] if f else [])
     else:
-        fwd = ([f"all_gather_matmul W over {f.axis}{fw}"] if f else []) + [
-            f"psum y over {tp.axis}"]
+        fwd = ([_weight_gather(layer, fw)] if f else []) + [f"psum y over {tp.axis}"]
         bwd = [f"matmul_reduce_scatter dW over {f.axis}{fg}"] if f else []
     return fwd, _backward(layer, bwd)
 
@@ -120,6 +128,6 @@ def fsdp(layer) -> tuple[list, list]:
     if f.gather == "activations":
         fwd, bwd = _by_activations(layer, None, None)
         return fwd, _backward(layer, bwd)
-    return ([f"all_gather_matmul W over {f.axis}{_in(layer, f, 'comm_dtype')}"],
+    return ([_weight_gather(layer, _in(layer, f, "comm_dtype"))],
             _backward(layer, [f"matmul_reduce_scatter dW over {f.axis}"
                               f"{_in(layer, f, 'grad_comm_dtype')}"]))

@@ -4,7 +4,9 @@
 the ops and their backends). `gather_fsdp` gathers the whole weight first, for the
 sequence-parallel layers whose ring moves the activations, with the ops layer's
 `_gather` (plain, or quantized with a straight-through gradient); a stored
-`QuantizedArray` is gathered as its values and scales.
+`QuantizedArray` is gathered as its values and scales. So is one quantized in blocks
+along the dimension the op's ring would carry it (`gathered_whole`): a ring payload has
+one scale per channel.
 """
 
 from __future__ import annotations
@@ -56,6 +58,17 @@ def gather_fsdp(w, rule: Rule):
     return _gather.gather(w, f.axis, d, f.comm_dtype)
 
 
+def gathered_whole(w) -> bool:
+    """Whether `fsdp_matmul` gathers `w` whole before multiplying: a stored
+    `QuantizedArray` (no master) whose scales vary along the rows of `w.T`, the operand
+    the op's ring would carry (block-quantized along the input features), which no ring
+    payload carries (`QuantizedArray.as_payload`)."""
+    if not isinstance(w, QuantizedArray) or w.master is not None:
+        return False
+    wt = w.T
+    return wt.scales.shape[wt.axis] != 1
+
+
 def fsdp_matmul(x, w, rule: Rule, backend, out_dtype=None):
     """`x @ w.T` with the full weight: the FSDP gather overlapped with the matmul.
 
@@ -64,11 +77,14 @@ def fsdp_matmul(x, w, rule: Rule, backend, out_dtype=None):
     reduce-scatters the weight gradient over the FSDP axis. The gather sends the FSDP
     style's `comm_dtype`; a `QuantizedArray` weight travels as its stored values and
     scales (no gradient), or, carrying a `master`, as the master quantized by the op
-    to the values' dtype (straight-through gradient to the master).
+    to the values' dtype (straight-through gradient to the master). A block-quantized one
+    is gathered whole first (`gathered_whole`).
     """
     f = rule.fsdp
     if f is None:
         return matmul_t(x, w, out_dtype)
+    if gathered_whole(w):
+        return matmul_t(x, gather_fsdp(w, rule), out_dtype)
     comm, grad_comm = f.comm_dtype, f.grad_comm_dtype
     if isinstance(w, QuantizedArray) and w.master is not None:
         w, comm = w.master.astype(w.dtype), w.values.dtype
