@@ -284,6 +284,13 @@ def test_bad_input():
         fusedpar.quantize(eqx.nn.Linear(10, 6, key=jax.random.key(0)))(jnp.ones(10))
     with pytest.raises(TypeError, match="FSDPLinear: called inside quax.quaxify"):
         quax.quaxify(lambda l, x: l(x))(fusedpar.quantize(lin), jnp.ones((2, 10)))
+    # An embedding's table is a plain array quax leaves alone, in a model whose head is
+    # quantized: the trace says where it is (under a mesh its shard_map raised
+    # AttributeError: '_QuaxTrace' object has no attribute 'process_shard_map').
+    emb = fusedpar.Embedding(6, 10, key=jax.random.key(0), axis="x")
+    with jax.set_mesh(mesh((2,), ("x",))):
+        with pytest.raises(TypeError, match="Embedding: called inside quax.quaxify"):
+            quax.quaxify(lambda e, i, q: e(i) @ q.T)(emb, jnp.arange(4), _q(w))
     with pytest.raises(TypeError, match="Embedding: weight is a QuantizedArray.*dequantize"):
         emb = fusedpar.Embedding(6, 10, key=jax.random.key(0))
         eqx.tree_at(lambda e: e.weight, emb, QuantizedArray.quantize(emb.weight))(

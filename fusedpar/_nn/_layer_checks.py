@@ -27,23 +27,41 @@ def param_dtype(where, dtype) -> None:
                          "for integer weights, quantize a model (fusedpar.quantize).")
 
 
+def _is_quax(obj, name) -> bool:
+    return any(c.__name__ == name and c.__module__.startswith("quax")
+               for c in type(obj).__mro__)
+
+
 def _under_quaxify(w) -> bool:
-    """Whether `w` is quax's tracer: the layer is called inside `quax.quaxify`."""
-    return any(c.__name__ == "_QuaxTracer" and c.__module__.startswith("quax")
-               for c in type(w).__mro__)
+    """Whether the layer is called inside `quax.quaxify`: `w` is quax's tracer, or (a
+    plain array quax leaves as it is, as an embedding's table) quax's trace is JAX's
+    current one (read from JAX's internals where they have it)."""
+    if _is_quax(w, "_QuaxTracer"):
+        return True
+    try:
+        from jax._src import core
+
+        return _is_quax(core.trace_ctx.trace, "_QuaxTrace")
+    except (ImportError, AttributeError):
+        return False
 
 
-def check_quantized_weight(where, w) -> None:
-    """A QuantizedArray weight `(out, in)` must be scaled along `in` (per output channel,
-    or per block of `in`), the contraction every fusedpar layer applies its scales to;
-    and the layer is not called inside `quax.quaxify`, whose trace has no rule for the
-    layer's shard_map."""
+def check_not_quaxified(where, w) -> None:
+    """The layer (weight `w`) is not called inside `quax.quaxify`, whose trace has no
+    rule for the layer's shard_map."""
     if _under_quaxify(w):
         raise TypeError(
             f"{where}: called inside quax.quaxify, which cannot trace the layer's "
             "shard_map; fusedpar layers take a QuantizedArray weight as it is: call them "
             "outside quaxify and quaxify only the plain Equinox layers beside them "
             "(quax.quaxify(layer)(x)).")
+
+
+def check_quantized_weight(where, w) -> None:
+    """A QuantizedArray weight `(out, in)` must be scaled along `in` (per output channel,
+    or per block of `in`), the contraction every fusedpar layer applies its scales to;
+    and the layer is not called inside `quax.quaxify` (`check_not_quaxified`)."""
+    check_not_quaxified(where, w)
     if isinstance(w, QuantizedArray) and w.axis != -1:
         raise ValueError(f"{where}: a QuantizedArray weight (out, in) must be quantized "
                          f"along in_features (axis=-1), got axis={w.axis % w.ndim}.")
