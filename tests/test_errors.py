@@ -229,6 +229,17 @@ def _restore(saved, skeleton_dtype):
     return restore
 
 
+def _restore_float_into_quantized():
+    """A float32 checkpoint (of the model before `fusedpar.quantize`) read into a
+    quantized skeleton's int8 values, which no cast makes."""
+    f = io.BytesIO()
+    jnp.save(f, jnp.zeros((8, 8), jnp.float32))
+    f.seek(0)
+    skeleton = fusedpar.shard(eqx.filter_eval_shape(lambda: fusedpar.quantize(_col(8, 8))),
+                              mesh((2, 4), ("fsdp", "tp")))
+    fusedpar.deserialise_filter_spec(f, skeleton.weight.values)
+
+
 def _emb_head():
     """Token ids -> vocabulary-parallel embedding -> column-parallel head, per example."""
     embed, head = _emb(), _col(8, 16)
@@ -612,6 +623,10 @@ LAYERS = [
         ("the checkpoint holds an int8 array of shape (8, 8) where the skeleton has "
          "bfloat16 (a quantized weight's values?)",
          "fusedpar.quantize(...) of the model inside eqx.filter_eval_shape")),
+    Row("layers", "float checkpoint restored into a quantized skeleton",
+        _restore_float_into_quantized, ValueError,
+        ("the checkpoint holds a float32 array of shape (8, 8) where the skeleton has int8",
+         "restore it into a skeleton of that model and quantize the restored model")),
     Row("layers", "called under the deprecated `with mesh:`",
         lambda: _legacy_mesh_call(), ValueError,
         ("ColumnLinear: called inside `with mesh:`", "{'tp': 4}",
@@ -659,7 +674,7 @@ LAYERS = [
     Row("layers", "batch not divisible by the FSDP axis",
         global_call(fusedpar.FSDPLinear(8, 8, key=KEY), (3, 5, 8)), ValueError,
         ("FSDPLinear: x of shape (3, 5, 8): input dim 0 has size 3, not divisible by 2",
-         "('fsdp',) (fsdp=2)")),
+         "('fsdp',) (fsdp=2)", "one sequence at a time (x[i]")),
     Row("layers", "integer dtype for the parameters", lambda: _col(8, 8, dtype=jnp.int8),
         ValueError, ("ColumnLinear: dtype must be a floating dtype", "got int8",
                      "fusedpar.quantize")),

@@ -227,7 +227,7 @@ class Embedding(eqx.Module):
         _specs.check_spec("Embedding.weight", self.weight.shape, pspecs.weight, sizes,
                           vocab_dim=0)
         ids_spec, out_spec = rule.activation_specs(ids.ndim, data)
-        fixes = _specs.decoding_fixes(rule, data, ids.ndim - 1)
+        fixes = _specs.decoding_fixes(rule, data, ids.ndim - 1, ids.shape[0] if ids.ndim else None)
         _specs.check_spec(f"Embedding: ids of shape {ids.shape}", ids.shape, ids_spec, sizes,
                           what="input", fixes=fixes)
         if rule.sequence_parallel:

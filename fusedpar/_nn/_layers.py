@@ -232,7 +232,7 @@ class ParallelLinear(eqx.Module):
         pspecs = _specs.layer_param_specs(self, where, rule)
         _specs.check_spec(f"{where}.weight", self.weight.shape, array_of(pspecs.weight), sizes)
         x_spec, y_spec = rule.activation_specs(x.ndim, data)
-        fixes = _specs.decoding_fixes(rule, data, x.ndim - 2)
+        fixes = _specs.decoding_fixes(rule, data, x.ndim - 2, x.shape[0] if x.ndim else None)
         _specs.check_spec(f"{where}: x of shape {x.shape}", x.shape, x_spec, sizes,
                           what="input", fixes=fixes)
         # A sequence-parallel Row scatters the sequence of its output, not of its input.

@@ -42,9 +42,9 @@ def _compose(styles, matched, plan, where):
         for p in matched:  # one pattern's own styles conflict: its error alone
             _specs.compose(*plan[p], where=where)
         raise ValueError(f"{e} The plan's patterns {matched} all match {where!r} and every "
-                         "match contributes its styles; narrow a glob so that one of them "
-                         "matches it (an fnmatch class such as '[qkv]*_proj' for "
-                         "'*_proj').") from None
+                         "match contributes its styles; where a glob's styles were not "
+                         "meant for it, narrow that glob (an fnmatch class such as "
+                         "'[qkv]*_proj' for '*_proj').") from None
 
 
 def parallelize(model, plan: dict, *, backend: str = "auto"):

@@ -51,9 +51,15 @@ def deserialise_filter_spec(f, like):
         # weight (`fusedpar.quantize`), whose skeleton is quantized too.
         quantized = (stored.itemsize == 1 and np.dtype(like.dtype).itemsize > 1
                      and jnp.issubdtype(like.dtype, jnp.floating))
+        # The other way round: a float checkpoint where the skeleton is quantized (its
+        # values one byte), which no cast makes.
+        unquantized = (np.dtype(like.dtype).itemsize == 1 and stored.itemsize > 1
+                       and stored.kind == "f")
         fix = ("build the skeleton of the quantized model: fusedpar.quantize(...) of the "
                "model inside eqx.filter_eval_shape, as it was saved" if quantized else
-               "build the skeleton in the dtype it was saved in and cast the restored "
+               "the checkpoint is of the model before fusedpar.quantize: restore it into "
+               "a skeleton of that model and quantize the restored model" if unquantized
+               else "build the skeleton in the dtype it was saved in and cast the restored "
                "model after")
         raise ValueError(
             f"deserialise_filter_spec: the checkpoint holds {saved} array of shape "

@@ -187,8 +187,9 @@ class TableRule(Rule):
             raise ValueError(
                 f"{where}: an embedding gathers its table over {rule.fsdp.axis!r}; "
                 "FSDP(gather='activations') moves a linear layer's tokens instead, which a "
-                "lookup has no use for; give the embedding its own plan pattern (gather="
-                "'auto' or 'weights').")
+                "lookup has no use for; its FSDP style needs gather='auto' or 'weights': "
+                "where a glob gives it this one, narrow the glob to the linear layers and "
+                "give the embedding's own pattern its FSDP style.")
         return cls(rule.tp, rule.fsdp)
 
     def param_specs(self, where: str, use_bias: bool = False) -> dict:

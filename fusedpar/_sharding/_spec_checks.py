@@ -118,19 +118,24 @@ def check_spec(path: str, shape, spec: P, sizes: dict, what="parameter",
                 f"product of mesh axes {axes} ({sz}); {fix}.")
 
 
-def decoding_fixes(rule: Rule, data: bool, seq_dim: Optional[int]) -> dict:
+def decoding_fixes(rule: Rule, data: bool, seq_dim: Optional[int],
+                   batch: Optional[int] = None) -> dict:
     """`check_spec`'s `fixes` for an input whose batch (dim 0, over the FSDP axis where
-    `data`) or sequence (`seq_dim`, over tp in a sequence-parallel layer) does not divide:
-    what decoding one sequence, a few tokens at a time, runs into."""
+    `data`; `batch` its size) or sequence (`seq_dim`, over tp in a sequence-parallel
+    layer) does not divide: what decoding one sequence, a few tokens at a time, runs
+    into."""
     fixes = {}
     if data:
         # (An FSDP-only layer has no plan without FSDP to be re-planned to.)
         replan = (", run those steps under a plan without FSDP (fusedpar.parallelize("
                   "model, plan) re-plans a parallel model)" if rule.tp is not None else "")
+        # x[0] is the whole batch only for a batch of one.
+        one = ("can go without one: call the layer on x[0] (no batch dimension: the layer "
+               "gathers its weight whole)" if batch == 1 else
+               "can be called without a batch dimension, one sequence at a time (x[i]: the "
+               "layer gathers its weight whole)")
         fixes[0] = (f"a batch that {rule.fsdp.axis!r} does not divide (one sequence while "
-                    "decoding, say) can go without one: call the layer on x[0] (no batch "
-                    f"dimension: the layer gathers its weight whole){replan}, or pad the "
-                    "batch")
+                    f"decoding, say) {one}{replan}, or pad the batch")
     if rule.sequence_parallel and seq_dim is not None:
         fixes[seq_dim] = (f"a sequence that {rule.tp.axis!r} does not divide (a few tokens "
                           "while decoding, say) needs no sequence parallelism: run those "
