@@ -230,10 +230,10 @@ def _restore(saved, skeleton_dtype):
 
 
 def _restore_float_into_quantized():
-    """A float32 checkpoint (of the model before `fusedpar.quantize`) read into a
+    """A bfloat16 checkpoint (of the model before `fusedpar.quantize`) read into a
     quantized skeleton's int8 values, which no cast makes."""
     f = io.BytesIO()
-    jnp.save(f, jnp.zeros((8, 8), jnp.float32))
+    jnp.save(f, jnp.zeros((8, 8), jnp.bfloat16))
     f.seek(0)
     skeleton = fusedpar.shard(eqx.filter_eval_shape(lambda: fusedpar.quantize(_col(8, 8))),
                               mesh((2, 4), ("fsdp", "tp")))
@@ -625,7 +625,7 @@ LAYERS = [
          "fusedpar.quantize(...) of the model inside eqx.filter_eval_shape")),
     Row("layers", "float checkpoint restored into a quantized skeleton",
         _restore_float_into_quantized, ValueError,
-        ("the checkpoint holds a float32 array of shape (8, 8) where the skeleton has int8",
+        ("the checkpoint holds a bfloat16 array of shape (8, 8) where the skeleton has int8",
          "restore it into a skeleton of that model and quantize the restored model")),
     Row("layers", "called under the deprecated `with mesh:`",
         lambda: _legacy_mesh_call(), ValueError,

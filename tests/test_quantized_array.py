@@ -227,13 +227,22 @@ def test_layer_sends_the_stored_payload(kind, backend):
     assert any(moved in line and "xi8>" in line for line in text.splitlines()), text[:2000]
 
 
-def test_block_quantized_weight_is_gathered_whole_over_fsdp():
+@pytest.mark.parametrize("kind,master", [("fsdp", False), ("row+fsdp", False),
+                                         ("column+fsdp", True)])
+def test_block_quantized_weight_is_gathered_whole_over_fsdp(kind, master):
     """A weight quantized in blocks of its input features has a scale per block of a row,
-    which no ring payload carries (the forward raised ValueError): the FSDP layer
-    gathers its int8 values and scales first and multiplies. Values and x's gradient
-    equal the dequantized layer's; `describe` says so."""
-    layer = fusedpar.FSDPLinear(32, 16, key=jax.random.key(0), backend="ring")
-    q = fusedpar.quantize(layer, block_size=8)
+    which no ring payload carries (the forward raised ValueError; with a master, the ring
+    quantized the master again per channel): the FSDP gather beside the matmul gathers
+    its int8 values and scales first and multiplies. Values and x's gradient equal the
+    dequantized layer's, the master's gradient is the dequantized weight's (straight
+    through); `describe` says so."""
+    k = jax.random.key(0)
+    layer = {"fsdp": lambda: fusedpar.FSDPLinear(32, 16, key=k, backend="ring"),
+             "row+fsdp": lambda: fusedpar.RowLinear(32, 16, key=k, fsdp_axis="fsdp",
+                                                    fsdp_gather="weights", backend="ring"),
+             "column+fsdp": lambda: fusedpar.ColumnLinear(32, 16, key=k, fsdp_axis="fsdp",
+                                                          backend="ring")}[kind]()
+    q = fusedpar.quantize(layer, block_size=8, master=master)
     d = eqx.tree_at(lambda l: l.weight, layer, q.weight.dequantize())
     x = normal(1, (4, 8, 32), jnp.float32)
 
@@ -241,15 +250,23 @@ def test_block_quantized_weight_is_gathered_whole_over_fsdp():
         return jnp.sum(jnp.tanh(m(x)))
 
     m = mesh((2, 4), ("fsdp", "tp"), AxisType.Explicit)
+    x_spec = P("fsdp", None, "tp" if kind == "row+fsdp" else None)
     with jax.set_mesh(m):
-        qs, xs = fusedpar.shard(q, m), jax.device_put(x, NamedSharding(m, P("fsdp")))
+        qs, xs = fusedpar.shard(q, m), jax.device_put(x, NamedSharding(m, x_spec))
         got = eqx.filter_jit(lambda m, x: m(x))(qs, xs)
-        dx = eqx.filter_jit(jax.grad(loss))(xs, qs)
+        dx, dm = eqx.filter_jit(eqx.filter_grad(lambda xm: loss(*xm)))((xs, qs))
         text = jax.jit(lambda m, x: m(x)).lower(qs, xs).as_text()
+    want_dx, want_dm = eqx.filter_grad(lambda xm: loss(*xm))((x, d))
     assert_close(got, d(x), jnp.float32, "sharded")
-    assert_close(dx, jax.grad(loss)(x, d), jnp.float32, "dx")
-    assert any("all_gather" in line and "xi8>" in line for line in text.splitlines())
-    assert "all_gather W over fsdp in int8" in fusedpar.describe(q)
+    assert_close(dx, want_dx, jnp.float32, "dx")
+    if master:
+        assert_close(dm.weight.master, want_dm.weight, jnp.float32, "the master's gradient")
+    # int8 travels (over an FSDP axis of 2 XLA's gather may be one permute)
+    assert any(("all_gather" in line or "collective_permute" in line) and "xi8>" in line
+               for line in text.splitlines())
+    table = fusedpar.describe(q)
+    assert "all_gather W over fsdp in int8" in table
+    assert ("reduce_scatter dW over fsdp" in table) == master
 
 
 def test_bad_input():
@@ -286,11 +303,13 @@ def test_bad_input():
         quax.quaxify(lambda l, x: l(x))(fusedpar.quantize(lin), jnp.ones((2, 10)))
     # An embedding's table is a plain array quax leaves alone, in a model whose head is
     # quantized: the trace says where it is (under a mesh its shard_map raised
-    # AttributeError: '_QuaxTrace' object has no attribute 'process_shard_map').
+    # AttributeError: '_QuaxTrace' object has no attribute 'process_shard_map'), under a
+    # vmap inside quaxify too.
     emb = fusedpar.Embedding(6, 10, key=jax.random.key(0), axis="x")
     with jax.set_mesh(mesh((2,), ("x",))):
-        with pytest.raises(TypeError, match="Embedding: called inside quax.quaxify"):
-            quax.quaxify(lambda e, i, q: e(i) @ q.T)(emb, jnp.arange(4), _q(w))
+        for call in (lambda e, i: e(i), lambda e, i: jax.vmap(e)(i[None])[0]):
+            with pytest.raises(TypeError, match="Embedding: called inside quax.quaxify"):
+                quax.quaxify(lambda e, i, q: call(e, i) @ q.T)(emb, jnp.arange(4), _q(w))
     with pytest.raises(TypeError, match="Embedding: weight is a QuantizedArray.*dequantize"):
         emb = fusedpar.Embedding(6, 10, key=jax.random.key(0))
         eqx.tree_at(lambda e: e.weight, emb, QuantizedArray.quantize(emb.weight))(

@@ -84,7 +84,7 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     reason says how to get a ring whose hops are single ICI links.
     """
     if op not in prims.OPS:
-        got = repr(op) if isinstance(op, str) else f"a {type(op).__name__}"
+        got = repr(op) if isinstance(op, str) else f"an object of type {type(op).__name__}"
         raise ValueError(f"explain: op must be {ALL_GATHER_MATMUL!r} or "
                          f"{MATMUL_REDUCE_SCATTER!r}, got {got}; for the collectives a "
                          "model's layers run, fusedpar.describe(model).")

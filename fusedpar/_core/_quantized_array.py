@@ -168,6 +168,11 @@ class QuantizedArray(quax.ArrayValue):
     def block_size(self) -> int:
         return self.values.shape[self.axis] // self.scales.shape[self.axis]
 
+    @property
+    def blocked(self) -> bool:
+        """Whether the scales are per block of the axis (more than one along it)."""
+        return self.scales.shape[self.axis] != 1
+
     def aval(self):
         return jax.core.ShapedArray(self.values.shape, np.dtype(self.logical_dtype))
 
@@ -190,7 +195,7 @@ class QuantizedArray(quax.ArrayValue):
 
     def as_payload(self) -> _quantize.Quantized:
         """`Quantized(values, scales)` as `fusedpar._core._quantize` sends it (per-channel only)."""
-        if self.scales.shape[self.axis] != 1:
+        if self.blocked:
             raise ValueError(f"{_WHERE}: a block-quantized array (block_size "
                              f"{self.block_size}) cannot travel a ring as one payload; "
                              "quantize with block_size=None (one scale per channel).")

@@ -67,6 +67,15 @@ def _weight_gather(layer, fw) -> str:
     return f"{op} W over {f.axis}{fw}"
 
 
+def _weight_grad(layer, fg) -> str:
+    """The weight gradient's FSDP reduce-scatter beside a matmul (`fsdp_matmul`), or, for
+    a weight gathered whole (`gathered_whole`, its master's gradient), after it."""
+    f = layer.rule.fsdp
+    if gathered_whole(layer.weight):
+        return f"reduce_scatter dW over {f.axis}"
+    return f"matmul_reduce_scatter dW over {f.axis}{fg}"
+
+
 def _gathered_again(name, layer, tp) -> str:
     """The second gather of a `keep_gathered=False` style: the weight gradient's ring
     over `name` (the op's backward without the kept operand)."""
@@ -94,7 +103,7 @@ def column(layer) -> tuple[list, list]:
         bwd += [f"reduce_scatter dW over {f.axis}"] if f else []
     else:
         fwd += [_weight_gather(layer, fw)] if f else []
-        bwd += [f"matmul_reduce_scatter dW over {f.axis}{fg}"] if f else []
+        bwd += [_weight_grad(layer, fg)] if f else []
         bwd.append(f"psum dx over {tp.axis}")
     fwd += [f"all_gather y over {tp.axis}"] if tp.gather_output else []
     return fwd, _backward(layer, bwd)
@@ -118,7 +127,7 @@ def row(layer) -> tuple[list, list]:
             [f"reduce_scatter dW over {f.axis}"] if f else [])
     else:
         fwd = ([_weight_gather(layer, fw)] if f else []) + [f"psum y over {tp.axis}"]
-        bwd = [f"matmul_reduce_scatter dW over {f.axis}{fg}"] if f else []
+        bwd = [_weight_grad(layer, fg)] if f else []
     return fwd, _backward(layer, bwd)
 
 
@@ -129,5 +138,4 @@ def fsdp(layer) -> tuple[list, list]:
         fwd, bwd = _by_activations(layer, None, None)
         return fwd, _backward(layer, bwd)
     return ([_weight_gather(layer, _in(layer, f, "comm_dtype"))],
-            _backward(layer, [f"matmul_reduce_scatter dW over {f.axis}"
-                              f"{_in(layer, f, 'grad_comm_dtype')}"]))
+            _backward(layer, [_weight_grad(layer, _in(layer, f, "grad_comm_dtype"))]))

@@ -23,6 +23,7 @@ from jax.sharding import AxisType
 
 from .._core import _validate
 from .._sharding import _specs, _whole_model
+from ._layer_checks import check_not_quaxified
 
 LOCAL, GLOBAL, DENSE = "local", "global", "dense"
 
@@ -235,9 +236,10 @@ def layouts(where, mesh, axes, x, x_spec, y_spec, every_axis: bool = True,
 
 
 def shard_mapped(fn, mesh, axes, manual, params, param_specs, args, arg_specs, out_spec,
-                 check_vma: bool):
+                 check_vma: bool, where: str):
     """`fn(params, *args)` in a `shard_map` over `manual` axes of `mesh`, on global arrays
-    (placed first when `axes` are Explicit)."""
+    (placed first when `axes` are Explicit), for `where` (the caller's name in errors)."""
+    check_not_quaxified(where)
     if is_explicit(mesh, axes):
         params = jax.tree.map(lambda a, s: place(a, s, True), params, param_specs)
         args = [place(a, s, True) for a, s in zip(args, arg_specs)]

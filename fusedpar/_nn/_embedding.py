@@ -43,7 +43,7 @@ from .._core._quantized_array import QuantizedArray
 from .._hw import _target
 from .._sharding import _specs, _whole_model
 from .._sharding._specs import TableRule
-from ._layer_checks import check_not_quaxified, param_dtype
+from ._layer_checks import param_dtype
 
 
 def _normalize(ids, vocab):
@@ -174,7 +174,6 @@ class Embedding(eqx.Module):
 
         **Returns:** `(..., embedding_size)` (or its local shard inside `shard_map`).
         """
-        check_not_quaxified("Embedding", self.weight)
         x = x if isinstance(x, jax.Array) else jnp.asarray(x)
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise TypeError(f"Embedding: x must be integer ids, got dtype {x.dtype}.")
@@ -241,7 +240,7 @@ class Embedding(eqx.Module):
         ids_spec = P(*tuple(padded)[:ids.ndim])
         return _context.shard_mapped(
             functools.partial(Embedding._local, rule=rule), mesh, rule.axes, manual, self,
-            pspecs, [ids], [ids_spec], out_spec, check_vma=True)
+            pspecs, [ids], [ids_spec], out_spec, check_vma=True, where="Embedding")
 
     def _local(self, ids, rule):
         sizes = {a: lax.axis_size(a) for a in rule.axes}

@@ -5,8 +5,7 @@ the ops and their backends). `gather_fsdp` gathers the whole weight first, for t
 sequence-parallel layers whose ring moves the activations, with the ops layer's
 `_gather` (plain, or quantized with a straight-through gradient); a stored
 `QuantizedArray` is gathered as its values and scales. So is one quantized in blocks
-along the dimension the op's ring would carry it (`gathered_whole`): a ring payload has
-one scale per channel.
+beside a matmul (`gathered_whole`): a ring payload has one scale per channel.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ def gather_fsdp(w, rule: Rule):
         # its shards, each shard's scales are its own (they vary over the axis), and
         # with check_vma=False nothing says which: then they travel too (a scale per
         # shard of a row: the same numbers for a weight quantized whole).
-        one = w.scales.shape[-1] == 1 and d == 1 and _vma.invariant(w.scales, f.axis)
+        one = not w.blocked and d == 1 and _vma.invariant(w.scales, f.axis)
         gather = functools.partial(_gather.gather_payload, axis_name=f.axis, dim=d)
         g = QuantizedArray(gather(w.values), w.scales if one else gather(w.scales),
                            axis=w.axis, dtype=w.dtype,
@@ -59,14 +58,11 @@ def gather_fsdp(w, rule: Rule):
 
 
 def gathered_whole(w) -> bool:
-    """Whether `fsdp_matmul` gathers `w` whole before multiplying: a stored
-    `QuantizedArray` (no master) whose scales vary along the rows of `w.T`, the operand
-    the op's ring would carry (block-quantized along the input features), which no ring
-    payload carries (`QuantizedArray.as_payload`)."""
-    if not isinstance(w, QuantizedArray) or w.master is not None:
-        return False
-    wt = w.T
-    return wt.scales.shape[wt.axis] != 1
+    """Whether `fsdp_matmul` gathers `w` whole before multiplying: a `QuantizedArray`
+    quantized in blocks (`QuantizedArray.blocked`), whose scales no ring payload carries
+    (`QuantizedArray.as_payload`); with a master, the op's ring would quantize the master
+    again, one scale per channel, which is not the weight's blocks."""
+    return isinstance(w, QuantizedArray) and w.blocked
 
 
 def fsdp_matmul(x, w, rule: Rule, backend, out_dtype=None):

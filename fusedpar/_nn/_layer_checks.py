@@ -32,36 +32,46 @@ def _is_quax(obj, name) -> bool:
                for c in type(obj).__mro__)
 
 
-def _under_quaxify(w) -> bool:
-    """Whether the layer is called inside `quax.quaxify`: `w` is quax's tracer, or (a
-    plain array quax leaves as it is, as an embedding's table) quax's trace is JAX's
-    current one (read from JAX's internals where they have it)."""
-    if _is_quax(w, "_QuaxTracer"):
-        return True
+def _quax_trace_active() -> bool:
+    """Whether `quax.quaxify`'s trace is JAX's current one or below it (a `jax.vmap`
+    inside quaxify), read from JAX's internals where they have them: a plain array quax
+    leaves as it is (an embedding's table, a weight not quantized) is no quax tracer."""
     try:
         from jax._src import core
 
-        return _is_quax(core.trace_ctx.trace, "_QuaxTrace")
+        trace = core.trace_ctx.trace
     except (ImportError, AttributeError):
         return False
+    while trace is not None:
+        if _is_quax(trace, "_QuaxTrace"):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
 
 
-def check_not_quaxified(where, w) -> None:
-    """The layer (weight `w`) is not called inside `quax.quaxify`, whose trace has no
-    rule for the layer's shard_map."""
-    if _under_quaxify(w):
-        raise TypeError(
-            f"{where}: called inside quax.quaxify, which cannot trace the layer's "
-            "shard_map; fusedpar layers take a QuantizedArray weight as it is: call them "
-            "outside quaxify and quaxify only the plain Equinox layers beside them "
-            "(quax.quaxify(layer)(x)).")
+def _refuse_quaxify(where):
+    raise TypeError(
+        f"{where}: called inside quax.quaxify, which cannot trace the layer's "
+        "shard_map; fusedpar layers take a QuantizedArray weight as it is: call them "
+        "outside quaxify and quaxify only the plain Equinox layers beside them "
+        "(quax.quaxify(layer)(x)).")
+
+
+def check_not_quaxified(where) -> None:
+    """Where a layer's call runs a shard_map (on global arrays under a mesh), it is not
+    inside `quax.quaxify`, whose trace has no rule for shard_map (JAX's AttributeError
+    says '_QuaxTrace' has no 'process_shard_map')."""
+    if _quax_trace_active():
+        _refuse_quaxify(where)
 
 
 def check_quantized_weight(where, w) -> None:
     """A QuantizedArray weight `(out, in)` must be scaled along `in` (per output channel,
     or per block of `in`), the contraction every fusedpar layer applies its scales to;
-    and the layer is not called inside `quax.quaxify` (`check_not_quaxified`)."""
-    check_not_quaxified(where, w)
+    and the layer is not called inside `quax.quaxify` (where its weight is quax's
+    tracer)."""
+    if _is_quax(w, "_QuaxTracer"):
+        _refuse_quaxify(where)
     if isinstance(w, QuantizedArray) and w.axis != -1:
         raise ValueError(f"{where}: a QuantizedArray weight (out, in) must be quantized "
                          f"along in_features (axis=-1), got axis={w.axis % w.ndim}.")

@@ -253,7 +253,7 @@ class ParallelLinear(eqx.Module):
 
         def mapped(fn, args, arg_specs, out_spec):
             return _context.shard_mapped(fn, mesh, rule.axes, manual, self, pspecs, args,
-                                         arg_specs, out_spec, check)
+                                         arg_specs, out_spec, check, where)
 
         return self._mapped(mapped, x, rule, x_spec, y_spec, (mesh, frozenset(manual)))
 

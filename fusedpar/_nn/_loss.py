@@ -116,7 +116,8 @@ def _global(logits, labels, axis, mesh, ignore_index, vocab_size):
     fn = functools.partial(_shard, axis=axis, ignore_index=ignore_index,
                            vocab_size=vocab_size)
     return _context.shard_mapped(fn, mesh, (axis,), manual, (), (), [logits, labels],
-                                 [logits_spec, loss_spec], loss_spec, check_vma=True)
+                                 [logits_spec, loss_spec], loss_spec, check_vma=True,
+                                 where="cross_entropy")
 
 
 def _shard(params, logits, labels, *, axis, ignore_index, vocab_size):

@@ -54,7 +54,7 @@ def deserialise_filter_spec(f, like):
         # The other way round: a float checkpoint where the skeleton is quantized (its
         # values one byte), which no cast makes.
         unquantized = (np.dtype(like.dtype).itemsize == 1 and stored.itemsize > 1
-                       and stored.kind == "f")
+                       and jnp.issubdtype(stored, jnp.floating))  # bfloat16's kind is "V"
         fix = ("build the skeleton of the quantized model: fusedpar.quantize(...) of the "
                "model inside eqx.filter_eval_shape, as it was saved" if quantized else
                "the checkpoint is of the model before fusedpar.quantize: restore it into "
