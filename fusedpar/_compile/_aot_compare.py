@@ -27,6 +27,8 @@ ROWS = (tuple(("xla", s) for s in (DEFAULT, CM, OFFLOAD, CM_OFFLOAD))
         + tuple((b.name, settings) for b in _backends.candidates()
                 for settings in ((DEFAULT, CM) if b.cost == "reference" else (DEFAULT,)))
         + (("auto", DEFAULT),))
+# Below this speed-up over the best xla row `markdown` says why auto may be behind.
+BEHIND = 0.98
 # The layer programs, and each primitive alone (forward and backward, as `--program ops`
 # compiles it, on one axis "x").
 PROGRAMS = baseline.LAYER_PROGRAMS + tuple(prims.PRIMITIVES)
@@ -201,6 +203,14 @@ def markdown(rows, title: str = "") -> str:
     if any(r.floor for r in rows):
         lines += ["", ">= : a kernel sends blocks itself and the replay could not read its "
                       "plan: a floor, not a prediction."]
+    auto = next((r for r in rows if r.backend == "auto" and not r.error), None)
+    if auto is not None and 0 < auto.speedup < BEHIND:
+        lines += ["", f"auto is {auto.speedup:.2f}x the best xla row here. fusedpar's "
+                      "reduce-scatters sum in float32 by default (`reduce_dtype`, for "
+                      "accuracy), XLA's in the inputs' dtype: twice the bytes where a "
+                      "reduce-scatter cannot hide. `reduce_dtype=jnp.bfloat16` on the ops, "
+                      "layers or styles sums as XLA does (docs/ops.md weighs the error "
+                      "against the time)."]
     unread = sorted({u for r in rows for u in r.unread})
     if unread:
         lines += ["", "Not read by the replay: " + "; ".join(unread)]
