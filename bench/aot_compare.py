@@ -293,7 +293,7 @@ def markdown(cache) -> str:
         "XLA's own block on v5p from 786 to 1,282 MiB, auto's from 842 to 1,274 "
         "(`bench/aot_memory_packing.py`, docs/measurements.md); the column is the "
         "default seed's.", "",
-        goals(cache), "", _bfloat16_sums(), _kept_nothing(), END, ""])
+        goals(cache), "", _bfloat16_sums(), _kept_nothing(), _larger_slices(), END, ""])
 
 
 def _variant_table(module, title: str, intro: str) -> str:
@@ -331,12 +331,25 @@ def _kept_nothing() -> str:
         "docs/layers.md says when to use it.")
 
 
-def variant_main(argv, doc: str, cache_path, run, markdown, programs) -> None:
+def _larger_slices() -> str:
+    """`bench/aot_larger_slices.py`'s table (auto against XLA on 16 chips)."""
+    import aot_larger_slices
+
+    return _variant_table(
+        aot_larger_slices, "16 chips",
+        "Made by `python bench/aot_larger_slices.py`: the best xla row (defaults, "
+        "collective matmul, SparseCore offload where there are SparseCores) and auto on "
+        "a slice of 16 chips, the MLP over tp=16 and the blocks over FSDP 2 x TP 8, at "
+        "the sizes above.")
+
+
+def variant_main(argv, doc: str, cache_path, run, markdown, programs,
+                 targets=TARGETS) -> None:
     """The command line of a script that compiles variants of `auto` beside these rows
-    (`aot_reduce_dtype.py`, `aot_keep_gathered.py`): `run(targets, programs)` fills
-    and returns its cache, `markdown(cache)` prints it."""
+    (`aot_reduce_dtype.py`, `aot_keep_gathered.py`, `aot_larger_slices.py`):
+    `run(targets, programs)` fills and returns its cache, `markdown(cache)` prints it."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
-    p.add_argument("--targets", default=",".join(TARGETS))
+    p.add_argument("--targets", default=",".join(targets))
     p.add_argument("--programs", default=",".join(programs))
     p.add_argument("--markdown-only", action="store_true")
     args = p.parse_args(argv)
