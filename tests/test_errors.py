@@ -947,6 +947,13 @@ SPECS = [
         ("2 (ColumnLinear) takes its input laid out as P('fsdp', None, None)",
          "the output of 1 (RowLinear), laid out as P('fsdp', 'tp', None)",
          "Change one of the two layers' styles")),
+    Row("specs", "shard_map_specs: an FSDP layer given an output whose batch is whole",
+        specs_of((_emb(), _col(8, 16, fsdp_axis="fsdp")), (4, 3),
+                 lambda m, t: m[1](m[0](t))), ValueError,
+        ("1 (ColumnLinear) takes its input laid out as P('fsdp', None, None)",
+         "the output of 0 (Embedding), laid out as P(None, None, None)",
+         "Only the batch (dim 0) differs: 'fsdp', an FSDP axis, splits it for one of them",
+         "give both layers the same FSDP style (an embedding takes FSDP too), or neither")),
 ]
 
 PARALLELIZE = [

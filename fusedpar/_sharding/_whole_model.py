@@ -323,12 +323,20 @@ def _resolve(model, calls, x, out):
         if c.clash is not None:
             made, given = c.clash
             maker = next(n for n, m in zip(names, calls) if m is made)
+            wanted = c.inputs[0][1]
+            fix = ("Change one of the two layers' styles (a Column output, sharded on its "
+                   "features, goes into a Row; a sequence-parallel Row output into a "
+                   "sequence-parallel Column).")
+            if (len(wanted) == len(given) and len(wanted) > 1 and wanted[0] != given[0]
+                    and tuple(wanted)[1:] == tuple(given)[1:]):
+                # Only the batch differs: one layer splits it over its FSDP axis.
+                fix = (f"Only the batch (dim 0) differs: {wanted[0] or given[0]!r}, an FSDP "
+                       "axis, splits it for one of them; give both layers the same FSDP "
+                       "style (an embedding takes FSDP too), or neither.")
             raise ValueError(
-                f"shard_map_specs: {name} takes its input laid out as {c.inputs[0][1]}, but "
+                f"shard_map_specs: {name} takes its input laid out as {wanted}, but "
                 f"it is the output of {maker}, laid out as {given}; "
-                "inside shard_map the layer would refuse it. Change one of the two "
-                "layers' styles (a Column output, sharded on its features, goes into a "
-                "Row; a sequence-parallel Row output into a sequence-parallel Column).")
+                f"inside shard_map the layer would refuse it. {fix}")
 
     def input_spec(path, leaf):
         uses = [(names[i], s) for i, c in enumerate(calls) for a, s in c.inputs if a is leaf]
