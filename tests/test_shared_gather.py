@@ -56,6 +56,50 @@ def test_siblings_on_global_arrays_gather_their_input_once(backend):
     assert shared > 0 and apart == 3 * shared, (apart, shared)  # one gather, not three
 
 
+@pytest.mark.parametrize("stacked", ["both", "first"])
+def test_stacked_siblings_vmapped_over_one_input(stacked):
+    """Siblings built with `eqx.filter_vmap` (3 stacked), vmapped over their weights on
+    one unbatched input, on the reference (its all_gather does not depend on w): x's
+    gradient equals the dense layers'. The siblings' gradient of the gathered input
+    (unbatched) was added in every batch element's reduce-scatter: the sibling's share 3
+    times. `first`: a stacked layer first, then one of a single set of weights."""
+    keys = jax.random.split(jax.random.key(1), 3)
+
+    def pair(k):
+        k1, k2 = jax.random.split(k)
+        return tuple(fusedpar.ColumnLinear(16, 16, key=kk, sequence_parallel=True,
+                                           backend="reference") for kk in (k1, k2))
+
+    stack = eqx.filter_vmap(pair)(keys)
+    single = pair(keys[0])[1]
+    params, static = eqx.partition(stack, eqx.is_array)
+    x = normal(2, (4, 8, 16), jnp.float32)
+
+    def loss(params, single, x):
+        def layers(p):
+            a, b = eqx.combine(p, static)
+            return a(x) + (b if stacked == "both" else single)(x)
+
+        return jnp.sum(jnp.sin(jax.vmap(layers)(params)))
+
+    def dense(layer):
+        return lambda v: v @ layer.weight.T + layer.bias
+
+    def dense_loss(params, single, x):
+        def layers(p):
+            a, b = eqx.combine(p, static)
+            return dense(a)(x) + dense(b if stacked == "both" else single)(x)
+
+        return jnp.sum(jnp.sin(jax.vmap(layers)(params)))
+
+    m = mesh((2, 4), ("fsdp", "tp"))
+    with jax.set_mesh(m):
+        got = jax.jit(jax.grad(loss, argnums=2))(fusedpar.shard(params, m),
+                                                 fusedpar.shard(single, m), x)
+    assert_close(got, jax.grad(dense_loss, argnums=2)(params, single, x), jnp.float32,
+                 "input gradient")
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_siblings_inside_shard_map_gather_their_input_once(check_vma):
     m = mesh((2, 4), ("fsdp", "tp"))

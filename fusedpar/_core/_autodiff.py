@@ -409,7 +409,22 @@ def _keeping(prim, cfg, x, w):
     out, gathered = run(prim, cfg, x, w, return_gathered=True)
     if _vma.checked(cfg.axis_name):  # varying: a sibling's cotangent arrives unsummed
         gathered = _vma.as_varying(gathered, _vma.axis_names(cfg.axis_name))
-    return out, gathered
+    return out, _batched_like_w(gathered, w)
+
+
+def _batched_like_w(gathered, w):
+    """`gathered`, made to depend on `w` so that under `jax.vmap` it is batched wherever
+    the output is. A sibling's gradient of it comes back to this op's backward as an
+    addend of its reduce-scatter (`_bwd_keeping`); of an unbatched `gathered` (x not
+    batched, w batched: stacked layers vmapped over one input) JAX sums that cotangent
+    over the batch before handing it to every batch element of the backward, which then
+    added it once per element (x's gradient off by the stack's size, on the reference,
+    whose all_gather does not depend on w; the lax ring's pieces pass barriers with its
+    products). A select of the array with itself: the same values, NaN or not, which
+    XLA folds away where nothing is batched."""
+    leaf = jax.tree.leaves(w)[0]
+    first = lax.reshape(lax.slice(leaf, (0,) * leaf.ndim, (1,) * leaf.ndim), ())
+    return lax.select(first == first, gathered, gathered)
 
 
 def _primal(arg):

@@ -90,7 +90,10 @@ def moves_activations(where, rule, x_shape, dtype, in_features, out_features, si
            "example)"
            if not has_data_dim(rule, len(x_shape)) else
            "FSDP's comm_dtype / grad_comm_dtype quantize the weight gather"
-           if f.comm_dtype is not None or f.grad_comm_dtype is not None else None)
+           if f.comm_dtype is not None or f.grad_comm_dtype is not None else
+           # XLA lowers no all-gather of a zero-size dimension.
+           f"its input's batch is empty (local shape {tuple(x_shape)}): no tokens to move"
+           if x_shape[0] == 0 else None)
     if f.gather == "activations":
         if why is not None:
             raise ValueError(
