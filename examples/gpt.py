@@ -108,7 +108,9 @@ def train(model, tokens, labels, steps=3, lr=0.5):
     losses = []
     for _ in range(steps):
         value, grads = step(model, tokens, labels)
-        model = jax.tree.map(lambda p, g: p - lr * g, model, grads)
+        # eqx.apply_updates skips leaves without a gradient (a MultiheadAttention's
+        # dropout rate, say), where a tree map of p - lr * g would meet None.
+        model = eqx.apply_updates(model, jax.tree.map(lambda g: -lr * g, grads))
         losses.append(float(value))
     return model, losses
 
