@@ -50,7 +50,8 @@ def off():
         _OFF.reset(token)
 
 
-def _current_trace():
+def current_trace():
+    """The trace JAX is tracing in now (None on a JAX without `trace_ctx`)."""
     return None if _trace_ctx is None else getattr(_trace_ctx, "trace", None)
 
 
@@ -61,7 +62,7 @@ def lookup(x, key):
         return None
     ref, trace_ref, gathered = entry
     trace = trace_ref()
-    if ref() is not x or trace is None or trace is not _current_trace() or (
+    if ref() is not x or trace is None or trace is not current_trace() or (
             hasattr(trace, "is_valid") and not trace.is_valid()):
         return None
     return gathered
@@ -69,7 +70,7 @@ def lookup(x, key):
 
 def remember(x, key, gathered) -> None:
     """Store `gathered` (`x` gathered as `key` says) for the next layer on `x`."""
-    trace = _current_trace()
+    trace = current_trace()
     if trace is None or _OFF.get() or not isinstance(x, jax.core.Tracer):
         return  # outside a trace the gathered copy would live as long as `x` does
     try:
