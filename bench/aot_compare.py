@@ -340,7 +340,9 @@ def _larger_slices() -> str:
         "Made by `python bench/aot_larger_slices.py`: the best xla row (defaults, "
         "collective matmul, SparseCore offload where there are SparseCores) and auto on "
         "a slice of 16 chips, the MLP over tp=16 and the blocks over FSDP 2 x TP 8, at "
-        "the sizes above.")
+        "the sizes above; *bounds*: the replay's compute and communication at least "
+        "the program's dot FLOPs at the peak rate and its collectives' bytes over all "
+        "links, on every row compiled (each xla variant and auto).")
 
 
 def variant_main(argv, doc: str, cache_path, run, markdown, programs,

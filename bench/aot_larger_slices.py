@@ -42,7 +42,8 @@ def run(targets, programs) -> dict:
             rows = _aot_compare.compare(target, program, rows=ROWS)
             cache[f"{target}|{program}"] = [
                 {"label": r.label, "seconds": r.seconds, "error": r.error,
-                 "floor": r.floor, "temp_mib": r.temp_mib} for r in rows]
+                 "floor": r.floor, "temp_mib": r.temp_mib, "bounds": r.bounds}
+                for r in rows]
             CACHE.write_text(json.dumps(cache, indent=1))
             print(f"{target}: {program}: " + ", ".join(
                 f"{r.label} {r.seconds * 1e6:,.0f} us" for r in rows), flush=True)
@@ -51,7 +52,7 @@ def run(targets, programs) -> dict:
 
 def markdown(cache) -> str:
     lines = ["| target | program | best xla (us) | auto (us) | auto vs best xla | "
-             "temp MiB: best xla / auto |", "|---|---|---:|---:|---:|---:|"]
+             "bounds | temp MiB: best xla / auto |", "|---|---|---:|---:|---:|---|---:|"]
     for key in sorted(cache, key=aot_compare._order):
         target, program = key.split("|")
         rows = [r for r in cache[key] if not r["error"]]
@@ -61,9 +62,13 @@ def markdown(cache) -> str:
         if xla is None or auto is None:
             continue
         floor = ">= " if auto["floor"] else ""
+        # The replay's compute and communication at least the program's own bounds, on
+        # every row compiled ("-": cached before they were recorded).
+        held = [r.get("bounds") for r in rows]
+        bounds = "-" if None in held else "hold" if all(held) else "BROKEN"
         lines.append(f"| {target} | {program} | {aot_compare._us(xla['seconds'])} "
                      f"({xla['label']}) | {floor}{aot_compare._us(auto['seconds'])} | "
-                     f"{xla['seconds'] / auto['seconds']:.2f}x | "
+                     f"{xla['seconds'] / auto['seconds']:.2f}x | {bounds} | "
                      f"{_aot_compare.mib(xla['temp_mib'])} / "
                      f"{_aot_compare.mib(auto['temp_mib'])} |")
     return "\n".join(lines)
