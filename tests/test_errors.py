@@ -510,6 +510,10 @@ OPS = [
         lambda: fusedpar.explain("matmul_reduce_scatter", S((4, 8), jnp.float32),
                                  S((8, 12), jnp.float32), 0), ValueError,
         ("explain: axis_size must be a positive int", "got 0")),
+    Row("ops", "explain: w_resident without w_transposed",
+        lambda: fusedpar.explain("matmul_reduce_scatter", S((4, 8), jnp.float32),
+                                 S((8, 12), jnp.float32), 4, w_resident=True), ValueError,
+        ("explain: w_resident=True describes a w passed with w_transposed=True",)),
 ]
 
 LAYERS = [

@@ -52,7 +52,8 @@ def _explain_target(target, platform) -> _target.Target:
 def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
             bidirectional=None, unroll=None, precision=None, options=None,
             platform=None, target=None, comm_dtype=None, w_invariant=None,
-            check_vma=None, reduce_dtype=None, grad_comm_dtype=None) -> Choice:
+            check_vma=None, reduce_dtype=None, grad_comm_dtype=None, w_transposed=False,
+            w_resident=False) -> Choice:
     """Which backend (and ring shape) `op` would use for these local operands, and why.
 
     `x` and `w` may be arrays or `jax.ShapeDtypeStruct`s with per-device shapes;
@@ -76,7 +77,9 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     `check_vma=False` (the fused TPU kernels) is not chosen there, as the op does.
     `reduce_dtype`: the op's (the reduce-scatter's partial sums, estimated in it);
     `grad_comm_dtype` the op's (gradients that travel quantized rule out multiplying
-    first, as in the op).
+    first, as in the op). `w_transposed` and `w_resident`: the op's layout hints, which
+    the layers pass (a fused TPU kernel reading w in place tiles it otherwise, so whether
+    it fits, and is chosen, can differ).
 
     Called inside a `jax.shard_map` that leaves mesh axes to XLA, it decides as the op
     would there (the fused TPU kernels cannot run: every mesh axis must be manual). On a
@@ -104,6 +107,7 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
                                                  bidirectional, comm_dtype, grad_comm_dtype,
                                                  unroll=unroll, where="explain")
     _validate.flag("explain", "w_invariant", w_invariant)
+    _layout_hints("explain", w_transposed, w_resident)
     _validate.flag("explain", "check_vma", check_vma)
     if w_invariant is None:  # as the op reads it (a ShapeDtypeStruct has no type)
         w_invariant = (axis_name is not None and not isinstance(w, jax.ShapeDtypeStruct)
@@ -113,6 +117,7 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     reduce_dtype = _validate.reduce_dtype("explain", reduce_dtype, x.dtype)
     call = dataclasses.replace(call, automatic_axes=_target.automatic_axes(),
                                w_invariant=bool(w_invariant), vma_typed=bool(check_vma),
+                               w_transposed=w_transposed, w_resident=w_resident,
                                reduce_dtype=None if reduce_dtype is None else reduce_dtype.name)
     choice = _choose(call, backend, unroll, precision, options, where)
     # Compile-only devices take their flags from the compile call (aot.compiler_options).
@@ -133,6 +138,16 @@ def _multiplies_first(w, axis_name, grad_comm_dtype) -> bool:
     own dtype (`_product_first` has no quantized backward)."""
     return (grad_comm_dtype is None and not isinstance(w, _quantize.Quantized)
             and _vma.invariant(w, axis_name))
+
+
+def _layout_hints(where, w_transposed, w_resident) -> None:
+    """Check the layout hints `w_transposed` and `w_resident` (the op's and `explain`'s)."""
+    for name, flag in (("w_transposed", w_transposed), ("w_resident", w_resident)):
+        _validate.boolean(where, name, flag)
+    if w_resident and not w_transposed:  # a hint that would silently do nothing
+        raise ValueError(f"{where}: w_resident=True describes a w passed with "
+                         "w_transposed=True (the transpose of an (n, k) array you hold); "
+                         "pass w_transposed=True with it, or leave w_resident False.")
 
 
 def _names_an_axis(axis_size) -> bool:
@@ -215,13 +230,8 @@ def _run_here(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unrol
     n = _validate.axis_size(op, axis_name)
     dim, call, grad_comm_dtype = _validate.op_call(op, x, w, n, gather, dim, bidirectional,
                                                    comm_dtype, grad_comm_dtype, unroll)
-    for name, flag in (("keep_gathered", keep_gathered), ("w_transposed", w_transposed),
-                       ("w_resident", w_resident)):
-        _validate.boolean(op, name, flag)
-    if w_resident and not w_transposed:  # a hint that would silently do nothing
-        raise ValueError(f"{op}: w_resident=True describes a w passed with "
-                         "w_transposed=True (the transpose of an (n, k) array you hold); "
-                         "pass w_transposed=True with it, or leave w_resident False.")
+    _validate.boolean(op, "keep_gathered", keep_gathered)
+    _layout_hints(op, w_transposed, w_resident)
     out_dtype = _validate.result_dtype(op, preferred_element_type, x.dtype)
     reduce_dtype = _validate.reduce_dtype(op, reduce_dtype, x.dtype)
     if (0 in x.shape or 0 in w.shape) and (gathered is None or gathered is KEEP):
