@@ -18,12 +18,12 @@ class Block(eqx.Module):
     up: fusedpar.ColumnLinear
     down: fusedpar.RowLinear
 
-    def __init__(self, key):
+    def __init__(self, key, backend="ring"):
         k1, k2 = jax.random.split(key)
         self.up = fusedpar.ColumnLinear(16, 32, key=k1, sequence_parallel=True,
-                                        fsdp_axis="fsdp", backend="ring")
+                                        fsdp_axis="fsdp", backend=backend)
         self.down = fusedpar.RowLinear(32, 16, key=k2, sequence_parallel=True,
-                                       fsdp_axis="fsdp", backend="ring")
+                                       fsdp_axis="fsdp", backend=backend)
 
     def __call__(self, x):  # x: (seq, features), one example
         return x + self.down(jnp.tanh(self.up(x)))
@@ -48,6 +48,30 @@ def test_scan_inside_vmap_matches_dense():
     with jax.set_mesh(m):
         got = eqx.filter_jit(eqx.filter_value_and_grad(loss))(fusedpar.shard(blocks, m), x)
     assert_close(got, want, jnp.float32)
+
+
+def test_scan_inside_vmap_over_an_explicitly_sharded_batch():
+    """Explicit axes and the batch placed on "fsdp" (as the carry of sequence-parallel
+    blocks must be): JAX batches the scanned layers' traced program over "fsdp" after
+    the layers ran, and cannot lower a reduce-scatter batched so (jax 0.10 asserts) nor
+    batch the ring's steps. The reference sums over the ring and slices there
+    (`_definition.psum_scatter`), with the dense numbers and gradients, as `auto` does;
+    the ring is refused, naming the vmap's axis."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    keys = jax.random.split(jax.random.key(0), 2)
+    x = normal(0, (2, 8, 16), jnp.float32)
+    want = eqx.filter_value_and_grad(loss)(eqx.filter_vmap(Block)(keys), x)
+    m = mesh((2, 4), ("fsdp", "tp"), AxisType.Explicit)
+    with jax.set_mesh(m):
+        xs = jax.device_put(x, NamedSharding(m, P("fsdp", "tp")))
+        blocks = eqx.filter_vmap(lambda k: Block(k, "auto"))(keys)
+        got = eqx.filter_jit(eqx.filter_value_and_grad(loss))(fusedpar.shard(blocks, m), xs)
+        assert_close(got, want, jnp.float32)
+        rings = fusedpar.shard(eqx.filter_vmap(Block)(keys), m)
+        with pytest.raises(NotImplementedError,
+                           match=r"batch sharded on Explicit mesh axes \('fsdp',\)"):
+            eqx.filter_jit(loss)(rings, xs)
 
 
 def test_vmap_over_an_explicitly_sharded_batch_around_jit_scan_and_checkpoint():

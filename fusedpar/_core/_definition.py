@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 
 from .._hw import _target
+from . import _folding
 
 
 def accumulation_dtype(dtype) -> np.dtype:
@@ -66,13 +67,37 @@ def all_gather_matmul(x, w, axis_name, *, gather="lhs", dim=0, out_dtype=None, p
 
 
 def matmul_reduce_scatter(x, w, axis_name, *, dim=0, out_dtype=None, reduce_dtype=None,
-                          precision=None, addend=None):
+                          precision=None, addend=None, explicit_vmap=None):
     """`psum_scatter(jnp.matmul(x, w), scatter_dimension=dim, tiled=True)`; `addend` (the
-    product's shape), when given, is summed with the product before the scatter."""
+    product's shape), when given, is summed with the product before the scatter;
+    `explicit_vmap`: `psum_scatter`'s."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     y = partial_products(x, w, reduce_dtype=reduce_dtype, precision=precision, addend=addend)
-    return lax.psum_scatter(y, axis_name, scatter_dimension=dim % y.ndim,
-                            tiled=True).astype(out_dtype)
+    return psum_scatter(y, axis_name, dim % y.ndim, explicit_vmap).astype(out_dtype)
+
+
+def psum_scatter(y, axis_name, dim, explicit_vmap=None):
+    """`lax.psum_scatter(y, axis_name, scatter_dimension=dim, tiled=True)`, the one
+    reduce-scatter of the package's lax expressions.
+
+    Under a `jax.vmap` over a batch sharded on an Explicit mesh axis that did not fold
+    into the layer (a `lax.scan`, `jax.jit` or `jax.checkpoint` between them:
+    `_folding.explicit_vmap_axes`), JAX batches the traced reduce-scatter with that
+    dimension sharded, and its lowering then fails (jax 0.10: an AssertionError naming
+    the spec; the reduce-scatter's scalar reducer keeps the operand's sharding, where
+    the all-reduce's drops it). There it is the sum over the ring and this device's
+    block of it: the same values, which XLA's reduce-scatter creator turns back into a
+    reduce-scatter on GPU and TPU. `explicit_vmap`: those axes as the op's forward found
+    them (`Config.explicit_vmap`: a backward pass is traced after it, outside the
+    layer), None to look now."""
+    if explicit_vmap is None:
+        explicit_vmap = _folding.explicit_vmap_axes()
+    if not explicit_vmap:
+        return lax.psum_scatter(y, axis_name, scatter_dimension=dim, tiled=True)
+    n = lax.psum(1, axis_name)
+    block = y.shape[dim] // n
+    return lax.dynamic_slice_in_dim(lax.psum(y, axis_name),
+                                    lax.axis_index(axis_name) * block, block, dim)
 
 
 def partial_products(x, w, *, reduce_dtype=None, precision=None, addend=None):

@@ -143,9 +143,24 @@ def _unavailable(backend: str, call: Call) -> Optional[str]:
     """Why `backend` cannot run `call` (None: it can); kernels that fail to import
     cannot run anything."""
     try:
-        return _backends.get(backend).unavailable(call)
+        return _refused(_backends.get(backend), call)
     except Exception as e:
         return f"{type(e).__name__}: {e}"
+
+
+def _refused(backend, call: Call) -> Optional[str]:
+    """Why `backend` (a `_backends.Backend`) cannot run `call`: its own reasons, and
+    what no ring can do."""
+    if backend.ring and call.explicit_vmap:
+        # JAX batches the ring's traced steps afterwards, its buffers unbatched beside
+        # pieces sharded on the vmap's axis (jax 0.10: "Mapped away dimension of inputs
+        # passed to vmap should be sharded the same").
+        return (f"the call is under a jax.vmap over a batch sharded on Explicit mesh "
+                f"axes {call.explicit_vmap} with a transformation between them (a "
+                f"lax.scan, jax.jit or jax.checkpoint), which JAX cannot batch ring steps "
+                f"through; backend='reference' runs there, as does calling the layers "
+                f"on the batched array (no per-example vmap)")
+    return backend.unavailable(call)
 
 
 def _why_not(backend, call: Call) -> Optional[str]:
@@ -337,7 +352,7 @@ def choose(call: Call, requested: str, unroll: Optional[bool] = None) -> Choice:
         check_backend_name(call.op, requested)
         name, reason = requested, "requested explicitly"
         call = _shaped(call, name)[0]
-        why_not = _backends.get(name).unavailable(call)
+        why_not = _refused(_backends.get(name), call)
         if why_not is not None:
             ring = ("a bidirectional" if call.bidirectional else "a") + \
                 f" ring of {call.axis_size}"

@@ -20,6 +20,7 @@ a JAX version lacks them, nothing is folded.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from typing import Callable, Sequence
 
@@ -29,13 +30,18 @@ from jax.custom_batching import custom_vmap
 
 try:  # which vmap an array belongs to: JAX has no public API for it
     from jax._src.core import trace_ctx as _trace_ctx
+    from jax._src.interpreters.batching import BatchTrace as _BatchTrace
     from jax._src.interpreters.batching import BatchTracer as _BatchTracer
 except ImportError:  # pragma: no cover - then nothing is folded
-    _trace_ctx = _BatchTracer = None
+    _trace_ctx = _BatchTrace = _BatchTracer = None
 
 
 # How many leading dimensions of the arrays a folded `fn` is running on came from vmaps.
 _FOLDED: contextvars.ContextVar = contextvars.ContextVar("fusedpar_folded", default=0)
+# The Explicit axes of the vmaps around the layer whose shard_map is being traced
+# (`explicit_vmap_kept`): JAX traces a shard_map's body in a trace of its own.
+_EXPLICIT: contextvars.ContextVar = contextvars.ContextVar("fusedpar_explicit_vmap",
+                                                           default=())
 
 
 def folded_axes() -> int:
@@ -50,6 +56,33 @@ def _current_vmap():
     if _trace_ctx is None:
         return None
     return getattr(_trace_ctx, "trace", None)
+
+
+def explicit_vmap_axes() -> tuple:
+    """The Explicit mesh axes over which the `jax.vmap`s JAX is tracing inside map a
+    batch sharded on them, innermost first (() outside such a vmap, or on a JAX without
+    the tracer classes). Inside a fold the vmap it folded is not among them: the layer
+    runs on the batched arrays, not under that vmap. Under one that did not fold (a
+    `lax.scan`, `jax.jit` or `jax.checkpoint` between it and the layer) JAX batches the
+    layer's traced program afterwards, its operations with a dimension sharded on such
+    an axis inside the layer's `shard_map`."""
+    trace, axes = _current_vmap(), []
+    while _BatchTrace is not None and trace is not None:
+        if isinstance(trace, _BatchTrace):
+            axes.extend(getattr(trace.axis_data, "explicit_mesh_axis", None) or ())
+        trace = getattr(trace, "parent_trace", None)
+    return tuple(dict.fromkeys(axes + list(_EXPLICIT.get())))
+
+
+@contextlib.contextmanager
+def explicit_vmap_kept():
+    """Within it, `explicit_vmap_axes` says what it says here: around a `jax.shard_map`
+    call, whose body JAX traces in a trace of its own, with no parent to walk to."""
+    token = _EXPLICIT.set(explicit_vmap_axes())
+    try:
+        yield
+    finally:
+        _EXPLICIT.reset(token)
 
 
 def batched_here(x) -> bool:

@@ -21,7 +21,7 @@ import functools
 import jax
 from jax import lax
 
-from . import _quantize
+from . import _definition, _quantize
 
 
 def gather(w, axis_name, dim: int, comm_dtype=None):
@@ -54,7 +54,7 @@ def _straight_through_fwd(full, own, axis_name, dim):
 
 
 def _straight_through_bwd(axis_name, dim, _, g):
-    return None, lax.psum_scatter(g, axis_name, scatter_dimension=dim, tiled=True)
+    return None, _definition.psum_scatter(g, axis_name, dim)
 
 
 straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)

@@ -12,7 +12,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec as P
 
-from . import _autodiff, _definition, _dispatch, _interpret, _quantize, _schedule, _validate, _vma
+from . import (_autodiff, _definition, _dispatch, _folding, _interpret, _quantize, _schedule,
+               _validate, _vma)
 from .._hw import _target, _xla_flags
 from . import _primitives as prims
 from ._dispatch import AUTO, Choice
@@ -118,6 +119,7 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
     call = dataclasses.replace(call, automatic_axes=_target.automatic_axes(),
                                w_invariant=bool(w_invariant), vma_typed=bool(check_vma),
                                w_transposed=w_transposed, w_resident=w_resident,
+                               explicit_vmap=_folding.explicit_vmap_axes(),
                                reduce_dtype=None if reduce_dtype is None else reduce_dtype.name)
     choice = _choose(call, backend, unroll, precision, options, where)
     # Compile-only devices take their flags from the compile call (aot.compiler_options).
@@ -239,9 +241,10 @@ def _run_here(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unrol
     target = _target.current(x, *jax.tree.leaves(w))
     automatic = _target.automatic_axes()
     invariant = _multiplies_first(w, axis_name, grad_comm_dtype)
+    explicit_vmap = _folding.explicit_vmap_axes()
     call = dataclasses.replace(call, automatic_axes=automatic, w_invariant=invariant,
                                vma_typed=_vma.checked(axis_name), w_transposed=w_transposed,
-                               w_resident=w_resident,
+                               w_resident=w_resident, explicit_vmap=explicit_vmap,
                                reduce_dtype=None if reduce_dtype is None else reduce_dtype.name)
     choice = _choose(call, backend, unroll, precision, options, target)
     _interpret.check_threads(op, choice.backend, options, target)  # before a hang
@@ -256,7 +259,7 @@ def _run_here(op, x, w, axis_name, gather, dim, *, backend, bidirectional, unrol
         target=target, comm_dtype=call.comm_dtype, grad_comm_dtype=grad_comm_dtype,
         auto=backend == AUTO, automatic_axes=automatic, rearranged=choice.rearranged,
         shape_requested=bidirectional is not None, w_transposed=w_transposed,
-        w_resident=w_resident)
+        w_resident=w_resident, explicit_vmap=explicit_vmap)
     try:
         c = prims.canonicalize(op, gather, dim, x, w, n)
     except Exception as e:  # noqa: BLE001 - JAX's ShardingTypeError is not public

@@ -253,7 +253,9 @@ class Call(_Options):
     for 16-bit inputs); `w_transposed` whether w is the transpose of the array in memory
     (`Config.w_transposed`: what a kernel reading it in place must tile); `w_resident`
     whether that array is one the program holds, not a collective's fresh result
-    (`Config.w_resident`).
+    (`Config.w_resident`); `explicit_vmap` the Explicit mesh axes of a `jax.vmap` around
+    the call that JAX batches its traced program over afterwards
+    (`_folding.explicit_vmap_axes`), where the ring's steps cannot be batched.
     """
 
     op: str
@@ -277,6 +279,7 @@ class Call(_Options):
     reduce_dtype: Optional[str] = None
     w_transposed: bool = False
     w_resident: bool = False
+    explicit_vmap: tuple = ()
 
     def __post_init__(self):
         if isinstance(self.target, str):
@@ -339,6 +342,8 @@ class Config(_Options):
       step), so the fused TPU reduce-scatter kernel reads it in place too; a freshly
       gathered weight it is given copied, a copy XLA's collective fusion hides the
       gather in (`pallas_tpu._in_place`).
+    - `explicit_vmap`: as `Call`'s; its reduce-scatters then sum over the ring and slice
+      (`_definition.psum_scatter`), in the backward pass too.
     """
 
     backend: str
@@ -360,6 +365,7 @@ class Config(_Options):
     shape_requested: bool = False
     w_transposed: bool = False
     w_resident: bool = False
+    explicit_vmap: tuple = ()
 
     @property
     def product_first(self) -> bool:
@@ -382,7 +388,8 @@ class Config(_Options):
                     w_invariant=_vma.invariant(w, self.axis_name), gathered=gathered,
                     adding=adding, w_ahead=w_ahead, vma_typed=_vma.checked(self.axis_name),
                     reduce_dtype=jnp.dtype(self.reduce_dtype).name,
-                    w_transposed=self.w_transposed, w_resident=self.w_resident)
+                    w_transposed=self.w_transposed, w_resident=self.w_resident,
+                    explicit_vmap=self.explicit_vmap)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,8 +62,8 @@ def _sum_scattered(cfg, dy):
     (`_by_all_to_all` says where); else a `reduce_dtype` reduce-scatter sums them."""
     n = cfg.axis_size
     if not _by_all_to_all(cfg, dy):
-        return lax.psum_scatter(dy.astype(cfg.reduce_dtype), cfg.axis_name,
-                                scatter_dimension=0, tiled=True)
+        return _definition.psum_scatter(dy.astype(cfg.reduce_dtype), cfg.axis_name, 0,
+                                        cfg.explicit_vmap)
     blocks = lax.all_to_all(dy, cfg.axis_name, 0, 0, tiled=True)  # (N*m, n): rows from each
     return blocks.reshape(n, -1, *dy.shape[1:]).astype(cfg.reduce_dtype).sum(axis=0)
 

@@ -21,7 +21,7 @@ import jax
 from jax import lax
 from jax.sharding import AxisType
 
-from .._core import _validate
+from .._core import _folding, _validate
 from .._sharding import _specs, _whole_model
 from ._layer_checks import check_not_quaxified
 
@@ -243,9 +243,10 @@ def shard_mapped(fn, mesh, axes, manual, params, param_specs, args, arg_specs, o
     if is_explicit(mesh, axes):
         params = jax.tree.map(lambda a, s: place(a, s, True), params, param_specs)
         args = [place(a, s, True) for a, s in zip(args, arg_specs)]
-    return jax.shard_map(fn, mesh=mesh, in_specs=(param_specs, *arg_specs),
-                         out_specs=out_spec, axis_names=manual, check_vma=check_vma)(
-        params, *args)
+    with _folding.explicit_vmap_kept():
+        return jax.shard_map(fn, mesh=mesh, in_specs=(param_specs, *arg_specs),
+                             out_specs=out_spec, axis_names=manual, check_vma=check_vma)(
+            params, *args)
 
 
 def local_size(n: int, axis) -> int:

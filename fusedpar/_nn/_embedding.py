@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 from . import _context
-from .._core import _folding, _validate, _vma
+from .._core import _definition, _folding, _validate, _vma
 from .._core._quantized_array import QuantizedArray
 from .._hw import _target
 from .._sharding import _specs, _whole_model
@@ -284,7 +284,7 @@ def _scattered(rows, axis, dim, size):
     """`psum_scatter` of `rows` along `dim` over `axis`: zeros where it is empty, which
     XLA refuses to scatter (a sequence of length 0: nothing to sum)."""
     if 0 not in rows.shape:
-        return lax.psum_scatter(rows, axis, scatter_dimension=dim, tiled=True)
+        return _definition.psum_scatter(rows, axis, dim)
     shape = rows.shape[:dim] + (rows.shape[dim] // size,) + rows.shape[dim + 1:]
     axes = _vma.varying_axes(rows) | ({axis} if _vma.typed(axis) else set())
     return _vma.as_varying(jnp.zeros(shape, rows.dtype), axes)

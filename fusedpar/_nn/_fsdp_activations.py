@@ -122,7 +122,7 @@ def local(x, w, rule, tp_op):
         xs = lax.all_to_all(x, axis, last, 0, tiled=True)
         acc = _reduce_dtype(rule, x.dtype)
         y = tp_op(xs, w, acc)
-        return lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True).astype(x.dtype)
+        return _definition.psum_scatter(y, axis, 0).astype(x.dtype)
     xg = lax.all_gather(x, axis, axis=0, tiled=True)
     y = tp_op(xg, w, x.dtype)
     return lax.all_to_all(y, axis, 0, last, tiled=True)

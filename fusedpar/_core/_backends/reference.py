@@ -40,7 +40,8 @@ def run(prim, cfg, x, w, return_gathered=False, addend=None):
     if not p.gathers:
         return _definition.matmul_reduce_scatter(
             x, w, cfg.axis_name, dim=p.gather_axis, out_dtype=cfg.out_dtype,
-            reduce_dtype=cfg.reduce_dtype, precision=cfg.precision, addend=addend)
+            reduce_dtype=cfg.reduce_dtype, precision=cfg.precision, addend=addend,
+            explicit_vmap=cfg.explicit_vmap)
     out = _definition.all_gather_matmul(x, w, cfg.axis_name, gather=p.side,
                                         dim=p.gather_axis, out_dtype=cfg.out_dtype,
                                         precision=cfg.precision)
@@ -76,8 +77,7 @@ def run_beside(prim, cfg, x, w, sibling, addend=None, scope=contextlib.nullconte
         y, operands = lax.optimization_barrier((y, operands))
     other = fn(*operands)
     with scope():
-        out = lax.psum_scatter(y, cfg.axis_name, scatter_dimension=p.gather_axis,
-                               tiled=True)
+        out = _definition.psum_scatter(y, cfg.axis_name, p.gather_axis, cfg.explicit_vmap)
         out, other = lax.optimization_barrier((out, other))
         return out.astype(x.dtype if cfg.out_dtype is None else cfg.out_dtype), other
 
