@@ -563,6 +563,42 @@ def test_what_it_cannot_read_is_listed():
         "bandwidth")
 
 
+# `lax.cond` on GPU: a predicated conditional names its branches `true_computation=` and
+# `false_computation=` (TPU programs, and `lax.switch`, use `branch_computations=`).
+GPU_COND = f"""\
+HloModule cond, is_scheduled=true, num_partitions=4
+
+%skip (sp: f16[2048,2048]) -> f16[2048,2048] {{
+  ROOT %sp = f16[2048,2048]{{1,0}} parameter(0)
+}}
+
+%work (wp: f16[2048,2048]) -> f16[2048,2048] {{
+  %wp = f16[2048,2048]{{1,0}} parameter(0)
+  %gemm = (f16[2048,2048]{{1,0}}, s8[0]{{0}}) custom-call(%wp, %wp), {GEMM}
+  %y = f16[2048,2048]{{1,0}} get-tuple-element(%gemm), index=0
+  ROOT %sum = f16[2048,2048]{{1,0}} all-reduce(%y), channel_id=1, replica_groups={{{{0,1,2,3}}}}, use_global_device_ids=true, to_apply=%skip
+}}
+
+ENTRY %main (p: pred[], x: f16[2048,2048]) -> f16[2048,2048] {{
+  %p = pred[] parameter(0)
+  %x = f16[2048,2048]{{1,0}} parameter(1)
+  ROOT %c = f16[2048,2048]{{1,0}} conditional(%p, %x, %x), true_computation=%work, false_computation=%skip
+}}
+"""
+
+
+def test_a_conditional_runs_its_costliest_branch():
+    """The replay cannot know the predicate: it runs the branch with the most work (here
+    `lax.cond`'s true branch, a GEMM and an all-reduce) and says so; the bounds count
+    the same branch."""
+    p = _simulate.predict(GPU_COND, H100)
+    gemm = 2 * 2048 ** 3 / H100.matmul_flops("float16")
+    assert p.compute >= gemm and p.communication > 0
+    assert p.unread == ("conditional c: which branch runs: assumed work, the costliest of "
+                        "its 2 branches",)
+    assert p.dot_flops == 2 * 2048 ** 3 and p.compute >= p.min_compute_s > 0
+
+
 def test_braces_inside_a_quoted_attribute_are_not_the_instructions():
     """A Mosaic GPU call carries its kernel as MLIR bytecode in a quoted string, whose
     printable bytes come out as they are, `{` and `}` among them, unbalanced as often as

@@ -21,11 +21,12 @@ _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1
                 "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 _HEADER = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-$]+)\s*\((.*)\)\s*->\s*.*\{\s*$")
-# `calls=%f`, `body=%b`, `condition=%c`, `to_apply=%r`, and the braced lists of
-# `calls={%a, %b}` / `branch_computations={%t, %f}`: one name, or a list in braces (a
-# plain comma after a name starts the next attribute: `condition=%c, body=%b`).
-_CALLS = re.compile(r"\b(calls|body|condition|to_apply|branch_computations)="
-                    r"(\{[^{}]*\}|%?[\w.\-$]+)")
+# `calls=%f`, `body=%b`, `condition=%c`, `to_apply=%r`, a predicated conditional's
+# `true_computation=%t, false_computation=%f`, and the braced lists of `calls={%a, %b}` /
+# `branch_computations={%t, %f}`: one name, or a list in braces (a plain comma after a
+# name starts the next attribute: `condition=%c, body=%b`).
+_CALLS = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|true_computation"
+                    r"|false_computation)=(\{[^{}]*\}|%?[\w.\-$]+)")
 _DEVICE_COUNTS = re.compile(r"\b(?:num_partitions|replica_count)=(\d+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')

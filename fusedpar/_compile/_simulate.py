@@ -33,7 +33,9 @@ device, per-hop latency, launch overhead — each preset cites its spec sheet):
 - a `while` loop runs its body as many times as XLA knows it iterates, or as its
   condition says (`_hlo.trip_count`). A transfer a loop body starts and a later
   iteration (or the code after the loop) finishes, carried in the loop's tuple, stays in
-  flight across the iteration boundary and overlaps the next iteration's compute.
+  flight across the iteration boundary and overlaps the next iteration's compute;
+- a conditional runs its costliest branch (the predicate is not known before it runs),
+  and says so in `Prediction.unread`.
 
 What it cannot read it lists (`Prediction.unread`) with what it assumed instead. Two
 bounds come from the program alone, loops counted with their trip counts: the compute
@@ -353,10 +355,11 @@ class _Replay:
             elif i.opcode == "while":
                 now = self._loop(i, by_name, now, in_flight, after_loop)
             elif i.opcode in ("call", "conditional") or (i.opcode == "async-start" and i.calls):
+                branch = self._branch(i)
                 if i.opcode == "conditional" and len(i.calls) > 1:
                     self.note(f"conditional {i.name}: which branch runs",
-                              f"its first branch, {i.calls[0]}")
-                now, _ = self.run(i.calls[0], now)
+                              f"{branch}, the costliest of its {len(i.calls)} branches")
+                now, _ = self.run(branch, now)
             elif (i.opcode.endswith("-start") and i.opcode != "async-start" and not (
                     i.opcode == "fusion-start" and _hlo.in_place_bytes(self.module, i, by_name))):
                 self.note(f"{i.opcode} {i.name}", "nothing: it costs no time")
@@ -453,6 +456,14 @@ class _Replay:
 
     # -- what the program needs, whatever the schedule -----------------------------------
 
+    def _branch(self, i, seen: tuple = ()) -> str:
+        """The computation a call runs: a conditional's costliest branch (its matmuls at
+        the matmul rate and its collectives at full egress), which the replay assumes
+        runs (it cannot know the predicate); any other call's one computation."""
+        if i.opcode != "conditional" or len(i.calls) < 2:
+            return i.calls[0]
+        return max(i.calls, key=lambda c: sum(self.census(c, 1, seen + (c,))[1:]))
+
     def census(self, computation: str, times: int = 1, seen: tuple = ()) -> tuple:
         """`(dot flops, seconds at the matmul rate, seconds of collectives at full
         egress)` of `computation`, run `times` times, with what it calls."""
@@ -467,7 +478,7 @@ class _Replay:
                 inner = [(_hlo.loop_parts(i)[1], trips if trips is not None else 1)]
             elif i.opcode in ("call", "conditional") or (i.opcode == "async-start" and
                                                          kind is None and i.calls):
-                inner = [(i.calls[0], 1)]
+                inner = [(self._branch(i, seen), 1)]
             elif i.opcode == "send":
                 comm += times * self.alone(i, "collective-permute", _hlo.operand_bytes(i, by_name))
             elif kind is not None:
