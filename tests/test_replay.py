@@ -599,6 +599,35 @@ def test_a_conditional_runs_its_costliest_branch():
     assert p.dot_flops == 2 * 2048 ** 3 and p.compute >= p.min_compute_s > 0
 
 
+# A convolution's training step on GPU: cuDNN calls for the forward and both gradients,
+# each written with the forward's window and dim_labels.
+_CONV = ('window={{size=3x3 pad=1_1x1_1}}, dim_labels=b01f_o01i->b01f, '
+         'custom_call_target="__cudnn$conv{}"')
+GPU_CUDNN = f"""\
+HloModule convs, is_scheduled=true, num_partitions=1
+
+ENTRY %main (x: bf16[8,16,16,32], w: bf16[64,3,3,32], dy: bf16[8,16,16,64]) -> bf16[8,16,16,32] {{
+  %x = bf16[8,16,16,32]{{3,2,1,0}} parameter(0)
+  %w = bf16[64,3,3,32]{{3,2,1,0}} parameter(1)
+  %dy = bf16[8,16,16,64]{{3,2,1,0}} parameter(2)
+  %fwd = (bf16[8,16,16,64]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%x, %w), {_CONV.format("Forward")}
+  %dw = (bf16[64,3,3,32]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%x, %dy), {_CONV.format("BackwardFilter")}
+  %dx = (bf16[8,16,16,32]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%dy, %w), {_CONV.format("BackwardInput")}
+  ROOT %out = bf16[8,16,16,32]{{3,2,1,0}} get-tuple-element(%dx), index=0
+}}
+"""
+
+
+def test_cudnn_convolutions_are_matmuls():
+    """Each cuDNN call (forward, filter and input gradients) counts the forward
+    convolution's flops (the taps on the padding left out), at the matmul rate."""
+    p = _simulate.predict(GPU_CUDNN, H100)
+    one = 2 * 8 * 16 * 16 * 64 * 32 * (46 / 16) ** 2  # 3x3 taps, 46 of 48 per row on input
+    assert p.dot_flops == pytest.approx(3 * one)
+    assert p.compute >= p.min_compute_s == pytest.approx(3 * one / H100.matmul_flops("bfloat16"))
+    assert not p.unread
+
+
 def test_braces_inside_a_quoted_attribute_are_not_the_instructions():
     """A Mosaic GPU call carries its kernel as MLIR bytecode in a quoted string, whose
     printable bytes come out as they are, `{` and `}` among them, unbalanced as often as

@@ -1,8 +1,9 @@
 """The floating-point operations of a matmul instruction of a scheduled HLO module, read
 from its shapes: a `dot`, a `convolution` (the TPU compiler writes matmuls as
 convolutions, some with a window: only the taps that land on the input count, not those
-on its padding), a fusion or call around them, a cuBLAS GEMM, or a Pallas kernel (its
-cost estimate, or a guess from its operands when the lowering dropped it).
+on its padding), a fusion or call around them, a cuBLAS GEMM, a cuDNN convolution
+(forward or either gradient), or a Pallas kernel (its cost estimate, or a guess from its
+operands when the lowering dropped it).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def matmul_flops(module, i, by_name) -> tuple[float, str]:
                     if f:
                         total, dtype = total + f, d
         return total, dtype
+    if i.opcode == "custom-call" and i.target.startswith("__cudnn$conv"):
+        return _cudnn_conv_flops(i, by_name)
     contracting = _GEMM_CONTRACT.search(i.line)
     if contracting and i.operands and i.operands[0] in by_name:  # a cuBLAS GEMM
         (dtype, lhs), = _hlo.array_shapes(by_name[i.operands[0]].shape)[:1]
@@ -54,6 +57,37 @@ def matmul_flops(module, i, by_name) -> tuple[float, str]:
         dtype = arrays[0][0][0] if arrays and arrays[0] else "bf16"
         return float(found.group(1)), dtype
     return _guessed_kernel_flops(i, by_name)
+
+
+# Which of a cuDNN convolution call's operands (and its result, "out") is the forward
+# convolution's input, kernel and output: its gradients are convolutions too, written
+# with the forward's window and dim_labels (XLA's GPU convolution rewriter).
+_CUDNN_ROLES = {"__cudnn$convBackwardInput": ("out", 1, 0),
+                "__cudnn$convBackwardFilter": (0, "out", 1)}
+
+
+def _cudnn_conv_flops(i, by_name) -> tuple[float, str]:
+    """A cuDNN convolution's flops: the forward convolution's (as `dot_flops` counts a
+    `convolution`), whichever of its three tensors the call computes."""
+    result = _hlo.array_shapes(i.shape)[:1]
+    tensors = []
+    for r in _CUDNN_ROLES.get(i.target, (0, 1, "out")):
+        o = None if r == "out" else by_name.get(i.operands[r]) if r < len(i.operands) else None
+        shapes = result if r == "out" else _hlo.array_shapes(o.shape)[:1] if o else []
+        tensors.append(shapes[0] if shapes else None)
+    labels = _LABELS.search(i.line)
+    if not all(tensors) or labels is None:
+        return 0.0, tensors[0][0] if tensors[0] else "f32"
+    (dtype, lhs), _, (_, out) = tensors
+    in_labels, out_labels = labels.group(1), labels.group(3)
+    groups = _GROUPS.search(i.line)
+    k = lhs[in_labels.index("f")] / (int(groups.group(1)) if groups else 1)
+    window = _WINDOW.search(i.line)
+    if window:
+        spatial = lambda labels, dims: [dims[labels.index(d)] for d in sorted(  # noqa: E731
+            c for c in labels if c.isdigit())]
+        k *= _taps(window.group(1), spatial(in_labels, lhs), spatial(out_labels, out))
+    return 2.0 * math.prod(out) * k, dtype
 
 
 def _guessed_kernel_flops(i, by_name) -> tuple[float, str]:

@@ -14,7 +14,7 @@ COLLECTIVES = ("collective-permute", "all-gather", "reduce-scatter", "all-reduce
 # Custom calls that are matmuls: cuBLAS, and Pallas kernels (every kernel this package
 # builds multiplies).
 MATMUL_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt", "mosaic_gpu",
-                  "__gpu$xla.gpu.triton", "__triton", "tpu_custom_call")
+                  "__gpu$xla.gpu.triton", "__triton", "tpu_custom_call", "__cudnn$conv")
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1,
                 "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s16": 2,
                 "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8,
