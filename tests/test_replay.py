@@ -628,6 +628,42 @@ def test_cudnn_convolutions_are_matmuls():
     assert not p.unread
 
 
+def _one_dot(dtype, precision=""):
+    """One (4096, 4096) @ (4096, 4096) dot of `dtype`, at `precision` if given."""
+    at = f", operand_precision={{{precision},{precision}}}" if precision else ""
+    out = "s32" if dtype == "s8" else "f32"
+    return f"""\
+HloModule one, is_scheduled=true, num_partitions=1
+
+ENTRY %main (a: {dtype}[4096,4096], b: {dtype}[4096,4096]) -> {out}[4096,4096] {{
+  %a = {dtype}[4096,4096]{{1,0}} parameter(0)
+  %b = {dtype}[4096,4096]{{1,0}} parameter(1)
+  ROOT %d = {out}[4096,4096]{{1,0}} dot(%a, %b), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}{at}
+}}
+"""
+
+
+@pytest.mark.parametrize("dtype,precision,hw,rate,unread", [
+    ("s8", "", H100, 1979e12, ()),
+    ("f8e4m3fn", "", H100, 1979e12, ()),
+    ("f32", "", H100, 495e12, ()),  # TF32, JAX's default on GPU
+    ("f32", "highest", H100, 67e12, ()),  # no tensor cores
+    ("s8", "", V5E, 394e12, ()),
+    ("f32", "high", V5E, 197e12 / 3, ()),  # three bf16 passes
+    ("f32", "highest", V5E, 197e12 / 6, ()),  # six
+    ("f8e4m3fn", "", V5E, 197e12, ("float8_e4m3fn matmuls: no float8_e4m3fn rate in the "
+                                   "preset: assumed bfloat16's",)),
+], ids=["h100-int8", "h100-fp8", "h100-f32", "h100-f32-highest", "v5e-int8",
+        "v5e-f32-high", "v5e-f32-highest", "v5e-fp8"])
+def test_a_matmul_runs_at_its_dtype_and_precision_rate(dtype, precision, hw, rate, unread):
+    """The preset's rate for the dot's operand dtype and precision (datasheets: H100
+    1979 TOP/s int8 and fp8, 495 TF32, 67 fp32; v5e 394 TOP/s int8, float32 as one,
+    three or six bf16 passes); a dtype the preset has no rate for is listed."""
+    p = _simulate.predict(_one_dot(dtype, precision), hw)
+    assert p.min_compute_s == pytest.approx(2 * 4096 ** 3 / (rate * hw.efficiency))
+    assert p.compute >= p.min_compute_s and p.unread == unread
+
+
 def test_braces_inside_a_quoted_attribute_are_not_the_instructions():
     """A Mosaic GPU call carries its kernel as MLIR bytecode in a quoted string, whose
     printable bytes come out as they are, `{` and `}` among them, unbalanced as often as

@@ -19,6 +19,18 @@ _WINDOW = re.compile(r"window=\{([^{}]*)\}")
 _GROUPS = re.compile(r"feature_group_count=(\d+)")
 _FLOPS = re.compile(r'"flops":\s*"?(\d+)')
 _GEMM_CONTRACT = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+# A float32 matmul's precision above the default: `operand_precision={highest,highest}`
+# on a dot or convolution, `"operand_precision":["HIGHEST","HIGHEST"]` in a cuBLAS call's
+# backend config.
+_PRECISION = re.compile(r'operand_precision"?[=:]\s*[\{\[]"?(high|highest)\b', re.I)
+
+
+def _at_precision(dtype: str, line: str) -> str:
+    """`dtype`, or for a float32 matmul at a precision above the default `"f32@high"` /
+    `"f32@highest"` (a TPU runs those as three and six bf16 passes; a GPU "highest"
+    without tensor cores)."""
+    found = _PRECISION.search(line) if dtype == "f32" else None
+    return f"{dtype}@{found.group(1).lower()}" if found else dtype
 
 
 def matmul_flops(module, i, by_name) -> tuple[float, str]:
@@ -50,7 +62,7 @@ def matmul_flops(module, i, by_name) -> tuple[float, str]:
         (dtype, lhs), = _hlo.array_shapes(by_name[i.operands[0]].shape)[:1]
         out = _hlo.array_shapes(i.shape)[0][1]
         k = math.prod(lhs[int(d)] for d in re.findall(r"\d+", contracting.group(1)))
-        return 2.0 * math.prod(out) * k, dtype
+        return 2.0 * math.prod(out) * k, _at_precision(dtype, i.line)
     found = _FLOPS.search(i.line)
     if found:  # a Pallas kernel's cost estimate
         arrays = [_hlo.array_shapes(by_name[o].shape) for o in i.operands if o in by_name]
@@ -229,7 +241,8 @@ def dot_flops(i, by_name) -> tuple[float, str]:
     if i.opcode == "dot":
         m = _CONTRACT.search(i.line)
         dims = [int(d) for d in m.group(1).split(",") if d] if m else [len(ldims) - 1]
-        return 2.0 * math.prod(out[0][1]) * math.prod(ldims[d] for d in dims), ldtype
+        return (2.0 * math.prod(out[0][1]) * math.prod(ldims[d] for d in dims),
+                _at_precision(ldtype, i.line))
     labels = _LABELS.search(i.line)
     lhs_labels = labels.group(1) if labels else ""
     k = ldims[lhs_labels.index("f")] if "f" in lhs_labels else ldims[-1]
@@ -243,7 +256,7 @@ def dot_flops(i, by_name) -> tuple[float, str]:
         spatial = [ldims[lhs_labels.index(d)] for d in sorted(c for c in lhs_labels
                                                               if c.isdigit())]
         k *= _taps(window.group(1), spatial, out_spatial)
-    return 2.0 * math.prod(out[0][1]) * k, ldtype
+    return 2.0 * math.prod(out[0][1]) * k, _at_precision(ldtype, i.line)
 
 
 def _taps(window: str, inputs: list, outputs: list) -> float:

@@ -179,7 +179,15 @@ class _Replay:
         return self.hw.link_bandwidth
 
     def peak(self, dtype: str) -> float:
-        return self.hw.matmul_flops(_DTYPE_NAMES.get(dtype, "float32"))
+        """A matmul's rate: its operands' dtype (`_flops.matmul_flops`'s, with a float32
+        precision above the default after an "@"); one the preset gives no rate for runs
+        at another's (`Hardware.rate_key`), which is listed."""
+        base, _, precision = dtype.partition("@")
+        name = _DTYPE_NAMES.get(base, "float32") + (f"_{precision}" if precision else "")
+        key = self.hw.rate_key(name)
+        if key != name:
+            self.note(f"{name} matmuls: no {name} rate in the preset", f"{key}'s")
+        return self.hw.matmul_flops(key)
 
     def _kernel_time(self, i, by_name) -> float:
         if (i.opcode in _FREE or i.opcode.endswith("-done")

@@ -31,8 +31,10 @@ class Hardware:
     """What the model needs to know about one device and its ring links.
 
     - `name`: a label.
-    - `flops`: peak matmul FLOP/s per device by input dtype name (`"bfloat16"`, ...);
-      dtypes not listed use `flops["float32"]`.
+    - `flops`: peak matmul FLOP/s per device by input dtype name (`"bfloat16"`, ...), and
+      for float32 at a precision above the default (`"float32_high"`,
+      `"float32_highest"`); what is not listed runs at another entry's rate
+      (`rate_key`).
     - `efficiency`: fraction of peak a large matmul reaches.
     - `hbm_bandwidth`: device memory bytes/s (the roofline's memory side).
     - `link_bandwidth`: bytes/s one way to one ring neighbour.
@@ -88,8 +90,21 @@ class Hardware:
     beside_hides_part: bool = True
 
     def matmul_flops(self, dtype) -> float:
-        name = np.dtype(dtype).name
-        return self.flops.get(name, self.flops["float32"]) * self.efficiency
+        """The FLOP/s a large matmul of `dtype` (a dtype, or a `flops` key) reaches."""
+        return self.flops[self.rate_key(dtype)] * self.efficiency
+
+    def rate_key(self, dtype) -> str:
+        """The `flops` entry a matmul of `dtype` runs at: its own; for a float32
+        precision without one, float32's; for an 8-bit type without one (a chip with no
+        8-bit units widens it), bfloat16's; else float32's."""
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:  # a precision key, "float32_highest"
+            name = str(dtype)
+        if name in self.flops:
+            return name
+        narrow = name in ("int8", "uint8") or name.startswith("float8")
+        return "bfloat16" if narrow and "bfloat16" in self.flops else "float32"
 
     def overlapped(self, compute: float, transfer: float) -> float:
         """One ring step's time when its matmul and its transfer run at once: the longer

@@ -160,11 +160,13 @@ def _nvswitch(name, flops, hbm_bandwidth, egress, compute):
 
 # `_nvswitch`'s `compute` as an H200 measured it (the B200 takes it too, until measured).
 _H200_COMPUTE = (0.75, 0.87, 6e-6)
-# Hopper (NVIDIA H100 datasheet): 989 TFLOP/s dense bf16/fp16, 495 TF32 (JAX's default
-# precision for float32 matmuls on GPU), 67 fp64; 132 SMs; 227 KiB of shared memory per
-# block (opt-in, compute capability 9.0); NVLink 4: 900 GB/s both ways = 450 GB/s out.
+# Hopper (NVIDIA H100 datasheet): 989 TFLOP/s dense bf16/fp16, 1979 dense fp8 and int8,
+# 495 TF32 (JAX's default precision for float32 matmuls on GPU, and its "high"), 67 fp32
+# (precision "highest": no tensor cores) and 67 fp64; 132 SMs; 227 KiB of shared memory
+# per block (opt-in, compute capability 9.0); NVLink 4: 900 GB/s both ways = 450 GB/s out.
 _HOPPER = {"bfloat16": 989 * _T, "float16": 989 * _T, "float32": 495 * _T,
-           "float64": 67 * _T}
+           "float32_high": 495 * _T, "float32_highest": 67 * _T, "float64": 67 * _T,
+           "int8": 1979 * _T, "float8_e4m3fn": 1979 * _T, "float8_e5m2": 1979 * _T}
 _HOPPER_KIND = dict(platform=GPU, compute_capability=(9, 0), cores=132, smem_bytes=232448,
                     families=(MOSAIC, TRITON))
 register(Kind(
@@ -178,7 +180,8 @@ register(Kind(
     # Calibrated on an H200 (2026-11-26, 6 programs within 2.2%).
     hardware=_nvswitch("H200 SXM", _HOPPER, 4.8 * _T, 450 * _G, _H200_COMPUTE),
     aot=Aot("h200", target_config="h200_sxm.txtpb"), **_HOPPER_KIND))
-# B200 (NVIDIA HGX B200 spec, 1000 W): 2250 TFLOP/s dense bf16/fp16, 1100 TF32, 40 fp64;
+# B200 (NVIDIA HGX B200 spec, 1000 W): 2250 TFLOP/s dense bf16/fp16, 4500 dense fp8 and
+# int8, 1100 TF32, 40 fp64;
 # 8 TB/s HBM3e; NVLink 5: 1.8 TB/s both ways = 900 GB/s out; 148 SMs; 227 KiB of shared
 # memory per block (compute capability 10.0). No Blackwell step kernels yet: the Mosaic
 # GPU ones use wgmma, which Blackwell does not run; the Triton ones compile `tl.dot` for
@@ -187,7 +190,10 @@ register(Kind(
 register(Kind(
     "b200", GPU, words=("B200",), compute_capability=(10, 0), cores=148, smem_bytes=232448,
     hardware=_nvswitch("B200", {"bfloat16": 2250 * _T, "float16": 2250 * _T,
-                                "float32": 1100 * _T, "float64": 40 * _T}, 8 * _T, 900 * _G,
+                                "float32": 1100 * _T, "float32_high": 1100 * _T,
+                                "float64": 40 * _T, "int8": 4500 * _T,
+                                "float8_e4m3fn": 4500 * _T, "float8_e5m2": 4500 * _T},
+                       8 * _T, 900 * _G,
                        _H200_COMPUTE),
     families=(TRITON,), refused={MOSAIC: _no_wgmma((10, 0))}))
 # NVIDIA GPUs known by compute capability only (NVIDIA's CUDA GPUs table): no cost preset
@@ -206,10 +212,13 @@ for _name, _cc, _words in (
 
 
 def _tpu(name, peak_tflops, hbm_gbs, link_gbs, links, torus_period, torus_axes,
-         efficiency=0.8, collective_beside_matmul=False, beside_hides_part=True):
+         efficiency=0.8, collective_beside_matmul=False, beside_hides_part=True,
+         narrow=None):
     """A TPU generation's numbers per JAX device (a v4/v5p chip's two TensorCores
-    together in megacore mode). float32 matmuls run as bf16 passes at the default
-    precision. The fused kernel's step is a DMA start and a semaphore wait
+    together in megacore mode). float32 matmuls run as bf16 passes: one at the default
+    precision, three at "high", six at "highest" (JAX's `lax.Precision`). `narrow`:
+    TFLOP/s (TOP/s) of the 8-bit types the MXUs run natively, by dtype name; others are
+    widened to bf16. The fused kernel's step is a DMA start and a semaphore wait
     (`kernel_step_latency`), the lax ring's a ppermute launch. `efficiency` is what the
     fused kernels' step matmuls are expected to reach: their tile presets are
     compute-bound from HBM on every generation, with the most headroom on v5e/v5p (tile
@@ -221,7 +230,10 @@ def _tpu(name, peak_tflops, hbm_gbs, link_gbs, links, torus_period, torus_axes,
     SparseCores (v6e; docs/measurements.md). v5p's op programs still replay the reference
     collective synchronous, offload or not. `beside_hides_part`: False where XLA hides
     such a collective only behind work that covers it whole (v5e)."""
-    return Hardware(name, {"bfloat16": peak_tflops * _T, "float32": peak_tflops * _T},
+    rates = {"bfloat16": peak_tflops * _T, "float32": peak_tflops * _T,
+             "float32_high": peak_tflops / 3 * _T, "float32_highest": peak_tflops / 6 * _T}
+    rates.update({k: v * _T for k, v in (narrow or {}).items()})
+    return Hardware(name, rates,
                     efficiency=efficiency, hbm_bandwidth=hbm_gbs * _G,
                     link_bandwidth=link_gbs * _G, egress_bandwidth=links * link_gbs * _G,
                     step_latency=5e-6, kernel_step_latency=1.5e-6, hop_latency=1e-6,
@@ -237,39 +249,43 @@ def _tpu(name, peak_tflops, hbm_gbs, link_gbs, links, torus_period, torus_axes,
 # Tori: v4, v5p slices of whole 4x4x4 cubes are 3-D tori; v5e, v6e 2-D tori only as
 # whole 16x16 pods.
 _TPU_KIND = dict(platform=TPU, families=(TPU_KERNELS,))
-# TPU v4: 275 TFLOP/s bf16, 1.2 TB/s HBM2, 6 ICI links of 50 GB/s one way (3-D torus).
+# TPU v4: 275 TFLOP/s bf16 and int8, 1.2 TB/s HBM2, 6 ICI links of 50 GB/s one way (3-D
+# torus).
 register(Kind(
     "tpu_v4", device_kinds=("TPU v4",), aliases=("v4",), generation="v4", cores=2,
-    hardware=_tpu("TPU v4", 275, 1200, 50, 6, 4, 3), vmem_bytes=16 * MiB,
+    hardware=_tpu("TPU v4", 275, 1200, 50, 6, 4, 3, narrow={"int8": 275}),
+    vmem_bytes=16 * MiB,
     default_scoped_vmem_bytes=16 * MiB, tiles=(512, 512, 512),
     aot=Aot("v4", example="v4:2x2x2"), **_TPU_KIND))
-# TPU v5e: 197 TFLOP/s bf16, 819 GB/s HBM2, ICI 400 GB/s both ways per chip over 4 links
-# (2-D torus) = 50 GB/s one way per link.
+# TPU v5e: 197 TFLOP/s bf16, 394 TOP/s int8, 819 GB/s HBM2, ICI 400 GB/s both ways per
+# chip over 4 links (2-D torus) = 50 GB/s one way per link.
 register(Kind(
     "tpu_v5e", device_kinds=("TPU v5 lite", "TPU v5e"), aliases=("v5e",), generation="v5e",
     default=True, hardware=_tpu("TPU v5e", 197, 819, 50, 4, 16, 2,
-                                collective_beside_matmul=True, beside_hides_part=False),
+                                collective_beside_matmul=True, beside_hides_part=False,
+                                narrow={"int8": 394}),
     vmem_bytes=128 * MiB,
     default_scoped_vmem_bytes=16 * MiB, tiles=(512, 1024, 1024),
     aot=Aot("v5e", example="v5e:2x4"), **_TPU_KIND))
-# TPU v5p: 459 TFLOP/s bf16, 2765 GB/s HBM2e, ICI 1200 GB/s both ways per chip over 6
-# links (3-D torus) = 100 GB/s one way per link.
+# TPU v5p: 459 TFLOP/s bf16, 918 TOP/s int8, 2765 GB/s HBM2e, ICI 1200 GB/s both ways per
+# chip over 6 links (3-D torus) = 100 GB/s one way per link.
 register(Kind(
     "tpu_v5p", device_kinds=("TPU v5", "TPU v5p"), aliases=("v5p",), generation="v5p",
-    cores=2, hardware=_tpu("TPU v5p", 459, 2765, 100, 6, 4, 3), vmem_bytes=64 * MiB,
+    cores=2, hardware=_tpu("TPU v5p", 459, 2765, 100, 6, 4, 3, narrow={"int8": 918}),
+    vmem_bytes=64 * MiB,
     default_scoped_vmem_bytes=16 * MiB, tiles=(512, 1024, 1024),
     aot=Aot("v5p", example="v5p:2x2x2"), **_TPU_KIND))
-# TPU v6e (Trillium): 918 TFLOP/s bf16, 1640 GB/s HBM, ICI 3584 Gbit/s one way per chip
-# over 4 links (2-D torus) = 112 GB/s one way per link; 256-wide MXUs.
+# TPU v6e (Trillium): 918 TFLOP/s bf16, 1836 TOP/s int8, 1640 GB/s HBM, ICI 3584 Gbit/s
+# one way per chip over 4 links (2-D torus) = 112 GB/s one way per link; 256-wide MXUs.
 register(Kind(
     "tpu_v6e", device_kinds=("TPU v6 lite", "TPU v6e"), aliases=("v6e",), generation="v6e",
     hardware=_tpu("TPU v6e", 918, 1640, 112, 4, 16, 2, efficiency=0.75,
-                  collective_beside_matmul=True),
+                  collective_beside_matmul=True, narrow={"int8": 1836}),
     vmem_bytes=128 * MiB, default_scoped_vmem_bytes=32 * MiB, tiles=(1024, 1024, 2048),
     aot=Aot("v6e", example="v6e:2x4"), **_TPU_KIND))
 # TPU7x (Ironwood; Google Cloud's TPU7x page, https://cloud.google.com/tpu/docs/tpu7x):
-# per chip 2307 TFLOP/s bf16, 7380 GB/s HBM, ICI 1200 GB/s both ways, two TensorCores
-# that JAX sees as two devices (one per `core_on_chip`; libtpu's "tpu7x:2x2x1" is 8
+# per chip 2307 TFLOP/s bf16, 4614 fp8 (no int8 figure), 7380 GB/s HBM, ICI 1200 GB/s
+# both ways, two TensorCores that JAX sees as two devices (one per `core_on_chip`; libtpu's "tpu7x:2x2x1" is 8
 # devices on 4 chips). Per device: half of each. The page gives no link count: 6 links
 # of 100 GB/s one way, as on v5p (the same 1200 GB/s, and pods of 4x4x4 cubes, like
 # v5p), shared by the chip's two devices; the hop between a chip's two devices is
@@ -279,7 +295,9 @@ register(Kind(
 register(Kind(
     "tpu_v7x", device_kinds=("TPU7x",), aliases=("v7x", "tpu7x"), generation="7x",
     devices_per_chip=2, hardware=dataclasses.replace(
-        _tpu("TPU7x", 2307 / 2, 7380 / 2, 100, 3, 4, 3), name="TPU7x (one TensorCore)"),
+        _tpu("TPU7x", 2307 / 2, 7380 / 2, 100, 3, 4, 3,
+             narrow={"float8_e4m3fn": 4614 / 2, "float8_e5m2": 4614 / 2}),
+        name="TPU7x (one TensorCore)"),
     vmem_bytes=64 * MiB, default_scoped_vmem_bytes=16 * MiB, tiles=(1024, 1024, 1024),
     aot=Aot("tpu7x"), **_TPU_KIND))
 # Older generations JAX knows: planned like the smallest chips, no cost preset of their
