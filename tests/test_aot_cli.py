@@ -105,6 +105,11 @@ not_fn = 3
 def args_not_tuple(mesh, backend):
     import jax
     return jax.jit(lambda x: x), jax.ShapeDtypeStruct((8,), "float32")
+
+def computes_on_the_mesh(mesh, backend):
+    import jax
+    with jax.set_mesh(mesh):
+        return jax.random.normal(jax.random.key(0), (8,))
 '''
 
 
@@ -114,6 +119,7 @@ def args_not_tuple(mesh, backend):
     ("two_args", "cannot be called as fn(mesh, backend)"),
     ("junk", "returned int '42'"),
     ("concrete", "made arrays on the target's compile-only devices"),
+    ("computes_on_the_mesh", "made arrays on the target's compile-only devices"),
     ("missing", "has no function 'missing'"),
     ("not_fn", "has 'not_fn', which is not callable (a int)"),
     ("args_not_tuple", "returned (jitted, ShapeDtypeStruct): the arguments must be a tuple"),
@@ -198,6 +204,11 @@ def one_device(mesh, backend):
     sharding = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
     return jax.jit(lambda x: x * 2), (jax.ShapeDtypeStruct((8, 8), "float32",
                                                            sharding=sharding),)
+
+def cudnn_attention(mesh, backend):
+    q = jax.ShapeDtypeStruct((8, 128, 4, 64), "bfloat16", sharding=NamedSharding(mesh, P("fsdp")))
+    attend = lambda q: jax.nn.dot_product_attention(q, q, q, implementation="cudnn")
+    return jax.jit(attend), (q,)
 """
 
 
@@ -220,6 +231,19 @@ def test_arguments_laid_out_off_the_mesh_exit_2(tmp_path, name, message, capsys)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "the mesh" in err, err
+
+
+@pytest.mark.aot
+@needs_aot
+def test_a_cudnn_kernel_exits_2(tmp_path, capsys):
+    """cuDNN attention: JAX asks the cuDNN library (absent without a GPU) while lowering;
+    the CLI says so and what compiles deviceless."""
+    path = tmp_path / "elsewhere.py"
+    path.write_text(ELSEWHERE)
+    with pytest.raises(SystemExit) as e:
+        _aot_cli.main(["--target", "h100x8", "--program", f"{path}:cudnn_attention"])
+    assert e.value.code == 2
+    assert "compile it deviceless with implementation='xla'" in capsys.readouterr().err
 
 
 @pytest.mark.aot

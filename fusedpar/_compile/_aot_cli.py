@@ -230,7 +230,10 @@ def _built(spec, fn, mesh, backend):
         built = fn(mesh, backend)
     except Exception as e:
         _missing_axis(spec, mesh, e)
-        if "compile-only" not in str(e):
+        # Computing on the mesh (jax.random under jax.set_mesh, say) runs an executable
+        # on compile-only devices, which jax 0.10 fails with an AttributeError.
+        ran = isinstance(e, AttributeError) and "'local_devices'" in str(e)
+        if "compile-only" not in str(e) and not ran:
             raise
         _parser().error(f"--program: {spec} made arrays on the target's compile-only "
                         f"devices, which hold none; it must be {_CONTRACT}.")
@@ -283,6 +286,15 @@ def _compiled(args, label, mesh, fn, arguments, options):
             raise
         # A backend asked for by name that cannot run one of the program's calls.
         _parser().error(f"--backend: {label} cannot run with backend {args.backend!r}: {e}")
+    except RuntimeError as e:  # after NotImplementedError, one of them
+        if "cuDNN not found" not in str(e):
+            raise
+        # JAX asks the cuDNN library for its version while lowering a cuDNN kernel.
+        _parser().error(f"--program: {label} calls a cuDNN kernel (e.g. "
+                        "jax.nn.dot_product_attention(implementation='cudnn')), which JAX "
+                        "lowers only where cuDNN is installed, with a GPU: compile it "
+                        "deviceless with implementation='xla' (or None), or on the GPU "
+                        f"itself ({e}).")
     except ValueError as e:
         _missing_axis(label, mesh, e)
         if _raised_by_fusedpar(e):  # a layer's or op's check: what the program must change
