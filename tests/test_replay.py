@@ -664,6 +664,35 @@ def test_a_matmul_runs_at_its_dtype_and_precision_rate(dtype, precision, hw, rat
     assert p.compute >= p.min_compute_s and p.unread == unread
 
 
+# Activations offloaded to host memory (`S(5)`, a remat policy's `offload_dst=
+# "pinned_host"`): an update written to the host buffer, and a slice read back of it.
+HOST = "{2,1,0:S(5)}"
+OFFLOAD = f"""\
+HloModule offload, is_scheduled=true, num_partitions=1
+
+ENTRY %main (buf: bf16[4,1024,1024], x: bf16[1,1024,1024]) -> bf16[1,1024,1024] {{
+  %buf = bf16[4,1024,1024]{HOST} parameter(0)
+  %x = bf16[1,1024,1024]{{2,1,0}} parameter(1)
+  %i = s32[] constant(1)
+  %put = ((bf16[4,1024,1024]{HOST}, bf16[1,1024,1024]{{2,1,0}}, s32[], s32[], s32[]), bf16[4,1024,1024]{HOST}, u32[]) dynamic-update-slice-start(%buf, %x, %i, %i, %i)
+  %saved = bf16[4,1024,1024]{HOST} dynamic-update-slice-done(%put)
+  %get = ((bf16[4,1024,1024]{HOST}, s32[], s32[], s32[]), bf16[1,1024,1024]{{2,1,0}}, u32[]) dynamic-slice-start(%saved, %i, %i, %i), dynamic_slice_sizes={{1,1024,1024}}
+  ROOT %back = bf16[1,1024,1024]{{2,1,0}} dynamic-slice-done(%get)
+}}
+"""
+
+
+@pytest.mark.parametrize("hw,rate,unread", [(H100, 64e9, 0), (V5E, 32e9, 2)],
+                         ids=["h100", "v5e"])
+def test_an_offload_to_host_memory_runs_over_the_host_link(hw, rate, unread):
+    """Each transfer moves its 2 MiB block (not the host buffer) at the host link's rate
+    (H100: PCIe Gen5 x16, 64 GB/s each way); a TPU has no published figure: 32 GB/s
+    (PCIe 4.0 x16) is assumed and listed."""
+    p = _simulate.predict(OFFLOAD, hw)
+    assert p.copies == pytest.approx(2 * 2 ** 21 / rate) and p.compute == 0
+    assert len(p.unread) == unread and all("PCIe 4.0 x16" in u for u in p.unread)
+
+
 def test_braces_inside_a_quoted_attribute_are_not_the_instructions():
     """A Mosaic GPU call carries its kernel as MLIR bytecode in a quoted string, whose
     printable bytes come out as they are, `{` and `}` among them, unbalanced as often as

@@ -23,7 +23,8 @@ reads and writes in `_hlo_bytes`; loops in `_hlo_loops`; pairs and replica group
 `_hlo_groups`. This module gathers them, so `_hlo.<name>` serves every caller.
 """
 
-from ._hlo_bytes import (dma_bytes as dma_bytes, in_place_bytes as in_place_bytes,
+from ._hlo_bytes import (dma_bytes as dma_bytes, host_transfer as host_transfer,
+                         in_place_bytes as in_place_bytes,
                          operand_bytes as operand_bytes, read_bytes as read_bytes,
                          sent_operands as sent_operands,
                          written_bytes as written_bytes)

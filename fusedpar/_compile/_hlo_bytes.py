@@ -221,3 +221,37 @@ def dma_bytes(i: Instruction, by_name: dict) -> int:
         ranges = re.findall(r"\[(\d+):(\d+)(?::(\d+))?\]", window.group(1))
         dims = [-(-(int(hi) - int(lo)) // int(step or 1)) for lo, hi, step in ranges]
     return shape_bytes(f"{dtype}[{','.join(map(str, dims))}]")
+
+
+# Host memory in a layout (`{1,0:S(5)}`): arrays a program offloads (activations saved for
+# the backward pass in pinned host memory).
+_HOST = re.compile(r"\bS\(5\)")
+
+
+def _top_level(shape: str) -> list:
+    """The elements of a tuple shape `(a, (b, c), d)`, each as written."""
+    parts, depth, start = [], 0, 1
+    for k, ch in enumerate(shape):
+        depth += ch in "({["
+        depth -= ch in ")}]"
+        if ch == "," and depth == 1:
+            parts.append(shape[start:k].strip())
+            start = k + 1
+    return parts + [shape[start:-1].strip()] if shape.startswith("(") else [shape]
+
+
+def host_transfer(i: Instruction, by_name: dict) -> Optional[tuple]:
+    """`(bytes, "to host" or "from host")` of an asynchronous start that moves data
+    between device memory and host memory (an offloaded array's update, or a slice
+    read back of it), else None. Its result is the start's second element."""
+    if not i.opcode.endswith("-start") or is_collective(i) or not _HOST.search(i.shape):
+        return None
+    elements = _top_level(i.shape)
+    result = elements[1] if len(elements) > 2 else i.shape
+    if _HOST.search(result):  # written to host memory: the operands not already there
+        moved = [by_name[o].shape for o in i.operands if o in by_name
+                 and not _HOST.search(by_name[o].shape)]
+        nbytes = sum(shape_bytes(s) for s in moved if array_shapes(s)
+                     and array_shapes(s)[0][1])
+        return nbytes, "to host"
+    return shape_bytes(result), "from host"

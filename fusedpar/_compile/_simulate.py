@@ -29,7 +29,9 @@ device, per-hop latency, launch overhead — each preset cites its spec sheet):
   ring inside the compute stream, step matmuls beside step DMAs, from the plan its call
   carries (`fusedpar._compile._hlo_ring_kernel`);
 - asynchronous copies and slices (`copy-start` / `slice-start`: the TPU's DMAs between
-  HBM and its on-chip memories) run beside the compute stream at HBM bandwidth;
+  HBM and its on-chip memories) run beside the compute stream at HBM bandwidth; those to
+  or from host memory (`S(5)`: offloaded activations) over the host link, each
+  direction its own (`Hardware.host_bandwidth`);
 - a `while` loop runs its body as many times as XLA knows it iterates, or as its
   condition says (`_hlo.trip_count`). A transfer a loop body starts and a later
   iteration (or the code after the loop) finishes, carried in the loop's tuple, stays in
@@ -52,6 +54,7 @@ import re
 from typing import Optional
 
 from . import _flops, _hlo, _hlo_ring_kernel, _links
+from .._hw._hardware import ASSUMED_HOST_BANDWIDTH
 
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant",
          "after-all", "partition-id", "replica-id", "opt-barrier",
@@ -309,6 +312,21 @@ class _Replay:
         self.started[key] = (now, None)
         return key
 
+    def _host(self, i, nbytes, direction, now) -> tuple:
+        """An offloaded array's transfer to or from host memory, beside the compute stream
+        over the device's host link (each direction its own); a `copies` wait at its
+        done."""
+        rate = self.hw.host_bandwidth
+        if not rate:
+            rate = ASSUMED_HOST_BANDWIDTH
+            self.note(f"{i.opcode} {i.name}: {direction}",
+                      f"{rate / 1e9:.0f} GB/s each way (PCIe 4.0 x16): no published figure")
+        key = (i.name, self.serial)
+        self.serial += 1
+        self.network.start(key, nbytes, rate, 0.0, {("host", direction): 1}, now)
+        self.started[key] = (now, None)
+        return key
+
     def _finish(self, key, now) -> float:
         """Wait for flow `key` from `now`; the time the compute stream goes on."""
         if key not in self.started:  # already waited for (a send, by its recv-done)
@@ -358,6 +376,8 @@ class _Replay:
                 in_flight[i.name] = self._start(i, kind, _hlo.operand_bytes(i, by_name), now)
             elif kind is not None:  # synchronous: the compute stream waits for it
                 now = self._finish(self._start(i, kind, _hlo.operand_bytes(i, by_name), now), now)
+            elif _hlo.host_transfer(i, by_name) is not None:
+                in_flight[i.name] = self._host(i, *_hlo.host_transfer(i, by_name), now)
             elif i.opcode in _DMAS:
                 in_flight[i.name] = self._dma(i, by_name, now)
             elif i.opcode == "while":

@@ -26,6 +26,10 @@ CPU, GPU, TPU = "cpu", "gpu", "tpu"
 TPU_KERNELS, MOSAIC, TRITON = "tpu", "mosaic", "triton"
 
 
+# PCIe 4.0 x16 one way: what the replay assumes for a host link with no published figure.
+ASSUMED_HOST_BANDWIDTH = 32e9
+
+
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     """What the model needs to know about one device and its ring links.
@@ -68,6 +72,9 @@ class Hardware:
       torus (wrap-around links joining each axis' ends) when its extents are multiples
       of it; 0 where the links form no torus (a GPU's NVSwitch). The ring order and the
       replay route transfers over these links (`wraps`).
+    - `host_bandwidth`: bytes/s one way between the device and its host's memory (a
+      program's offloaded activations), 0 where no figure is published (the replay then
+      assumes `ASSUMED_HOST_BANDWIDTH` and says so).
     - `torus_axes`: how many of the slice's axes must be whole multiples of
       `torus_period` (3 on v4 and v5p: whole 4x4x4 cubes; 2 on v5e and v6e: whole 16x16
       pods); 0: every axis longer than one chip.
@@ -88,6 +95,7 @@ class Hardware:
     torus_axes: int = 0
     collective_beside_matmul: bool = True
     beside_hides_part: bool = True
+    host_bandwidth: float = 0.0
 
     def matmul_flops(self, dtype) -> float:
         """The FLOP/s a large matmul of `dtype` (a dtype, or a `flops` key) reaches."""

@@ -155,9 +155,13 @@ def _nvswitch(name, flops, hbm_bandwidth, egress, compute):
     return Hardware(name, flops, efficiency=efficiency,
                     hbm_bandwidth=hbm_fraction * hbm_bandwidth, link_bandwidth=egress,
                     egress_bandwidth=egress, step_latency=10e-6, kernel_step_latency=10e-6,
-                    hop_latency=3e-6, launch_overhead=launch, overlap=0.9)
+                    hop_latency=3e-6, launch_overhead=launch, overlap=0.9,
+                    host_bandwidth=_PCIE5_X16)
 
 
+# The host link of NVIDIA's SXM parts (H100, H200, B200 datasheets: PCIe Gen5, 128 GB/s
+# both ways): bytes/s one way.
+_PCIE5_X16 = 64e9
 # `_nvswitch`'s `compute` as an H200 measured it (the B200 takes it too, until measured).
 _H200_COMPUTE = (0.75, 0.87, 6e-6)
 # Hopper (NVIDIA H100 datasheet): 989 TFLOP/s dense bf16/fp16, 1979 dense fp8 and int8,
