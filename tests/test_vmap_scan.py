@@ -74,6 +74,51 @@ def test_scan_inside_vmap_over_an_explicitly_sharded_batch():
             eqx.filter_jit(loss)(rings, xs)
 
 
+class Shared(eqx.Module):
+    """Two sequence-parallel columns on one input (one gather, its backward's two partial
+    sums added in one reduce-scatter) with gradients sent as int8."""
+    a: fusedpar.ColumnLinear
+    b: fusedpar.ColumnLinear
+    down: fusedpar.RowLinear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        kw = dict(sequence_parallel=True, fsdp_axis="fsdp", grad_comm_dtype=jnp.int8)
+        self.a = fusedpar.ColumnLinear(16, 32, key=k1, **kw)
+        self.b = fusedpar.ColumnLinear(16, 32, key=k2, **kw)
+        self.down = fusedpar.RowLinear(32, 16, key=k3, sequence_parallel=True,
+                                       fsdp_axis="fsdp")
+
+    def __call__(self, x):
+        return x + self.down(jnp.tanh(self.a(x)) * self.b(x))
+
+
+def test_scan_of_shared_gathers_inside_vmap_over_an_explicitly_sharded_batch():
+    """The same with the backward's other reduce-scatter (`_autodiff.scattered`, the
+    siblings' partial sums with quantized gradients): the scan gives the numbers a
+    Python loop over the layers gives (a vmap there folds into each layer)."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    def looped(blocks, x):
+        params, static = eqx.partition(blocks, eqx.is_array)
+
+        def one(h):
+            for i in range(2):
+                h = eqx.combine(jax.tree.map(lambda a: a[i], params), static)(h)
+            return h
+        return jnp.sum(jnp.sin(jax.vmap(one)(x)))
+
+    x = normal(0, (2, 8, 16), jnp.float32)
+    m = mesh((2, 4), ("fsdp", "tp"), AxisType.Explicit)
+    with jax.set_mesh(m):
+        xs = jax.device_put(x, NamedSharding(m, P("fsdp", "tp")))
+        blocks = fusedpar.shard(eqx.filter_vmap(Shared)(jax.random.split(
+            jax.random.key(0), 2)), m)
+        got = eqx.filter_jit(eqx.filter_value_and_grad(loss))(blocks, xs)
+        want = eqx.filter_jit(eqx.filter_value_and_grad(looped))(blocks, xs)
+    assert_close(got, want, jnp.float32)
+
+
 def test_vmap_over_an_explicitly_sharded_batch_around_jit_scan_and_checkpoint():
     """Under Explicit axes, a per-example jax.vmap over a batch sharded on "data" takes
     that axis from whatever runs under a jit, scan or checkpoint inside it: the layer

@@ -19,18 +19,30 @@ _WINDOW = re.compile(r"window=\{([^{}]*)\}")
 _GROUPS = re.compile(r"feature_group_count=(\d+)")
 _FLOPS = re.compile(r'"flops":\s*"?(\d+)')
 _GEMM_CONTRACT = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
-# A float32 matmul's precision above the default: `operand_precision={highest,highest}`
-# on a dot or convolution, `"operand_precision":["HIGHEST","HIGHEST"]` in a cuBLAS call's
-# backend config.
-_PRECISION = re.compile(r'operand_precision"?[=:]\s*[\{\[]"?(high|highest)\b', re.I)
+# A float32 matmul's precision: `operand_precision={default,highest}` on a dot or
+# convolution, `"operand_precision":["DEFAULT","HIGHEST"]` in a cuBLAS call's backend
+# config (the higher of the two operands' is the matmul's), or a dot algorithm
+# (`algorithm=dot_bf16_bf16_f32_x6`: six bf16 passes, as HIGHEST on a TPU).
+_PRECISION = re.compile(r'operand_precision"?[=:]\s*[\{\[]([^\}\]]*)[\}\]]')
+_ALGORITHM = re.compile(r'algorithm"?[=:]\s*"?(?:ALG_)?(dot_\w+)', re.I)
+_ALGORITHMS = {"dot_bf16_bf16_f32_x3": "high", "dot_bf16_bf16_f32_x6": "highest",
+               "dot_bf16_bf16_f32_x9": "highest", "dot_f32_f32_f32": "highest"}
+_LEVELS = ("default", "high", "highest")
 
 
 def _at_precision(dtype: str, line: str) -> str:
     """`dtype`, or for a float32 matmul at a precision above the default `"f32@high"` /
     `"f32@highest"` (a TPU runs those as three and six bf16 passes; a GPU "highest"
     without tensor cores)."""
-    found = _PRECISION.search(line) if dtype == "f32" else None
-    return f"{dtype}@{found.group(1).lower()}" if found else dtype
+    if dtype != "f32":
+        return dtype
+    algorithm = _ALGORITHM.search(line)
+    level = _ALGORITHMS.get(algorithm.group(1).lower(), "") if algorithm else ""
+    found = _PRECISION.search(line)
+    if found and not level:
+        named = [p.strip(' "').lower() for p in found.group(1).split(",")]
+        level = max((p for p in named if p in _LEVELS), key=_LEVELS.index, default="")
+    return f"{dtype}@{level}" if level in ("high", "highest") else dtype
 
 
 def matmul_flops(module, i, by_name) -> tuple[float, str]:
@@ -87,19 +99,10 @@ def _cudnn_conv_flops(i, by_name) -> tuple[float, str]:
         o = None if r == "out" else by_name.get(i.operands[r]) if r < len(i.operands) else None
         shapes = result if r == "out" else _hlo.array_shapes(o.shape)[:1] if o else []
         tensors.append(shapes[0] if shapes else None)
-    labels = _LABELS.search(i.line)
-    if not all(tensors) or labels is None:
+    if not all(tensors) or _LABELS.search(i.line) is None:
         return 0.0, tensors[0][0] if tensors[0] else "f32"
     (dtype, lhs), _, (_, out) = tensors
-    in_labels, out_labels = labels.group(1), labels.group(3)
-    groups = _GROUPS.search(i.line)
-    k = lhs[in_labels.index("f")] / (int(groups.group(1)) if groups else 1)
-    window = _WINDOW.search(i.line)
-    if window:
-        spatial = lambda labels, dims: [dims[labels.index(d)] for d in sorted(  # noqa: E731
-            c for c in labels if c.isdigit())]
-        k *= _taps(window.group(1), spatial(in_labels, lhs), spatial(out_labels, out))
-    return 2.0 * math.prod(out) * k, dtype
+    return _convolution_flops(lhs, out, i.line), _at_precision(dtype, i.line)
 
 
 def _guessed_kernel_flops(i, by_name) -> tuple[float, str]:
@@ -230,9 +233,8 @@ def _aliased_operands(line: str) -> set:
 
 
 def dot_flops(i, by_name) -> tuple[float, str]:
-    """`(flops, lhs dtype)` of a `dot` or `convolution`: 2 x output elements x the
-    contraction (a convolution's input features over its groups, times the window taps
-    that fall on the input, on average per output position)."""
+    """`(flops, lhs dtype)` of a `dot` or `convolution` (`_convolution_flops`): 2 x output
+    elements x the contraction."""
     out = _hlo.array_shapes(i.shape)
     lhs = by_name.get(i.operands[0]) if i.operands else None
     if not out or lhs is None:
@@ -243,20 +245,24 @@ def dot_flops(i, by_name) -> tuple[float, str]:
         dims = [int(d) for d in m.group(1).split(",") if d] if m else [len(ldims) - 1]
         return (2.0 * math.prod(out[0][1]) * math.prod(ldims[d] for d in dims),
                 _at_precision(ldtype, i.line))
-    labels = _LABELS.search(i.line)
+    return _convolution_flops(ldims, out[0][1], i.line), _at_precision(ldtype, i.line)
+
+
+def _convolution_flops(lhs: list, out: list, line: str) -> float:
+    """2 x output elements x the contraction of a convolution with input `lhs` and output
+    `out` (dims as laid out in its `dim_labels`): its input features over its groups,
+    times the window taps that fall on the input, on average per output position."""
+    labels = _LABELS.search(line)
     lhs_labels = labels.group(1) if labels else ""
-    k = ldims[lhs_labels.index("f")] if "f" in lhs_labels else ldims[-1]
-    groups = _GROUPS.search(i.line)
+    k = lhs[lhs_labels.index("f")] if "f" in lhs_labels else lhs[-1]
+    groups = _GROUPS.search(line)
     k /= int(groups.group(1)) if groups else 1
-    window = _WINDOW.search(i.line)
+    window = _WINDOW.search(line)
     if window and labels:
-        out_labels = labels.group(3)
-        out_spatial = [out[0][1][out_labels.index(d)] for d in sorted(c for c in out_labels
-                                                                      if c.isdigit())]
-        spatial = [ldims[lhs_labels.index(d)] for d in sorted(c for c in lhs_labels
-                                                              if c.isdigit())]
-        k *= _taps(window.group(1), spatial, out_spatial)
-    return 2.0 * math.prod(out[0][1]) * k, _at_precision(ldtype, i.line)
+        def spatial(labels, dims):
+            return [dims[labels.index(d)] for d in sorted(c for c in labels if c.isdigit())]
+        k *= _taps(window.group(1), spatial(lhs_labels, lhs), spatial(labels.group(3), out))
+    return 2.0 * math.prod(out) * k
 
 
 def _taps(window: str, inputs: list, outputs: list) -> float:

@@ -242,11 +242,15 @@ def _top_level(shape: str) -> list:
 
 def host_transfer(i: Instruction, by_name: dict) -> Optional[tuple]:
     """`(bytes, "to host" or "from host")` of an asynchronous start that moves data
-    between device memory and host memory (an offloaded array's update, or a slice
-    read back of it), else None. Its result is the start's second element."""
+    between device memory and host memory (an offloaded array, an update of one, or a
+    slice read back of it), else None. A `copy-start`'s tuple is (destination, source,
+    context); any other start's (operands, result, context)."""
     if not i.opcode.endswith("-start") or is_collective(i) or not _HOST.search(i.shape):
         return None
     elements = _top_level(i.shape)
+    if i.opcode == "copy-start" and len(elements) > 2:
+        to_host = bool(_HOST.search(elements[0]))
+        return shape_bytes(elements[1 if to_host else 0]), "to host" if to_host else "from host"
     result = elements[1] if len(elements) > 2 else i.shape
     if _HOST.search(result):  # written to host memory: the operands not already there
         moved = [by_name[o].shape for o in i.operands if o in by_name

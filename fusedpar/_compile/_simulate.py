@@ -67,8 +67,10 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant",
 _FREE_TARGETS = {"ConcatBitcast", "AllocateBuffer", "PrepareAsyncCallStart",
                  "PrepareAsyncCallDone"}
 _DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64",
-                "s8": "int8", "u8": "uint8", "s32": "int32",
-                "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2"}
+                "s4": "int4", "u4": "uint4", "s8": "int8", "u8": "uint8", "s32": "int32",
+                "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2",
+                "f8e4m3": "float8_e4m3", "f8e4m3fnuz": "float8_e4m3fnuz",
+                "f8e5m2fnuz": "float8_e5m2fnuz", "f8e4m3b11fnuz": "float8_e4m3b11fnuz"}
 _SYNC = re.compile(r'"is_sync":\s*true')
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 # An instruction's name without the number XLA appends ("wrapped_add.12").
@@ -164,13 +166,16 @@ class _Replay:
         self.compute = self.communication = self.exposed = self.copies = 0.0
         self.kinds: dict = {}  # kind of compute instruction -> [count, seconds]
         self.unread: dict = {}  # what -> assumed (insertion-ordered, each once)
+        self.quiet = 0  # > 0 while weighing a conditional's branches (`_branch`)
+        self.branches: dict = {}  # conditional -> the branch it runs
         self.costs: dict = {}  # collective name -> [kind, bytes, runs, seconds, links, shared]
         self.started: dict = {}  # flow key -> (start time, instruction name or None: a DMA)
         self.sends: dict = {}  # channel -> the flow of the send on it (its recv-done waits)
         self.serial = 0
 
     def note(self, what: str, assumed: str) -> None:
-        self.unread.setdefault(what, assumed)
+        if not self.quiet:  # (a conditional's branches weighed, not run)
+            self.unread.setdefault(what, assumed)
 
     # -- costs ---------------------------------------------------------------------------
 
@@ -186,7 +191,7 @@ class _Replay:
         precision above the default after an "@"); one the preset gives no rate for runs
         at another's (`Hardware.rate_key`), which is listed."""
         base, _, precision = dtype.partition("@")
-        name = _DTYPE_NAMES.get(base, "float32") + (f"_{precision}" if precision else "")
+        name = _DTYPE_NAMES.get(base, base) + (f"_{precision}" if precision else "")
         key = self.hw.rate_key(name)
         if key != name:
             self.note(f"{name} matmuls: no {name} rate in the preset", f"{key}'s")
@@ -319,7 +324,7 @@ class _Replay:
         rate = self.hw.host_bandwidth
         if not rate:
             rate = ASSUMED_HOST_BANDWIDTH
-            self.note(f"{i.opcode} {i.name}: {direction}",
+            self.note(f"host link ({direction})",
                       f"{rate / 1e9:.0f} GB/s each way (PCIe 4.0 x16): no published figure")
         key = (i.name, self.serial)
         self.serial += 1
@@ -376,8 +381,8 @@ class _Replay:
                 in_flight[i.name] = self._start(i, kind, _hlo.operand_bytes(i, by_name), now)
             elif kind is not None:  # synchronous: the compute stream waits for it
                 now = self._finish(self._start(i, kind, _hlo.operand_bytes(i, by_name), now), now)
-            elif _hlo.host_transfer(i, by_name) is not None:
-                in_flight[i.name] = self._host(i, *_hlo.host_transfer(i, by_name), now)
+            elif (host := _hlo.host_transfer(i, by_name)) is not None:
+                in_flight[i.name] = self._host(i, *host, now)
             elif i.opcode in _DMAS:
                 in_flight[i.name] = self._dma(i, by_name, now)
             elif i.opcode == "while":
@@ -490,7 +495,14 @@ class _Replay:
         runs (it cannot know the predicate); any other call's one computation."""
         if i.opcode != "conditional" or len(i.calls) < 2:
             return i.calls[0]
-        return max(i.calls, key=lambda c: sum(self.census(c, 1, seen + (c,))[1:]))
+        if i.name not in self.branches:
+            self.quiet += 1
+            try:
+                self.branches[i.name] = max(
+                    i.calls, key=lambda c: sum(self.census(c, 1, seen + (c,))[1:]))
+            finally:
+                self.quiet -= 1
+        return self.branches[i.name]
 
     def census(self, computation: str, times: int = 1, seen: tuple = ()) -> tuple:
         """`(dot flops, seconds at the matmul rate, seconds of collectives at full

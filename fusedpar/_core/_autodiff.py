@@ -87,8 +87,8 @@ def run(prim, cfg, x, w, return_gathered=False, addend=None):
 def scattered(addend, prim, cfg):
     """`addend` (each device's partial sums) reduce-scattered in `cfg.reduce_dtype` like
     primitive `prim`'s result (`_primitives.RS_ROWS`'s rows)."""
-    return lax.psum_scatter(addend.astype(cfg.reduce_dtype), cfg.axis_name,
-                            scatter_dimension=prims.of(prim).gather_axis, tiled=True)
+    return _definition.psum_scatter(addend.astype(cfg.reduce_dtype), cfg.axis_name,
+                                    prims.of(prim).gather_axis, cfg.explicit_vmap)
 
 
 def plus_scattered(out, addend, prim, cfg):

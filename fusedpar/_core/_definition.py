@@ -77,8 +77,9 @@ def matmul_reduce_scatter(x, w, axis_name, *, dim=0, out_dtype=None, reduce_dtyp
 
 
 def psum_scatter(y, axis_name, dim, explicit_vmap=None):
-    """`lax.psum_scatter(y, axis_name, scatter_dimension=dim, tiled=True)`, the one
-    reduce-scatter of the package's lax expressions.
+    """`lax.psum_scatter(y, axis_name, scatter_dimension=dim, tiled=True)`, the
+    reduce-scatter of the package's lax expressions (the reference, its backward, the
+    rearranged forms, the layers' own).
 
     Under a `jax.vmap` over a batch sharded on an Explicit mesh axis that did not fold
     into the layer (a `lax.scan`, `jax.jit` or `jax.checkpoint` between them:
@@ -95,6 +96,9 @@ def psum_scatter(y, axis_name, dim, explicit_vmap=None):
     if not explicit_vmap:
         return lax.psum_scatter(y, axis_name, scatter_dimension=dim, tiled=True)
     n = lax.psum(1, axis_name)
+    if y.shape[dim] % n:  # as lax.psum_scatter refuses it
+        raise ValueError(f"psum_scatter: dimension {dim} of {y.shape} must be divisible "
+                         f"by the {n} devices of axis {axis_name!r}.")
     block = y.shape[dim] // n
     return lax.dynamic_slice_in_dim(lax.psum(y, axis_name),
                                     lax.axis_index(axis_name) * block, block, dim)

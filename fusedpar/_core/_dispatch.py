@@ -313,8 +313,10 @@ def operands_first(call: Call, chosen: str) -> str:
     """Why `"auto"` runs `call` as x's rows exchanged times w gathered (`_operands_first`)
     rather than on `chosen`, or "" where it does not: only an rs_rows in its own dtype
     that sums nothing else (`Call.adding`), off CPU (whose collectives are memory
-    copies), where the cost model estimates it faster and it moves fewer bytes."""
+    copies), where the cost model estimates it faster and it moves fewer bytes; not under
+    a vmap JAX batches its steps through afterwards (`Call.explicit_vmap`: a ring's)."""
     if not (call.prim == prims.RS_ROWS and call.comm_dtype is None and not call.adding
+            and not call.explicit_vmap
             and call.platform not in ("", "cpu") and call.axis_size > 1
             and call.x_shape[0] % call.axis_size == 0):
         return ""

@@ -102,16 +102,20 @@ class Hardware:
         return self.flops[self.rate_key(dtype)] * self.efficiency
 
     def rate_key(self, dtype) -> str:
-        """The `flops` entry a matmul of `dtype` runs at: its own; for a float32
-        precision without one, float32's; for an 8-bit type without one (a chip with no
-        8-bit units widens it), bfloat16's; else float32's."""
+        """The `flops` entry a matmul of `dtype` runs at: its own; an unsigned or 4-bit
+        integer's, int8's; for a float32 precision without one, float32's; for a
+        narrower type without one (a chip without such units widens it), bfloat16's;
+        else float32's."""
         try:
             name = np.dtype(dtype).name
-        except TypeError:  # a precision key, "float32_highest"
+        except TypeError:  # a precision key ("float32_highest"), or a type NumPy lacks
             name = str(dtype)
         if name in self.flops:
             return name
-        narrow = name in ("int8", "uint8") or name.startswith("float8")
+        if name in ("uint8", "int4", "uint4") and "int8" in self.flops:
+            return "int8"
+        narrow = name in ("int8", "uint8", "int4", "uint4", "float16") or name.startswith(
+            "float8")
         return "bfloat16" if narrow and "bfloat16" in self.flops else "float32"
 
     def overlapped(self, compute: float, transfer: float) -> float:

@@ -185,7 +185,8 @@ register(Kind(
     hardware=_nvswitch("H200 SXM", _HOPPER, 4.8 * _T, 450 * _G, _H200_COMPUTE),
     aot=Aot("h200", target_config="h200_sxm.txtpb"), **_HOPPER_KIND))
 # B200 (NVIDIA HGX B200 spec, 1000 W): 2250 TFLOP/s dense bf16/fp16, 4500 dense fp8 and
-# int8, 1100 TF32, 40 fp64;
+# int8, 1100 TF32 (no float32 "highest" figure: the replay says it assumed TF32's), 40
+# fp64;
 # 8 TB/s HBM3e; NVLink 5: 1.8 TB/s both ways = 900 GB/s out; 148 SMs; 227 KiB of shared
 # memory per block (compute capability 10.0). No Blackwell step kernels yet: the Mosaic
 # GPU ones use wgmma, which Blackwell does not run; the Triton ones compile `tl.dot` for
@@ -289,8 +290,8 @@ register(Kind(
     aot=Aot("v6e", example="v6e:2x4"), **_TPU_KIND))
 # TPU7x (Ironwood; Google Cloud's TPU7x page, https://cloud.google.com/tpu/docs/tpu7x):
 # per chip 2307 TFLOP/s bf16, 4614 fp8 (no int8 figure), 7380 GB/s HBM, ICI 1200 GB/s
-# both ways, two TensorCores that JAX sees as two devices (one per `core_on_chip`; libtpu's "tpu7x:2x2x1" is 8
-# devices on 4 chips). Per device: half of each. The page gives no link count: 6 links
+# both ways, two TensorCores that JAX sees as two devices (one per `core_on_chip`;
+# libtpu's "tpu7x:2x2x1" is 8 devices on 4 chips). Per device: half of each. The page gives no link count: 6 links
 # of 100 GB/s one way, as on v5p (the same 1200 GB/s, and pods of 4x4x4 cubes, like
 # v5p), shared by the chip's two devices; the hop between a chip's two devices is
 # modelled as one such link. VMEM 64 MiB per TensorCore (JAX's table); its default
