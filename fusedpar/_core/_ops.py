@@ -108,8 +108,12 @@ def explain(op, x, w, axis_size, *, gather="lhs", dim=0, backend=AUTO,
                                                  bidirectional, comm_dtype, grad_comm_dtype,
                                                  unroll=unroll, where="explain")
     _validate.flag("explain", "w_invariant", w_invariant)
-    _layout_hints("explain", w_transposed, w_resident)
     _validate.flag("explain", "check_vma", check_vma)
+    if w_invariant and check_vma is False:  # the op never sees w invariant there
+        raise ValueError("explain: w_invariant=True needs check_vma=True (or None): in a "
+                         "jax.shard_map with check_vma=False JAX types no varying axes, so "
+                         "the op cannot see w invariant and never multiplies first there.")
+    _layout_hints("explain", w_transposed, w_resident)
     if w_invariant is None:  # as the op reads it (a ShapeDtypeStruct has no type)
         w_invariant = (axis_name is not None and not isinstance(w, jax.ShapeDtypeStruct)
                        and _multiplies_first(w, axis_name, grad_comm_dtype))
