@@ -8,7 +8,7 @@ import re
 from typing import Optional
 
 from ._hlo_kinds import is_collective
-from ._hlo_parse import Instruction, Module, array_shapes, shape_bytes
+from ._hlo_parse import Instruction, Module, array_shapes, shape_bytes, tuple_elements
 
 _SLICE = re.compile(r"\bslice=\{([^{}]*)\}")
 # Library calls (cuBLAS, cuDNN) return their result and an s8 scratch workspace, which the
@@ -228,18 +228,6 @@ def dma_bytes(i: Instruction, by_name: dict) -> int:
 _HOST = re.compile(r"\bS\(5\)")
 
 
-def _top_level(shape: str) -> list:
-    """The elements of a tuple shape `(a, (b, c), d)`, each as written."""
-    parts, depth, start = [], 0, 1
-    for k, ch in enumerate(shape):
-        depth += ch in "({["
-        depth -= ch in ")}]"
-        if ch == "," and depth == 1:
-            parts.append(shape[start:k].strip())
-            start = k + 1
-    return parts + [shape[start:-1].strip()] if shape.startswith("(") else [shape]
-
-
 def host_transfer(i: Instruction, by_name: dict) -> Optional[tuple]:
     """`(bytes, "to host" or "from host")` of an asynchronous start that moves data
     between device memory and host memory (an offloaded array, an update of one, or a
@@ -247,7 +235,7 @@ def host_transfer(i: Instruction, by_name: dict) -> Optional[tuple]:
     context); any other start's (operands, result, context)."""
     if not i.opcode.endswith("-start") or is_collective(i) or not _HOST.search(i.shape):
         return None
-    elements = _top_level(i.shape)
+    elements = tuple_elements(i.shape)
     if i.opcode == "copy-start" and len(elements) > 2:
         to_host = bool(_HOST.search(elements[0]))
         return shape_bytes(elements[1 if to_host else 0]), "to host" if to_host else "from host"

@@ -125,6 +125,19 @@ def _strip_layouts(text: str) -> str:
     return "".join(out)
 
 
+def tuple_elements(shape: str) -> list:
+    """The elements of a tuple shape `(a, (b, c), d)`, each as written (a shape that is not
+    a tuple: itself)."""
+    parts, depth, start = [], 0, 1
+    for k, ch in enumerate(shape):
+        depth += ch in "({["
+        depth -= ch in ")}]"
+        if ch == "," and depth == 1:
+            parts.append(shape[start:k].strip())
+            start = k + 1
+    return parts + [shape[start:-1].strip()] if shape.startswith("(") else [shape]
+
+
 def _split_shape(rest: str) -> tuple[str, str]:
     """`(shape, the text after it)` from the right-hand side of an instruction."""
     if rest.startswith("("):

@@ -66,12 +66,19 @@ def explicit_vmap_axes() -> tuple:
     `lax.scan`, `jax.jit` or `jax.checkpoint` between it and the layer) JAX batches the
     layer's traced program afterwards, its operations with a dimension sharded on such
     an axis inside the layer's `shard_map`."""
-    trace, axes = _current_vmap(), []
-    while _BatchTrace is not None and trace is not None:
-        if isinstance(trace, _BatchTrace):
-            axes.extend(getattr(trace.axis_data, "explicit_mesh_axis", None) or ())
-        trace = getattr(trace, "parent_trace", None)
+    axes = [a for trace in enclosing_traces() if _BatchTrace is not None
+            and isinstance(trace, _BatchTrace)
+            for a in getattr(trace.axis_data, "explicit_mesh_axis", None) or ()]
     return tuple(dict.fromkeys(axes + list(_EXPLICIT.get())))
+
+
+def enclosing_traces():
+    """The trace JAX is tracing in now, then the ones it was started in (their
+    `parent_trace`), innermost first; none on a JAX without `trace_ctx`."""
+    trace = _current_vmap()
+    while trace is not None:
+        yield trace
+        trace = getattr(trace, "parent_trace", None)
 
 
 @contextlib.contextmanager

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from .._core import _validate
+from .._core import _folding, _validate
 from .._sharding import _specs
 from .._sharding._spec_checks import length as length
 from .._core._quantized_array import QuantizedArray
-from ._shared_gather import current_trace
 
 
 def features(where, name, v):
@@ -35,15 +34,10 @@ def _is_quax(obj, name) -> bool:
 
 def _quax_trace_active() -> bool:
     """Whether `quax.quaxify`'s trace is JAX's current one or below it (a `jax.vmap`
-    inside quaxify), read from JAX's internals (`_shared_gather.current_trace`): a plain
+    inside quaxify), read from JAX's internals (`_folding.enclosing_traces`): a plain
     array quax leaves as it is (an embedding's table, a weight not quantized) is no quax
     tracer."""
-    trace = current_trace()
-    while trace is not None:
-        if _is_quax(trace, "_QuaxTrace"):
-            return True
-        trace = getattr(trace, "parent_trace", None)
-    return False
+    return any(_is_quax(trace, "_QuaxTrace") for trace in _folding.enclosing_traces())
 
 
 def _refuse_quaxify(where):
